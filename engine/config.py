@@ -1,0 +1,37 @@
+"""EngineConfig: the engine's knobs, validated at the boundary (bad values -> ValueError)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    """How one engine batches, prefills and budgets memory.
+
+    Invalid values raise ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_batch: int = Field(32, ge=1, le=1024, description="Rows decoding together; 1 = off.")
+    prefill_batch: int = Field(8, ge=1, le=1024, description="Prompts prefilled together.")
+    prefill_chunk: int = Field(
+        512, ge=8, le=65536,
+        description="Prompt tokens per prefill step; bounds how long decoding rows wait.",
+    )
+    kv_budget_bytes: int | None = Field(
+        None, ge=1,
+        description="Cap on the worst-case KV bytes of all running rows (None = no cap).",
+    )
+    max_kv_size: int | None = Field(
+        None, ge=16,
+        description="Use a rotating KV cache of this many tokens for models without their own.",
+    )
+    quantized: bool | None = Field(
+        None,
+        description="Keep quantized weights (True) or dequantize to float32 (False); "
+        "None picks per backend (float32 on CPU, quantized on Metal/CUDA).",
+    )
+    max_consecutive_step_failures: int = Field(
+        3, ge=1, description="Model-step failures in a row before the engine declares itself dead."
+    )

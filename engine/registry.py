@@ -1,0 +1,70 @@
+"""One engine per model per process, so every adapter instance shares one batch."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import Engine, ModelSpec
+
+_engines: dict[str, Engine] = {}
+_lock = threading.Lock()
+
+
+def _key(model: ModelSpec) -> str:
+    if model is None:
+        return "<default>"
+    text = os.fspath(model)
+    path = Path(text).expanduser()
+    # The same directory reached by different spellings is the same weights.
+    return str(path.resolve()) if path.exists() else text
+
+
+def get_engine(model: ModelSpec = None, **config: Any) -> Engine:
+    """The process-wide engine for ``model``, created lazily and thread-safely.
+
+    Keyword arguments are ``EngineConfig`` fields. Asking again for the same model
+    with a different config raises ``ValueError`` instead of loading a second copy of
+    the weights; asking with no config returns the existing engine whatever its config.
+    """
+    wanted = EngineConfig(**config) if config else None
+    key = _key(model)
+    with _lock:
+        engine = _engines.get(key)
+        if engine is not None and not _usable(engine):
+            engine = None
+        if engine is None:
+            engine = Engine(model, wanted or EngineConfig())
+            _engines[key] = engine
+        elif wanted is not None and wanted != engine.config:
+            raise ValueError(
+                f"an engine for {key!r} already exists with a different config "
+                f"({_diff(engine.config, wanted)}); reuse it (pass no config), pass the same "
+                "config, or close it first"
+            )
+        return engine
+
+
+def _usable(engine: Engine) -> bool:
+    try:
+        engine._raise_if_unusable()
+    except Exception:  # noqa: BLE001 - closed or dead engines are replaced
+        return False
+    return True
+
+
+def _diff(have: EngineConfig, want: EngineConfig) -> str:
+    a, b = have.model_dump(), want.model_dump()
+    return ", ".join(f"{k}: {a[k]!r} != {b[k]!r}" for k in a if a[k] != b[k])
+
+
+def close_all() -> None:
+    """Close every shared engine (tests and interpreter shutdown)."""
+    with _lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    for engine in engines:
+        engine.close()

@@ -1,0 +1,178 @@
+"""What a caller asks for and what it gets back: sampling settings, events, results.
+
+Pure data: no mlx import, so the scheduler and streams can be tested without a model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Union
+
+ChatMessage = dict[str, Any]
+Prompt = Union[str, Sequence[int], Sequence[ChatMessage]]
+# (token ids so far, logits [1, vocab]) -> logits; the mlx-lm logits-processor signature.
+LogitsProcessor = Callable[[Any, Any], Any]
+# Called on the engine thread per token; returning False stops the row.
+TokenCallback = Callable[[int, str], Union[bool, None]]
+
+
+class FinishReason(str, Enum):
+    """Why a request's stream ended."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+def _check(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"SamplingParams.{name} {message}")
+
+
+def _as_tuple(value: Any, name: str, item_type: type) -> tuple[Any, ...]:
+    items = (value,) if isinstance(value, item_type) else tuple(value or ())
+    for item in items:
+        _check(
+            isinstance(item, item_type) and not isinstance(item, bool),
+            name,
+            f"must hold {item_type.__name__} values, got {item!r}",
+        )
+    return items
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops. Validated on construction.
+
+    ``temperature == 0`` is greedy. ``stop`` strings are matched on the decoded text
+    across token boundaries and are never streamed. ``seed`` (with temperature > 0)
+    makes sampling reproducible; such requests run on the engine's serial lane.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
+        object.__setattr__(
+            self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int)
+        )
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+               f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_real(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be a finite number >= 0, got {self.temperature!r}")
+        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p",
+               f"must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+               f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        _check(_is_real(self.min_p) and 0 <= self.min_p < 1, "min_p",
+               f"must be in [0, 1), got {self.min_p!r}")
+        _check(self.repetition_penalty is None
+               or (_is_real(self.repetition_penalty) and self.repetition_penalty > 0),
+               "repetition_penalty", f"must be None or > 0, got {self.repetition_penalty!r}")
+        _check(_is_int(self.repetition_context_size) and self.repetition_context_size >= 1,
+               "repetition_context_size",
+               f"must be an integer >= 1, got {self.repetition_context_size!r}")
+        _check(self.seed is None or _is_int(self.seed), "seed",
+               f"must be None or an integer, got {self.seed!r}")
+        _check(all(self.stop), "stop", "must not contain empty strings")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative token ids")
+        _check(isinstance(self.logprobs, bool), "logprobs",
+               f"must be a bool, got {self.logprobs!r}")
+        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20, "top_logprobs",
+               f"must be an integer in [0, 20], got {self.top_logprobs!r}")
+        _check(all(callable(p) for p in self.logits_processors), "logits_processors",
+               "must be callables (tokens, logits) -> logits")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_serial_lane(self) -> bool:
+        """A seeded random request runs alone so its output depends only on its seed."""
+        return self.seed is not None and not self.greedy
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The sampled token's log-probability and, if asked, the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts and timings of one request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    time_to_first_token: float | None = None
+    decode_tokens_per_second: float | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One step of a request: new text, new token ids; the last one has finish_reason."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: BaseException | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole request's output."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    usage: Usage
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+def join_logprobs(parts: Iterable[tuple[TokenLogprob, ...] | None]) -> tuple[TokenLogprob, ...]:
+    """Concatenate per-event logprobs into one tuple."""
+    out: list[TokenLogprob] = []
+    for part in parts:
+        out.extend(part or ())
+    return tuple(out)

@@ -1,0 +1,24 @@
+"""EngineStats: a snapshot of what the engine is doing and has done."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started; ``stats()`` returns a copy."""
+
+    loaded: bool = False
+    batch_mode: str = "batch"  # "off" (max_batch 1), "serial" (caches cannot merge), "batch"
+    context_limit: int | None = None
+    running: int = 0  # rows admitted to the batch or the serial lane
+    pending: int = 0  # requests waiting for admission
+    peak_running: int = 0  # most rows decoding in one step
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    steps: int = 0
+    prompt_tokens: int = 0  # tokens of prompts admitted for prefill
+    generated_tokens: int = 0
+    kv_bytes_projected: int = 0  # worst-case KV bytes of the running rows

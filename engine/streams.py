@@ -1,0 +1,230 @@
+"""The hand-off between the engine thread and a request's consumer (no mlx).
+
+The engine thread only appends events and wakes waiters without blocking: sync
+consumers wait on a condition variable, async consumers (asyncio or trio) on an
+event of their own loop that the engine sets through the loop's thread-safe call.
+Leaving early (break, closing, task cancellation, garbage collection) cancels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import sniffio
+
+from engine.request import Completion, StreamEvent
+
+
+def _async_waiter() -> tuple[Callable[[], Any], Callable[[], None]]:
+    """An awaitable wait on the running loop and a notify callable for any thread."""
+    library = sniffio.current_async_library()
+    if library == "trio":
+        import trio
+
+        trio_event = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def notify_trio() -> None:
+            try:
+                token.run_sync_soon(trio_event.set)
+            except trio.RunFinishedError:
+                pass
+
+        return trio_event.wait, notify_trio
+    loop = asyncio.get_running_loop()
+    asyncio_event = asyncio.Event()
+
+    def notify_asyncio() -> None:
+        try:
+            loop.call_soon_threadsafe(asyncio_event.set)
+        except RuntimeError:  # the consumer's loop is closed: nobody is waiting
+            pass
+
+    return asyncio_event.wait, notify_asyncio
+
+
+class RequestStream:
+    """Events of one request, produced on the engine thread, consumed anywhere."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._events: deque[StreamEvent] = deque()
+        self._notifiers: list[Callable[[], None]] = []
+        self._completion: Completion | None = None
+        self._error: BaseException | None = None
+        self._finished = threading.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def publish(self, event: StreamEvent, completion: Completion | None = None) -> None:
+        """Append an event (engine thread). A final event must come with its completion."""
+        with self._lock:
+            if self._finished.is_set():
+                return
+            self._events.append(event)
+            if event.is_final:
+                self._completion = completion
+                self._error = event.error
+                self._finished.set()
+            notifiers, self._notifiers = self._notifiers, []
+            self._ready.notify_all()
+        for notify in notifiers:
+            notify()
+
+    def next_event(self, timeout: float | None = None) -> StreamEvent | None:
+        """Block until an event is available; None when the stream is exhausted."""
+        with self._lock:
+            while not self._events:
+                if self._finished.is_set():
+                    return None
+                if not self._ready.wait(timeout):
+                    raise TimeoutError("no event within the wait timeout")
+            return self._events.popleft()
+
+    async def anext_event(self) -> StreamEvent | None:
+        """Await the next event without blocking the event loop."""
+        while True:
+            with self._lock:
+                if self._events:
+                    return self._events.popleft()
+                if self._finished.is_set():
+                    return None
+                wait, notify = _async_waiter()
+                self._notifiers.append(notify)
+            await wait()
+
+    def wait_completion(self, timeout: float | None = None) -> Completion:
+        if not self._finished.wait(timeout):
+            raise TimeoutError("the request did not finish within the wait timeout")
+        return self._final()
+
+    async def await_completion(self) -> Completion:
+        while not self._finished.is_set():
+            with self._lock:
+                if self._finished.is_set():
+                    break
+                wait, notify = _async_waiter()
+                self._notifiers.append(notify)
+            await wait()
+        return self._final()
+
+    def _final(self) -> Completion:
+        if self._error is not None:
+            raise self._error
+        assert self._completion is not None
+        return self._completion
+
+
+class RequestHandle:
+    """A submitted request: iterate (sync or async) for events, or wait for the result.
+
+    Breaking out of a loop over it, closing the iterator, cancelling the task that
+    awaits it, or calling ``cancel()`` evicts the request's row from the batch.
+    The last event has ``finish_reason``; for a failed or timed-out request the
+    iteration then raises the error, in this consumer only.
+    """
+
+    def __init__(self, request_id: int, stream: RequestStream, cancel: Callable[[], None]):
+        self.request_id = request_id
+        self._stream = stream
+        self._cancel = cancel
+
+    @property
+    def done(self) -> bool:
+        return self._stream.finished
+
+    def cancel(self) -> None:
+        """Evict this request at the next step boundary (no-op once finished)."""
+        if not self._stream.finished:
+            self._cancel()
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        return _SyncEvents(self)
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        return _AsyncEvents(self)
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Block until finished; raise the request's error if it failed or timed out."""
+        return self._stream.wait_completion(timeout)
+
+    async def aresult(self) -> Completion:
+        """Await the completion; cancelling the awaiting task cancels the request."""
+        try:
+            return await self._stream.await_completion()
+        except BaseException as exc:
+            if _is_cancellation(exc):
+                self.cancel()
+            raise
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return True
+    return type(exc).__name__ == "Cancelled" and type(exc).__module__.startswith("trio")
+
+
+def _raise_if_failed(event: StreamEvent) -> None:
+    # Failures and timeouts carry an error; a plain cancel ends quietly.
+    if event.error is not None:
+        raise event.error
+
+
+class _SyncEvents(Iterator[StreamEvent]):
+    """Iterator that cancels the request if closed or dropped before the end."""
+
+    def __init__(self, handle: RequestHandle) -> None:
+        self._handle = handle
+        self._last: StreamEvent | None = None
+
+    def __next__(self) -> StreamEvent:
+        if self._last is not None and self._last.is_final:
+            _raise_if_failed(self._last)
+            raise StopIteration
+        event = self._handle._stream.next_event()
+        if event is None:
+            raise StopIteration
+        self._last = event
+        return event
+
+    def close(self) -> None:
+        self._handle.cancel()
+
+    def __del__(self) -> None:
+        self._handle.cancel()
+
+
+class _AsyncEvents(AsyncIterator[StreamEvent]):
+    """Async iterator; task cancellation, aclose() or dropping it cancels the request."""
+
+    def __init__(self, handle: RequestHandle) -> None:
+        self._handle = handle
+        self._last: StreamEvent | None = None
+
+    async def __anext__(self) -> StreamEvent:
+        if self._last is not None and self._last.is_final:
+            _raise_if_failed(self._last)
+            raise StopAsyncIteration
+        try:
+            event = await self._handle._stream.anext_event()
+        except BaseException as exc:
+            if _is_cancellation(exc):
+                self._handle.cancel()
+            raise
+        if event is None:
+            raise StopAsyncIteration
+        self._last = event
+        return event
+
+    async def aclose(self) -> None:
+        self._handle.cancel()
+
+    def __del__(self) -> None:
+        self._handle.cancel()

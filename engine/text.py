@@ -1,0 +1,84 @@
+"""Per-row text: streaming detokenization plus stop strings matched across tokens.
+
+A suffix of the text that could still become a stop string is held back, so stop
+text is never streamed; when the row ends for another reason the held text is real
+output and is released.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class StreamingDetokenizer(Protocol):
+    """The part of mlx-lm's streaming detokenizers this module uses."""
+
+    def add_token(self, token: int) -> None: ...
+    def finalize(self) -> None: ...
+    @property
+    def last_segment(self) -> str: ...
+
+
+class RowText:
+    """Turns one row's tokens into safe-to-stream text deltas."""
+
+    def __init__(self, detokenizer: StreamingDetokenizer | Any, stop: tuple[str, ...]) -> None:
+        self._detokenizer = detokenizer
+        self._stop = stop
+        self._held = ""
+        self.text = ""  # everything streamed so far
+        self.stopped = False  # a stop string matched
+
+    def add_token(self, token: int) -> str:
+        """Feed one generated token; returns the text that may be streamed now."""
+        if self.stopped:
+            return ""
+        self._detokenizer.add_token(token)
+        return self._release(self._detokenizer.last_segment)
+
+    def finish(self) -> str:
+        """The row ended (not on a stop string): flush the detokenizer and held text."""
+        if self.stopped:
+            return ""
+        self._detokenizer.finalize()
+        tail = self._held + self._detokenizer.last_segment
+        self._held = ""
+        if self._stop:
+            cut = _first_stop(tail, self._stop)
+            if cut is not None:
+                self.stopped = True
+                tail = tail[:cut]
+        self.text += tail
+        return tail
+
+    def _release(self, segment: str) -> str:
+        if not self._stop:
+            self.text += segment
+            return segment
+        buffer = self._held + segment
+        cut = _first_stop(buffer, self._stop)
+        if cut is not None:
+            self.stopped = True
+            self._held = ""
+            out = buffer[:cut]
+        else:
+            keep = _partial_stop_suffix(buffer, self._stop)
+            out, self._held = buffer[: len(buffer) - keep], buffer[len(buffer) - keep :]
+        self.text += out
+        return out
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    positions = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(positions) if positions else None
+
+
+def _partial_stop_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best
