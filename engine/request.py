@@ -48,7 +48,8 @@ def _as_tuple(value: Any, name: str, item_type: type) -> tuple[Any, ...]:
 class SamplingParams:
     """How one request samples and when it stops. Validated on construction.
 
-    ``temperature == 0`` is greedy. ``stop`` strings are matched on the decoded text
+    ``temperature == 0`` is greedy. ``ignore_eos`` keeps generating past the model's
+    end-of-sequence token (benchmarks). ``stop`` strings are matched on the decoded text
     across token boundaries and are never streamed. ``seed`` (with temperature > 0)
     makes sampling reproducible; such requests run on the engine's serial lane.
     """
@@ -63,6 +64,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
@@ -94,6 +96,8 @@ class SamplingParams:
         _check(all(self.stop), "stop", "must not contain empty strings")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative token ids")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos",
+               f"must be a bool, got {self.ignore_eos!r}")
         _check(isinstance(self.logprobs, bool), "logprobs",
                f"must be a bool, got {self.logprobs!r}")
         _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20, "top_logprobs",

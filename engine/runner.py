@@ -315,12 +315,13 @@ class Runner:
         return guarded
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
-        return frozenset(self.tokenizer.eos_token_ids) | frozenset(params.stop_token_ids)
+        eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        return eos | frozenset(params.stop_token_ids)
 
     def _stop_sequences_for(self, params: SamplingParams) -> StopSequences:
         key = tuple(sorted(self._stop_ids(params)))
         if key not in self._stop_sequences:
-            self._stop_sequences[key] = StopSequences([(t,) for t in key])
+            self._stop_sequences[key] = StopSequences([(t,) for t in key] or None)
         return self._stop_sequences[key]
 
     def stop_token_ids(self, params: SamplingParams) -> frozenset[int]:

@@ -1,0 +1,92 @@
+"""Aggregate decode tokens/s through Engine vs driving mlx-lm's BatchGenerator directly.
+
+Same model, same prompts, same run. Decode rate = generated tokens / (last token time -
+first token time), measured the same way on both sides.
+
+    python bench/engine_throughput.py [--model PATH_OR_GGUF] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import engine  # noqa: F401 - loads the fast BLAS before mlx
+from engine import Engine, EngineConfig, SamplingParams, blas_info
+
+TOPICS = ["the sea", "a robot", "tea", "mountains", "a city at night", "an old clock",
+          "rain", "a library", "the moon", "bread", "a violin", "snow", "a garden",
+          "trains", "a lighthouse", "autumn"]
+
+
+def prompts_for(eng: Engine, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"Write a short poem about {TOPICS[i % 16]}."}]
+        text = eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=False)
+        out.append(list(eng.tokenizer.encode(text, add_special_tokens=False)))
+    return out
+
+
+def raw_batch_generator(eng: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
+    """Drive BatchGenerator on the engine's own weights, on the engine thread's model."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    model, _ = load(str(eng.model_path))
+    gen = BatchGenerator(model, max_tokens=tokens, completion_batch_size=len(prompts),
+                         prefill_batch_size=len(prompts))
+    gen.insert(prompts, max_tokens=[tokens] * len(prompts))
+    first = last = None
+    count = 0
+    while count < tokens * len(prompts):
+        _, responses = gen.next()
+        if responses:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            count += len(responses)
+    gen.close()
+    del model
+    return count / (last - first), count
+
+
+def through_engine(eng: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    stamps: list[float] = []
+    lock = threading.Lock()
+
+    def on_token(_t: int, _d: str) -> None:
+        with lock:
+            stamps.append(time.perf_counter())
+
+    handles = [eng.submit(p, params, on_token=on_token) for p in prompts]
+    for h in handles:
+        h.result()
+    return len(stamps) / (max(stamps) - min(stamps)), len(stamps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--concurrency", default="1,4,8,16")
+    args = parser.parse_args()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    eng = Engine(args.model, EngineConfig(max_batch=max(levels))).start()
+    print(f"model: {eng.model_path}\nBLAS: {blas_info().name}\n")
+    through_engine(eng, prompts_for(eng, 2), 8)  # warm-up
+    print("| rows | BatchGenerator tok/s | Engine tok/s | ratio |")
+    print("|-----:|---------------------:|-------------:|------:|")
+    for n in levels:
+        prompts = prompts_for(eng, n)
+        raw, _ = raw_batch_generator(eng, prompts, args.tokens)
+        ours, _ = through_engine(eng, prompts, args.tokens)
+        print(f"| {n} | {raw:.1f} | {ours:.1f} | {ours / raw:.3f} |", flush=True)
+    eng.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""LangChain and LlamaIndex adapters over the shared ``engine`` (coming in later releases)."""

@@ -1,0 +1,81 @@
+"""Shared fixtures: a tiny local model (built once per session) and engines that close."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import engine  # noqa: F401 - loads the fast BLAS before anything imports mlx
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from tests.tiny_model import build_tiny_model
+
+_build_lock = threading.Lock()
+
+
+def _cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # CI points this at a directory that outlives one pytest session.
+    root = os.environ.get("MLX_PROVIDERS_TEST_CACHE")
+    return Path(root) if root else tmp_path_factory.getbasetemp()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight qwen2 model with a real BPE tokenizer and a tools chat template."""
+    out = _cache_root(tmp_path_factory) / "tiny-qwen2-v2"
+    with _build_lock:
+        if not (out / "config.json").exists():
+            partial = out.with_name(out.name + f".tmp{os.getpid()}")
+            build_tiny_model(partial)
+            os.replace(partial, out)
+    return out
+
+
+@pytest.fixture
+def make_engine(tiny_model_dir: Path) -> Iterator[Callable[..., Engine]]:
+    """Factory for engines on the tiny model; all are closed after the test."""
+    engines: list[Engine] = []
+
+    def factory(model: Path | None = None, **config: object) -> Engine:
+        eng = Engine(model or tiny_model_dir, EngineConfig(**config))  # type: ignore[arg-type]
+        engines.append(eng)
+        return eng.start()
+
+    yield factory
+    for eng in engines:
+        eng.close()
+
+
+@pytest.fixture
+def tiny_engine(make_engine: Callable[..., Engine]) -> Engine:
+    return make_engine(max_batch=16, prefill_chunk=64)
+
+
+def greedy(max_tokens: int = 24, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]
+
+
+def alone(eng: Engine, prompts: list[object], params: SamplingParams) -> list[tuple[int, ...]]:
+    """Each prompt's tokens when it is the only request in the engine."""
+    return [eng.submit(p, params).result(timeout=60).token_ids for p in prompts]  # type: ignore[arg-type]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached within %.1f s" % timeout)
+        time.sleep(0.002)
+
+
+def prompts_of_lengths(eng: Engine, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of the given lengths drawn from the model's ordinary vocabulary."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = min(len(eng.tokenizer.vocab), 2000)
+    return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]

@@ -1,0 +1,217 @@
+"""Failure containment, the serial lane, logprobs, stop strings, shutdown."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine import (
+    Engine,
+    EngineClosedError,
+    EngineDeadError,
+    EngineError,
+    FinishReason,
+    SamplingParams,
+)
+from engine.runner import Runner
+from tests.conftest import alone, greedy, prompts_of_lengths, wait_until
+
+
+def test_raising_callback_fails_only_its_row(tiny_engine: Engine) -> None:
+    prompts = prompts_of_lengths(tiny_engine, [10, 20, 30], seed=31)
+    reference = alone(tiny_engine, prompts, greedy(30))
+
+    def explode(_t: int, _d: str) -> None:
+        raise RuntimeError("callback bug")
+
+    handles = [tiny_engine.submit(p, greedy(30), on_token=explode if i == 1 else None)
+               for i, p in enumerate(prompts)]
+    with pytest.raises(RuntimeError, match="callback bug"):
+        handles[1].result()
+    assert [handles[i].result().token_ids for i in (0, 2)] == [reference[0], reference[2]]
+    wait_until(lambda: tiny_engine.stats().running == 0)
+
+
+def test_raising_logits_processor_fails_only_its_row(tiny_engine: Engine) -> None:
+    prompts = prompts_of_lengths(tiny_engine, [12, 22], seed=32)
+    reference = alone(tiny_engine, prompts, greedy(30))
+    calls = [0]
+
+    def flaky(tokens, logits):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 4:
+            raise ValueError("processor bug")
+        return logits
+
+    bad = tiny_engine.submit(prompts[0], greedy(30, logits_processors=(flaky,)))
+    good = tiny_engine.submit(prompts[1], greedy(30))
+    with pytest.raises(ValueError, match="processor bug"):
+        bad.result()
+    assert good.result().token_ids == reference[1]
+    # The engine still serves the failed row's prompt normally afterwards.
+    assert tiny_engine.submit(prompts[0], greedy(30)).result().token_ids == reference[0]
+
+
+def test_step_failure_fails_rows_in_flight_then_recovers(tiny_engine: Engine,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = prompts_of_lengths(tiny_engine, [15])[0]
+    expected = alone(tiny_engine, [prompt], greedy(20))[0]
+    real_step = Runner.step
+    failures = [1]
+
+    def failing_step(self: Runner):  # type: ignore[no-untyped-def]
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("simulated device fault")
+        return real_step(self)
+
+    monkeypatch.setattr(Runner, "step", failing_step)
+    in_flight = [tiny_engine.submit(prompt, greedy(20)) for _ in range(3)]
+    for handle in in_flight:
+        with pytest.raises(EngineError) as info:
+            handle.result(timeout=30)
+        assert isinstance(info.value.__cause__, RuntimeError)
+    assert tiny_engine.submit(prompt, greedy(20)).result(timeout=30).token_ids == expected
+    assert tiny_engine.stats().running == 0
+
+
+def test_persistent_step_failure_kills_the_engine_and_nobody_hangs(
+        make_engine, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    eng = make_engine(max_batch=1, max_consecutive_step_failures=2)
+
+    def always_fail(self: Runner):  # type: ignore[no-untyped-def]
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(Runner, "step", always_fail)
+    # max_batch=1: the first two fail in their own steps, the third is still pending.
+    handles = [eng.submit(f"hello {i}", greedy(10)) for i in range(3)]
+    for handle in handles[:2]:
+        with pytest.raises(EngineError) as info:
+            handle.result(timeout=30)
+        assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(EngineDeadError):
+        handles[2].result(timeout=30)
+    with pytest.raises(EngineDeadError):
+        eng.submit("later", greedy(3))
+
+
+def test_load_failure_is_reported_not_hung(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    eng = Engine(tmp_path)
+    handle = eng.submit("x", greedy(3))
+    with pytest.raises(EngineDeadError):
+        handle.result(timeout=30)
+    with pytest.raises(EngineDeadError):
+        eng.start()
+    eng.close()
+
+
+def test_close_cancels_in_flight_and_rejects_later_submits(make_engine) -> None:  # type: ignore[no-untyped-def]
+    eng = make_engine()
+    tokens: list[int] = []
+    handle = eng.submit("a long one", greedy(1500), on_token=lambda t, _: tokens.append(t))
+    wait_until(lambda: len(tokens) > 2)
+    eng.close()
+    with pytest.raises(EngineClosedError):
+        handle.result(timeout=10)
+    with pytest.raises(EngineClosedError):
+        eng.submit("after", greedy(2))
+    assert not eng._thread.is_alive()
+
+
+def test_seeded_sampling_runs_serially_and_reproduces(tiny_engine: Engine) -> None:
+    prompt = prompts_of_lengths(tiny_engine, [14], seed=33)[0]
+    params = SamplingParams(max_tokens=25, temperature=1.0, top_p=0.9, seed=1234)
+    first = tiny_engine.submit(prompt, params).result().token_ids
+    # Same seed beside busy random neighbours: same tokens.
+    noise = [tiny_engine.submit(prompt, SamplingParams(max_tokens=40, temperature=1.0))
+             for _ in range(4)]
+    again = tiny_engine.submit(prompt, params).result().token_ids
+    for h in noise:
+        h.result()
+    assert first == again
+    other = tiny_engine.submit(prompt, SamplingParams(max_tokens=25, temperature=1.0,
+                                                      seed=99)).result().token_ids
+    assert other != first
+
+
+def test_non_batchable_caches_run_on_the_serial_lane(make_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from mlx_lm.models import qwen2
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    reference_engine = make_engine()
+    prompts = prompts_of_lengths(reference_engine, [10, 30, 20], seed=34)
+    monkeypatch.setattr(qwen2.Model, "make_cache", lambda self: [
+        QuantizedKVCache(group_size=32, bits=8) for _ in self.layers], raising=False)
+    eng = make_engine(max_batch=8)
+    assert eng.stats().batch_mode == "serial"
+    tokens: list[int] = []
+    handles = [eng.submit(p, greedy(20), on_token=(lambda t, _: tokens.append(t)) if i == 0
+                          else None) for i, p in enumerate(prompts)]
+    wait_until(lambda: len(tokens) >= 3)
+    handles[1].cancel()
+    results = [h.result(timeout=60) for h in handles]
+    assert results[1].finish_reason is FinishReason.CANCELLED
+    assert all(r.usage.completion_tokens == 20 for r in (results[0], results[2]))
+    assert eng.stats().peak_running == 1
+    serial_alone = eng.submit(prompts[2], greedy(20)).result().token_ids
+    assert results[2].token_ids == serial_alone
+
+
+def test_logprobs_are_reported_per_token(tiny_engine: Engine) -> None:
+    import math
+
+    result = tiny_engine.submit("logprobs please", greedy(6, logprobs=True, top_logprobs=3)).result()
+    assert result.logprobs is not None and len(result.logprobs) == 6
+    for lp, token in zip(result.logprobs, result.token_ids):
+        assert lp.token_id == token and lp.logprob <= 0
+        assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy picks the top token
+        assert math.isclose(lp.top[0][1], lp.logprob, rel_tol=1e-5)
+    assert tiny_engine.submit("no logprobs", greedy(3)).result().logprobs is None
+
+
+def test_stop_strings_and_stop_token_ids_end_to_end(tiny_engine: Engine) -> None:
+    prompt = prompts_of_lengths(tiny_engine, [11], seed=35)[0]
+    full = tiny_engine.submit(prompt, greedy(40)).result()
+    stop_text = full.text[len(full.text) // 2:][:3]
+    assert stop_text.strip(), "need some visible text to stop on"
+    streamed = []
+    for event in tiny_engine.submit(prompt, greedy(40, stop=(stop_text,))):
+        streamed.append(event.text)
+    assert "".join(streamed) == full.text[: full.text.index(stop_text)]
+    assert stop_text not in "".join(streamed)
+    by_id = tiny_engine.submit(prompt, greedy(40, stop_token_ids=(full.token_ids[5],))).result()
+    assert by_id.finish_reason is FinishReason.STOP
+    assert by_id.token_ids == full.token_ids[: full.token_ids.index(full.token_ids[5])]
+
+
+def test_usage_and_stats_add_up(make_engine) -> None:  # type: ignore[no-untyped-def]
+    eng = make_engine()
+    prompts = prompts_of_lengths(eng, [10, 20], seed=36)
+    results = [eng.submit(p, greedy(7)).result() for p in prompts]
+    stats = eng.stats()
+    assert stats.prompt_tokens == 30 and stats.generated_tokens == 14 and stats.completed == 2
+    for r in results:
+        assert r.usage.completion_tokens == 7 and r.usage.time_to_first_token > 0
+        assert r.usage.decode_tokens_per_second and r.usage.decode_tokens_per_second > 0
+        assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+
+
+def test_engine_thread_is_the_only_one_touching_mlx(make_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    seen: set[str] = set()
+    real_step = Runner.step
+
+    def recording_step(self: Runner):  # type: ignore[no-untyped-def]
+        seen.add(threading.current_thread().name)
+        return real_step(self)
+
+    monkeypatch.setattr(Runner, "step", recording_step)
+    eng = make_engine()
+    threads = [threading.Thread(target=lambda: eng.submit("hi", greedy(5)).result())
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 1 and next(iter(seen)).startswith("mlx-engine")
