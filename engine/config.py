@@ -13,25 +13,30 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_batch: int = Field(32, ge=1, le=1024, description="Rows decoding together; 1 = off.")
-    prefill_batch: int = Field(8, ge=1, le=1024, description="Prompts prefilled together.")
+    max_batch: int = Field(
+        default=32, ge=1, le=1024, description="Rows decoding together; 1 = off."
+    )
+    prefill_batch: int = Field(
+        default=8, ge=1, le=1024, description="Prompts prefilled together."
+    )
     prefill_chunk: int = Field(
-        512, ge=8, le=65536,
+        default=512, ge=8, le=65536,
         description="Prompt tokens per prefill step; bounds how long decoding rows wait.",
     )
     kv_budget_bytes: int | None = Field(
-        None, ge=1,
+        default=None, ge=1,
         description="Cap on the worst-case KV bytes of all running rows (None = no cap).",
     )
     max_kv_size: int | None = Field(
-        None, ge=16,
+        default=None, ge=16,
         description="Use a rotating KV cache of this many tokens for models without their own.",
     )
     quantized: bool | None = Field(
-        None,
+        default=None,
         description="Keep quantized weights (True) or dequantize to float32 (False); "
         "None picks per backend (float32 on CPU, quantized on Metal/CUDA).",
     )
     max_consecutive_step_failures: int = Field(
-        3, ge=1, description="Model-step failures in a row before the engine declares itself dead."
+        default=3, ge=1,
+        description="Model-step failures in a row before the engine declares itself dead.",
     )

@@ -215,7 +215,7 @@ class Engine:
             self._loaded.set()
             while self._serve_once():
                 pass
-        except BaseException as exc:  # noqa: BLE001 - every waiter must learn of it
+        except BaseException as exc:
             self._die(exc)
         finally:
             self._loaded.set()
@@ -279,7 +279,7 @@ class Engine:
         try:
             row.prompt_ids = self._runner.encode(row.prompt)
             kv_bytes = self._scheduler.validate(len(row.prompt_ids), row.params.max_tokens)
-        except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+        except Exception as exc:
             self._rows[row.request_id] = row
             self._finish(row, FinishReason.ERROR, error=exc)
             return
@@ -332,13 +332,14 @@ class Engine:
     def _step(self, run: Any, serial: bool) -> None:
         try:
             result = run()
-        except Exception as exc:  # noqa: BLE001 - contained below or fatal after retries
+        except Exception as exc:
             self._model_failure(exc, serial)
             return
         self._consecutive_failures = 0
         with self._stats_lock:
             self._stats.steps += 1
             self._stats.peak_running = max(self._stats.peak_running, result.decoding_rows)
+            self._stats.generated_tokens += len(result.tokens)
         for request_id, error in result.failed.items():
             self._evict(request_id)
             self._finish(self._rows[request_id], FinishReason.ERROR, error=error)
@@ -355,8 +356,6 @@ class Engine:
         row.first_token_at = row.first_token_at or now
         row.last_token_at = now
         row.completion_tokens += 1
-        with self._stats_lock:
-            self._stats.generated_tokens += 1
         new_ids: tuple[int, ...] = ()
         delta = ""
         if not (finish is FinishReason.STOP and token in row.stop_ids):
@@ -372,7 +371,7 @@ class Engine:
             try:
                 if row.on_token(token, delta) is False and finish is None:
                     finish = FinishReason.STOP
-            except Exception as exc:  # noqa: BLE001 - fails this row's consumer only
+            except Exception as exc:
                 if runner_holds_row:
                     self._evict(row.request_id)
                 self._finish(row, FinishReason.ERROR, error=exc)
@@ -493,7 +492,7 @@ class Engine:
             import mlx.core as mx
 
             mx.clear_streams()  # without it, processes aborted at exit (DESIGN.md)
-        except Exception:  # noqa: BLE001 - best effort on the way out
+        except Exception:
             pass
 
 

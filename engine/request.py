@@ -9,14 +9,14 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Union
+from typing import Any
 
 ChatMessage = dict[str, Any]
-Prompt = Union[str, Sequence[int], Sequence[ChatMessage]]
+Prompt = str | Sequence[int] | Sequence[ChatMessage]
 # (token ids so far, logits [1, vocab]) -> logits; the mlx-lm logits-processor signature.
 LogitsProcessor = Callable[[Any, Any], Any]
 # Called on the engine thread per token; returning False stops the row.
-TokenCallback = Callable[[int, str], Union[bool, None]]
+TokenCallback = Callable[[int, str], bool | None]
 
 
 class FinishReason(str, Enum):

@@ -164,7 +164,7 @@ class Runner:
         uids = self.generator.insert(
             [spec.prompt for spec in specs],
             max_tokens=[spec.params.max_tokens for spec in specs],
-            samplers=[self._sampler(spec.params) for spec in specs],
+            samplers=[self._sampler(spec.params) for spec in specs],  # None = greedy
             logits_processors=[self._processors(spec) for spec in specs],
             stop_sequences=[self._stop_sequences_for(spec.params) for spec in specs],
         )
@@ -264,7 +264,7 @@ class Runner:
         return result
 
     def _serial_tokens(self, spec: RowSpec) -> Iterator[tuple[int, Any]]:
-        return generate_step(
+        tokens: Iterator[tuple[int, Any]] = generate_step(
             mx.array(spec.prompt),
             self.model,
             self._stream,
@@ -274,6 +274,7 @@ class Runner:
             prompt_cache=make_prompt_cache(self.model, self.config.max_kv_size),
             prefill_step_size=self.config.prefill_chunk,
         )
+        return tokens
 
     # ----- per-row sampling pieces ----------------------------------------------------
 
@@ -308,7 +309,7 @@ class Runner:
                 return logits
             try:
                 return processor(tokens, logits)
-            except Exception as exc:  # noqa: BLE001 - reported to that row's consumer
+            except Exception as exc:
                 self._row_failures[request_id] = exc
                 return logits
 
@@ -352,7 +353,9 @@ def _logprob(params: SamplingParams, token: int, logprobs: Any) -> TokenLogprob 
         ids = mx.argpartition(-row, k - 1)[:k]
         values = row[ids]
         order = mx.argsort(-values)
-        top = tuple(zip(ids[order].tolist(), values[order].tolist()))
+        top_ids: list[int] = ids[order].tolist()  # type: ignore[assignment]
+        top_values: list[float] = values[order].tolist()
+        top = tuple(zip(top_ids, top_values))
     return TokenLogprob(token, float(row[token].item()), top)
 
 

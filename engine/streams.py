@@ -55,6 +55,7 @@ class RequestStream:
         self._ready = threading.Condition(self._lock)
         self._events: deque[StreamEvent] = deque()
         self._notifiers: list[Callable[[], None]] = []
+        self._sync_waiters = 0  # notify the condition only when someone waits on it
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self._finished = threading.Event()
@@ -74,7 +75,8 @@ class RequestStream:
                 self._error = event.error
                 self._finished.set()
             notifiers, self._notifiers = self._notifiers, []
-            self._ready.notify_all()
+            if self._sync_waiters:
+                self._ready.notify_all()
         for notify in notifiers:
             notify()
 
@@ -84,7 +86,12 @@ class RequestStream:
             while not self._events:
                 if self._finished.is_set():
                     return None
-                if not self._ready.wait(timeout):
+                self._sync_waiters += 1
+                try:
+                    woken = self._ready.wait(timeout)
+                finally:
+                    self._sync_waiters -= 1
+                if not woken:
                     raise TimeoutError("no event within the wait timeout")
             return self._events.popleft()
 

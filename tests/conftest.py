@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import engine  # noqa: F401 - loads the fast BLAS before anything imports mlx
 import pytest
 
+import engine  # noqa: F401 - loads the fast BLAS before anything imports mlx
 from engine import Engine, EngineConfig, SamplingParams
 from tests.tiny_model import build_tiny_model
 
@@ -68,7 +68,7 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError("condition not reached within %.1f s" % timeout)
+            raise AssertionError(f"condition not reached within {timeout:.1f} s")
         time.sleep(0.002)
 
 

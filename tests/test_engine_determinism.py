@@ -25,7 +25,7 @@ def test_needle_at_a_random_batch_position(tiny_engine: Engine) -> None:
     params = greedy(28)
     expected = alone(tiny_engine, [needle], params)[0]
     position = rng.randrange(len(hay) + 1)
-    batch = hay[:position] + [needle] + hay[position:]
+    batch = [*hay[:position], needle, *hay[position:]]
     handles = [tiny_engine.submit(p, params) for p in batch]
     results = [h.result(timeout=60).token_ids for h in handles]
     assert results[position] == expected
@@ -38,9 +38,10 @@ def test_rows_joining_mid_decode_do_not_change_anyone(tiny_engine: Engine) -> No
     handles = []
     for p in prompts:
         counted: list[int] = []
-        handles.append(tiny_engine.submit(p, params, on_token=lambda t, _: counted.append(t)))
+        handle = tiny_engine.submit(p, params, on_token=lambda t, _, c=counted: c.append(t))
+        handles.append(handle)
         # Let the rows so far decode a few tokens before the next one joins.
-        wait_until(lambda: len(counted) >= 3 or handles[-1].done)
+        wait_until(lambda c=counted, h=handle: len(c) >= 3 or h.done)
     assert [h.result(timeout=60).token_ids for h in handles] == reference
 
 

@@ -162,7 +162,8 @@ def test_non_batchable_caches_run_on_the_serial_lane(make_engine, monkeypatch) -
 def test_logprobs_are_reported_per_token(tiny_engine: Engine) -> None:
     import math
 
-    result = tiny_engine.submit("logprobs please", greedy(6, logprobs=True, top_logprobs=3)).result()
+    params = greedy(6, logprobs=True, top_logprobs=3)
+    result = tiny_engine.submit("logprobs please", params).result()
     assert result.logprobs is not None and len(result.logprobs) == 6
     for lp, token in zip(result.logprobs, result.token_ids):
         assert lp.token_id == token and lp.logprob <= 0

@@ -13,8 +13,8 @@ from engine.scheduler import BatchMode, Lane, Scheduler, Ticket
 KV = ModelFootprint.of([LayerFootprint("KVCache", True, bytes_per_token=10)] * 2, 1000)
 
 
-def ticket(rid: int, tokens: int = 10, lane: Lane = Lane.BATCH, sched: Scheduler | None = None) -> Ticket:
-    kv = (sched or Scheduler(KV, 8, None)).footprint.bytes_for(tokens)
+def ticket(rid: int, tokens: int = 10, lane: Lane = Lane.BATCH) -> Ticket:
+    kv = KV.bytes_for(tokens)
     return Ticket(rid, tokens // 2, tokens - tokens // 2, kv, lane)
 
 

@@ -61,7 +61,7 @@ def test_break_out_of_sync_loop_cancels() -> None:
 
 
 def test_closing_sync_iterator_cancels() -> None:
-    handle, stream, cancels = make_handle()
+    handle, _, cancels = make_handle()
     iterator = iter(handle)
     iterator.close()  # type: ignore[attr-defined]
     assert cancels

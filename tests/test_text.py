@@ -52,7 +52,7 @@ def test_held_text_is_released_when_the_row_ends_for_another_reason() -> None:
 
 
 def test_earliest_of_several_stops_wins() -> None:
-    deltas, row = stream(["one two\n\nthree END"], ("END", "\n\n"))
+    _, row = stream(["one two\n\nthree END"], ("END", "\n\n"))
     assert row.stopped and row.text == "one two"
 
 

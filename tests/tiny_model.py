@@ -97,8 +97,8 @@ def build_tiny_model(
 ) -> Path:
     """Write the model directory to ``out`` (created) and return it."""
     import mlx.core as mx
-    from mlx_lm.models import qwen2
     from mlx.utils import tree_map
+    from mlx_lm.models import qwen2
     from mlx_lm.utils import save_config, save_model
 
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,32 @@
+# Two entry points that set up everything they need on a fresh machine:
+#   make demo   - run the demo on the default model (SmolLM2-135M-Instruct)
+#   make test   - run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-dev
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev,langchain,llama-index]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -ra
+
+lint: $(STAMP)
+	$(BIN)/ruff check engine mlx_providers tests bench examples
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python bench/engine_throughput.py
+	$(BIN)/python bench/blas.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
