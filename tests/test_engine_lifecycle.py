@@ -1,0 +1,57 @@
+"""Construction is cheap, start loads once, and processes exit cleanly with live engines."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from engine import Engine, FinishReason
+from tests.conftest import greedy, wait_until
+
+
+def test_construction_is_cheap_and_loading_is_lazy(tiny_model_dir: Path) -> None:
+    eng = Engine(tiny_model_dir)
+    assert eng._thread is None and not eng.stats().loaded
+    assert eng.submit("hello", greedy(4)).result(timeout=60).usage.completion_tokens == 4
+    assert eng.stats().loaded and eng.stats().context_limit == 2048
+    eng.close()
+    eng.close()  # idempotent
+
+
+def test_context_manager_closes(tiny_model_dir: Path) -> None:
+    with Engine(tiny_model_dir) as eng:
+        eng.start()
+        thread = eng._thread
+    assert thread is not None and not thread.is_alive()
+
+
+def test_evicted_rows_release_their_kv_memory(make_engine) -> None:  # type: ignore[no-untyped-def]
+    eng = make_engine(max_batch=4)
+    tokens: list[int] = []
+    handles = [eng.submit(f"row {i} " * 50, greedy(1500), on_token=lambda t, _: tokens.append(t))
+               for i in range(3)]
+    wait_until(lambda: len(tokens) > 30)
+    assert eng._runner.generator.prompt_cache_nbytes > 0
+    for h in handles:
+        h.cancel()
+    assert all(h.result().finish_reason is FinishReason.CANCELLED for h in handles)
+    wait_until(lambda: eng.stats().running == 0)
+    assert eng._runner.generator.prompt_cache_nbytes == 0
+
+
+def test_process_exits_cleanly_with_an_engine_still_open(tiny_model_dir: Path) -> None:
+    script = textwrap.dedent(f"""
+        import engine
+        from engine import Engine, SamplingParams
+        eng = Engine({str(tiny_model_dir)!r})
+        handles = [eng.submit("bye " * 20, SamplingParams(max_tokens=1500)) for _ in range(4)]
+        next(iter(handles[0]))
+        print("exiting with rows in flight", flush=True)
+    """)
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=120, cwd=Path(__file__).parents[1])
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "exiting with rows in flight" in done.stdout
