@@ -278,6 +278,7 @@ class Engine:
         assert self._scheduler is not None
         try:
             row.prompt_ids = self._runner.encode(row.prompt)
+            self._runner.check_constraint(row.params)
             kv_bytes = self._scheduler.validate(len(row.prompt_ids), row.params.max_tokens)
         except Exception as exc:
             self._rows[row.request_id] = row
@@ -453,9 +454,11 @@ class Engine:
             self._stats.running = self._scheduler.running
             self._stats.pending = self._scheduler.pending
             self._stats.kv_bytes_projected = self._scheduler.kv_bytes_projected
+            self._stats.live_matchers = self._runner.live_matchers
 
     def _shutdown(self) -> None:
         error = EngineClosedError("the engine was closed while the request ran")
+        self._runner.close()
         self._fail_everything(error, FinishReason.CANCELLED)
         self._publish_stats()
 
@@ -468,6 +471,11 @@ class Engine:
         log.error("engine is dead: %r", exc)
         with self._lock:
             self._dead = dead
+        if self._runner is not None:
+            try:
+                self._runner.close()
+            except Exception:  # noqa: BLE001 - already dying; the waiters matter more
+                log.exception("releasing rows after the engine died failed")
         self._fail_everything(dead, FinishReason.ERROR)
         if self._scheduler is not None:
             self._publish_stats()

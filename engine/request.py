@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from engine.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
+
 ChatMessage = dict[str, Any]
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
 # (token ids so far, logits [1, vocab]) -> logits; the mlx-lm logits-processor signature.
@@ -68,6 +70,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -104,6 +107,10 @@ class SamplingParams:
                f"must be an integer in [0, 20], got {self.top_logprobs!r}")
         _check(all(callable(p) for p in self.logits_processors), "logits_processors",
                "must be callables (tokens, logits) -> logits")
+        _check(self.constraint is None
+               or isinstance(self.constraint, JsonSchema | JsonObject | Regex | LarkGrammar),
+               "constraint", f"must be a JsonSchema, JsonObject, Regex or LarkGrammar, "
+               f"got {self.constraint!r}")
 
     @property
     def greedy(self) -> bool:

@@ -7,26 +7,21 @@ mlx-lm BatchGenerator's own uids never leave this module.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm import load as mlx_load
-from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
+from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    make_logits_processors,
-    make_sampler,
-)
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from engine.cache_layout import footprint_of
 from engine.config import EngineConfig
 from engine.footprint import ModelFootprint
+from engine.grammar import GrammarCompiler, RowGrammar
 from engine.request import (
     ChatMessage,
     FinishReason,
@@ -35,8 +30,8 @@ from engine.request import (
     SamplingParams,
     TokenLogprob,
 )
-
-Sampler = Callable[[mx.array], mx.array]
+from engine.sampling import BatchRow, BatchSampler, seeded_sampler
+from engine.serial_lane import SerialRow
 
 
 @dataclass(frozen=True)
@@ -50,7 +45,7 @@ class RowSpec:
 
 @dataclass(frozen=True)
 class TokenOut:
-    """One generated token of one row; ``finish`` is set when mlx-lm ended the row."""
+    """One generated token of one row; ``finish`` is set when the row ended with it."""
 
     request_id: int
     token: int
@@ -67,6 +62,19 @@ class StepResult:
     decoding_rows: int = 0
 
 
+@dataclass
+class _Row:
+    """A row the runner holds: its spec, its grammar, and a failure of its own code."""
+
+    spec: RowSpec
+    grammar: RowGrammar | None = None
+    failure: BaseException | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.spec.params
+
+
 class Runner:
     """Owns the model, the tokenizer and the batch; called only from the engine thread."""
 
@@ -78,13 +86,13 @@ class Runner:
         self.footprint: ModelFootprint | None = None
         self._stream: Any = None
         self._generator: BatchGenerator | None = None
+        self._compiler: GrammarCompiler | None = None
+        self._rows: dict[int, _Row] = {}  # by request id, batch lane
         self._uid_to_request: dict[int, int] = {}
         self._request_to_uid: dict[int, int] = {}
-        self._specs: dict[int, RowSpec] = {}
-        self._row_failures: dict[int, BaseException] = {}
-        self._samplers: dict[tuple[float, float, float, int], Sampler] = {}
         self._stop_sequences: dict[tuple[int, ...], StopSequences] = {}
-        self._serial: _SerialRow | None = None
+        self._serial: SerialRow | None = None
+        self._serial_row: _Row | None = None
 
     # ----- loading -----------------------------------------------------------------
 
@@ -107,12 +115,22 @@ class Runner:
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
             self.model,
+            sampler=BatchSampler(self._batch_rows_for, self.grammar_compiler),
             completion_batch_size=self.config.max_batch,
             prefill_batch_size=min(self.config.prefill_batch, self.config.max_batch),
             prefill_step_size=self.config.prefill_chunk,
             max_kv_size=self.config.max_kv_size,
             stream=self._stream,
         )
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self.tokenizer._tokenizer, self.vocab_size)
+        return self._compiler
+
+    @property
+    def live_matchers(self) -> int:
+        return self._compiler.live_matchers if self._compiler is not None else 0
 
     # ----- prompts -------------------------------------------------------------------
 
@@ -133,23 +151,30 @@ class Runner:
         return ids
 
     def render_chat(self, messages: list[ChatMessage], **template_kwargs: Any) -> list[int]:
+        return list(self.tokenizer.encode(self.chat_text(messages, **template_kwargs),
+                                          add_special_tokens=False))
+
+    def chat_text(self, messages: list[ChatMessage], **template_kwargs: Any) -> str:
         if self.tokenizer.chat_template is None:
             raise ValueError(
                 f"the model at {self.model_path} has no chat template; pass text or token ids"
             )
-        text = self.tokenizer.apply_chat_template(
+        return str(self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, **template_kwargs
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        ))
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.args.vocab_size) if hasattr(self.model, "args") else len(
-            self.tokenizer
-        )
+        args = getattr(self.model, "args", None)
+        return int(args.vocab_size) if args is not None else len(self.tokenizer)
 
     def new_detokenizer(self) -> Any:
         return self.tokenizer.detokenizer
+
+    def check_constraint(self, params: SamplingParams) -> None:
+        """Compile the row's constraint now so a bad one fails at submit (cached)."""
+        if params.constraint is not None:
+            self.grammar_compiler().compile(params.constraint)
 
     # ----- the batch lane --------------------------------------------------------------
 
@@ -158,20 +183,28 @@ class Runner:
         assert self._generator is not None, "Runner.load() first"
         return self._generator
 
+    def _batch_rows_for(self, uids: list[int]) -> list[BatchRow | None]:
+        rows: list[BatchRow | None] = []
+        for uid in uids:
+            request_id = self._uid_to_request.get(uid)
+            rows.append(self._rows.get(request_id) if request_id is not None else None)
+        return rows
+
     def insert(self, specs: Sequence[RowSpec]) -> None:
         if not specs:
             return
+        rows = [_Row(spec, self._grammar_for(spec.params)) for spec in specs]
         uids = self.generator.insert(
             [spec.prompt for spec in specs],
             max_tokens=[spec.params.max_tokens for spec in specs],
-            samplers=[self._sampler(spec.params) for spec in specs],  # None = greedy
-            logits_processors=[self._processors(spec) for spec in specs],
+            logits_processors=[self._processors(row) for row in rows],
             stop_sequences=[self._stop_sequences_for(spec.params) for spec in specs],
         )
-        for uid, spec in zip(uids, specs):
-            self._uid_to_request[uid] = spec.request_id
-            self._request_to_uid[spec.request_id] = uid
-            self._specs[spec.request_id] = spec
+        for uid, row in zip(uids, rows):
+            request_id = row.spec.request_id
+            self._rows[request_id] = row
+            self._uid_to_request[uid] = request_id
+            self._request_to_uid[request_id] = uid
 
     def remove(self, request_ids: Sequence[int]) -> None:
         """Evict rows at any stage (queued, prefilling, decoding); their caches are freed."""
@@ -185,135 +218,125 @@ class Runner:
         uid = self._request_to_uid.pop(request_id, None)
         if uid is not None:
             self._uid_to_request.pop(uid, None)
-        self._specs.pop(request_id, None)
-        self._row_failures.pop(request_id, None)
+        row = self._rows.pop(request_id, None)
+        if row is not None and row.grammar is not None:
+            row.grammar.close()
 
     @property
     def batch_rows(self) -> int:
-        return len(self._request_to_uid)
+        return len(self._rows)
 
     def step(self) -> StepResult:
         """One decode step for decoding rows plus one prefill chunk for prefilling rows."""
         _, responses = self.generator.next()
         result = StepResult(decoding_rows=len(self.generator._generation_batch))
-        failures = dict(self._row_failures)
-        self._row_failures.clear()
         for response in responses:
             request_id = self._uid_to_request.get(response.uid)
-            if request_id is None or request_id in failures:
+            row = self._rows.get(request_id) if request_id is not None else None
+            if row is None or row.failure is not None:
                 continue
-            spec = self._specs[request_id]
+            token = int(response.token)
             finish = _finish_reason(response.finish_reason)
+            if finish is None and row.grammar is not None and row.grammar.done:
+                finish = FinishReason.STOP  # the grammar is complete: nothing may follow
             result.tokens.append(
-                TokenOut(request_id, int(response.token), finish,
-                         _logprob(spec.params, int(response.token), response.logprobs))
+                TokenOut(row.spec.request_id, token, finish,
+                         _logprob(row.params, token, response.logprobs))
             )
-            if finish is not None:
-                self._forget(request_id)
-        for request_id, error in failures.items():
-            if request_id in self._request_to_uid:
-                result.failed[request_id] = error
+            if finish is not None and response.finish_reason is not None:
+                self._forget(row.spec.request_id)  # mlx-lm already dropped the row
+        for row in self._rows.values():
+            if row.failure is not None:
+                result.failed[row.spec.request_id] = row.failure
         return result
 
     def reset_batch(self) -> list[int]:
         """Drop every batch row after a model failure; returns their request ids."""
-        dropped = list(self._request_to_uid)
-        self._uid_to_request.clear()
-        self._request_to_uid.clear()
-        self._specs.clear()
-        self._row_failures.clear()
+        dropped = list(self._rows)
+        for request_id in dropped:
+            self._forget(request_id)
         self._generator = self._new_generator()
         return dropped
+
+    def close(self) -> None:
+        """Release every row (and its grammar matcher): the engine is going away."""
+        self.reset_batch()
+        self.stop_serial()
 
     # ----- the serial lane -------------------------------------------------------------
 
     def start_serial(self, spec: RowSpec) -> None:
-        self._serial = _SerialRow(spec, self._serial_tokens(spec), self._stop_ids(spec.params))
+        row = _Row(spec, self._grammar_for(spec.params))
+        params = spec.params
+        sampler = (seeded_sampler(params) if params.needs_serial_lane and not params.greedy
+                   else _plain_sampler(params))
+        self._serial_row = row
+        self._serial = SerialRow(
+            self.model, spec.prompt, make_prompt_cache(self.model, self.config.max_kv_size),
+            sampler, self._processors(row), row.grammar, self._compiler,
+            self.config.prefill_chunk,
+        )
 
     def stop_serial(self) -> None:
+        if self._serial_row is not None and self._serial_row.grammar is not None:
+            self._serial_row.grammar.close()
         self._serial = None
+        self._serial_row = None
 
     @property
     def serial_request(self) -> int | None:
-        return self._serial.spec.request_id if self._serial is not None else None
+        return self._serial_row.spec.request_id if self._serial_row is not None else None
 
     def step_serial(self) -> StepResult:
-        """Next token of the serial row (its first call prefills the whole prompt)."""
-        row = self._serial
-        assert row is not None
+        """One prefill chunk or one token of the serial row."""
+        lane, row = self._serial, self._serial_row
+        assert lane is not None and row is not None
         result = StepResult(decoding_rows=1)
         try:
-            token, logprobs = next(row.tokens)
-        except StopIteration:
-            token, logprobs = -1, None
-        if row.spec.request_id in self._row_failures:
-            result.failed[row.spec.request_id] = self._row_failures.pop(row.spec.request_id)
-            self._serial = None
+            with mx.stream(self._stream):
+                out = lane.step()
+        except Exception as exc:
+            if row.failure is None and not _is_row_error(exc):
+                raise  # the model itself failed: the engine's failure path handles it
+            result.failed[row.spec.request_id] = row.failure or exc
+            self.stop_serial()
             return result
-        row.generated += 1
+        if row.failure is not None:
+            result.failed[row.spec.request_id] = row.failure
+            self.stop_serial()
+            return result
+        if out is None:
+            return result  # still prefilling
         finish = None
-        if token in row.stop_ids:
+        if out.token in self._stop_ids(row.params):
             finish = FinishReason.STOP
-        elif row.generated >= row.spec.params.max_tokens or token < 0:
+        elif lane.generated >= row.params.max_tokens:
             finish = FinishReason.LENGTH
-        if token >= 0:
-            logprob = _logprob(row.spec.params, token, logprobs)
-            result.tokens.append(TokenOut(row.spec.request_id, token, finish, logprob))
+        elif row.grammar is not None and row.grammar.done:
+            finish = FinishReason.STOP
+        result.tokens.append(TokenOut(row.spec.request_id, out.token, finish,
+                                      _logprob(row.params, out.token, out.logprobs)))
         if finish is not None:
-            self._serial = None
+            self.stop_serial()
         return result
 
-    def _serial_tokens(self, spec: RowSpec) -> Iterator[tuple[int, Any]]:
-        tokens: Iterator[tuple[int, Any]] = generate_step(
-            mx.array(spec.prompt),
-            self.model,
-            self._stream,
-            max_tokens=spec.params.max_tokens,
-            sampler=self._sampler(spec.params),
-            logits_processors=self._processors(spec),
-            prompt_cache=make_prompt_cache(self.model, self.config.max_kv_size),
-            prefill_step_size=self.config.prefill_chunk,
-        )
-        return tokens
+    # ----- per-row pieces ----------------------------------------------------------------
 
-    # ----- per-row sampling pieces ----------------------------------------------------
+    def _grammar_for(self, params: SamplingParams) -> RowGrammar | None:
+        if params.constraint is None:
+            return None
+        return self.grammar_compiler().row(params.constraint)
 
-    def _sampler(self, params: SamplingParams) -> Sampler | None:
-        if params.greedy:
-            return None  # the generator's shared greedy sampler: one batched call
-        if params.needs_serial_lane:
-            return _seeded_sampler(params)
-        key = (params.temperature, params.top_p, params.min_p, params.top_k)
-        # Identical settings share one sampler object so mlx-lm samples them in one call.
-        if key not in self._samplers:
-            self._samplers[key] = make_sampler(
-                temp=params.temperature, top_p=params.top_p, min_p=params.min_p,
-                top_k=params.top_k,
-            )
-        return self._samplers[key]
-
-    def _processors(self, spec: RowSpec) -> list[LogitsProcessor]:
+    def _processors(self, row: _Row) -> list[LogitsProcessor]:
+        params = row.params
         processors: list[LogitsProcessor] = []
-        if spec.params.repetition_penalty is not None:
+        if params.repetition_penalty is not None:
             processors.extend(make_logits_processors(
-                repetition_penalty=spec.params.repetition_penalty,
-                repetition_context_size=spec.params.repetition_context_size,
+                repetition_penalty=params.repetition_penalty,
+                repetition_context_size=params.repetition_context_size,
             ))
-        processors.extend(spec.params.logits_processors)
-        return [self._guard(spec.request_id, p) for p in processors]
-
-    def _guard(self, request_id: int, processor: LogitsProcessor) -> LogitsProcessor:
-        # A row's own processor failing must fail that row only, not the batch step.
-        def guarded(tokens: Any, logits: Any) -> Any:
-            if request_id in self._row_failures:
-                return logits
-            try:
-                return processor(tokens, logits)
-            except Exception as exc:
-                self._row_failures[request_id] = exc
-                return logits
-
-        return guarded
+        processors.extend(params.logits_processors)
+        return [_guard(row, p) for p in processors]
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
@@ -329,12 +352,34 @@ class Runner:
         return self._stop_ids(params)
 
 
-@dataclass
-class _SerialRow:
-    spec: RowSpec
-    tokens: Iterator[tuple[int, Any]]
-    stop_ids: frozenset[int]
-    generated: int = 0
+def _guard(row: _Row, processor: LogitsProcessor) -> LogitsProcessor:
+    """A row's own processor failing fails that row only, not the whole batch step."""
+
+    def guarded(tokens: Any, logits: Any) -> Any:
+        if row.failure is not None:
+            return logits
+        try:
+            return processor(tokens, logits)
+        except Exception as exc:  # noqa: BLE001 - reported to that row's consumer
+            row.failure = exc
+            return logits
+
+    return guarded
+
+
+def _is_row_error(exc: BaseException) -> bool:
+    from engine.grammar import InvalidConstraintError
+
+    return isinstance(exc, InvalidConstraintError)
+
+
+def _plain_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    if params.greedy:
+        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+    sampler: Callable[[mx.array], mx.array] = make_sampler(
+        temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
+    )
+    return sampler
 
 
 def _finish_reason(reason: str | None) -> FinishReason | None:
@@ -357,24 +402,6 @@ def _logprob(params: SamplingParams, token: int, logprobs: Any) -> TokenLogprob 
         top_values: list[float] = values[order].tolist()
         top = tuple(zip(top_ids, top_values))
     return TokenLogprob(token, float(row[token].item()), top)
-
-
-def _seeded_sampler(params: SamplingParams) -> Sampler:
-    """A sampler with its own PRNG key, so a seed reproduces whatever else runs."""
-    key = mx.random.key(params.seed or 0)
-
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        if 0 < params.top_p < 1:
-            logprobs = apply_top_p(logprobs, params.top_p)
-        if params.min_p:
-            logprobs = apply_min_p(logprobs, params.min_p)
-        if params.top_k:
-            logprobs = apply_top_k(logprobs, params.top_k)
-        key, sub = mx.random.split(key)
-        return mx.random.categorical(logprobs * (1.0 / params.temperature), key=sub)
-
-    return sample
 
 
 def _config_context_limit(model_path: Path) -> int | None:

@@ -22,3 +22,4 @@ class EngineStats:
     prompt_tokens: int = 0  # tokens of prompts admitted for prefill
     generated_tokens: int = 0
     kv_bytes_projected: int = 0  # worst-case KV bytes of the running rows
+    live_matchers: int = 0  # grammar matchers held by constrained rows

@@ -1,0 +1,129 @@
+"""Constraints compiled to per-row token matchers (llguidance), and their masks.
+
+Compiling a constraint is cached per engine (bounded LRU of pristine matchers); each
+row gets a cheap deep copy. ``RowGrammar.close()`` must run on every exit path; the
+compiler counts live matchers so tests can prove none leak. No mlx here: masks are
+filled into a numpy bitmask that the runner applies to the whole batch at once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from engine.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
+
+# Compact JSON: no free whitespace, so a model cannot wander in indentation forever.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class InvalidConstraintError(ValueError):
+    """The schema or grammar cannot be compiled; the message says why."""
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar definition for a constraint."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher
+    if isinstance(constraint, JsonSchema):
+        schema = constraint.schema_dict
+        schema.setdefault("x-guidance", _JSON_OPTIONS)
+        return str(matcher.grammar_from_json_schema(json.dumps(schema)))
+    if isinstance(constraint, JsonObject):
+        return str(matcher.grammar_from_json_schema(
+            json.dumps({"type": "object", "x-guidance": _JSON_OPTIONS})))
+    if isinstance(constraint, Regex):
+        return str(matcher.grammar_from_regex(constraint.pattern))
+    if isinstance(constraint, LarkGrammar):
+        return str(matcher.grammar_from_lark(constraint.grammar))
+    raise TypeError(f"not a constraint: {constraint!r}")
+
+
+class GrammarCompiler:
+    """Builds matchers for one tokenizer; caches compiled grammars by constraint."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, cache_size: int = 64) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._tokenizer: Any = None
+        self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
+        self._cache_size = cache_size
+        self.live_matchers = 0
+
+    @property
+    def words(self) -> int:
+        """int32 words per row of the bitmask."""
+        return (self.vocab_size + 31) // 32
+
+    def _llg_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._hf_tokenizer, n_vocab=self.vocab_size
+            )
+        return self._tokenizer
+
+    def compile(self, constraint: Constraint) -> Any:
+        """A pristine matcher for the constraint (cached); raises InvalidConstraintError."""
+        cached = self._compiled.get(constraint)
+        if cached is not None:
+            self._compiled.move_to_end(constraint)
+            return cached
+        import llguidance
+
+        try:
+            text = grammar_text(constraint)
+        except ValueError as exc:
+            raise InvalidConstraintError(f"invalid {_kind(constraint)}: {exc}") from exc
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), text)
+        if matcher.is_error():
+            raise InvalidConstraintError(f"invalid {_kind(constraint)}: {matcher.get_error()}")
+        self._compiled[constraint] = matcher
+        if len(self._compiled) > self._cache_size:
+            self._compiled.popitem(last=False)
+        return matcher
+
+    def row(self, constraint: Constraint) -> RowGrammar:
+        """A fresh matcher for one row; close() it when the row ends, however it ends."""
+        return RowGrammar(self, self.compile(constraint).deep_copy())
+
+
+class RowGrammar:
+    """One row's matcher: consume sampled tokens, fill the next-token mask."""
+
+    def __init__(self, compiler: GrammarCompiler, matcher: Any) -> None:
+        self._compiler = compiler
+        self._matcher: Any = matcher
+        self.started = False  # the first sampler call sees the prompt's last token
+        compiler.live_matchers += 1
+
+    def consume(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            raise InvalidConstraintError(
+                f"token {token} violates the constraint: {self._matcher.get_error()}"
+            )
+
+    def fill(self, bitmask: np.ndarray[Any, Any], row: int) -> None:
+        import llguidance.numpy
+
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, bitmask, row)
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: only end-of-sequence may follow."""
+        return bool(self._matcher.is_stopped())
+
+    def close(self) -> None:
+        if self._matcher is not None:
+            self._matcher = None
+            self._compiler.live_matchers -= 1
+
+
+def _kind(constraint: Constraint) -> str:
+    return {JsonSchema: "JSON schema", JsonObject: "JSON object", Regex: "regex",
+            LarkGrammar: "Lark grammar"}[type(constraint)]
