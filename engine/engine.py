@@ -16,12 +16,15 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from engine.channels import ChannelSplitter, RowChannels
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError, EngineDeadError, EngineError, RequestTimeoutError
+from engine.grammar import validate_constraint
 from engine.request import (
     Completion,
     FinishReason,
@@ -36,6 +39,12 @@ from engine.scheduler import BatchMode, Scheduler, StepPlan, Ticket
 from engine.stats import EngineStats
 from engine.streams import RequestHandle, RequestStream
 from engine.text import RowText
+from engine.tools import (
+    ToolSpec,
+    forced_call_grammar,
+    normalize_tool_choice,
+    normalize_tools,
+)
 
 log = logging.getLogger("engine")
 ModelSpec = str | os.PathLike[str] | None
@@ -62,6 +71,11 @@ class _Row:
     last_token_at: float | None = None
     cancel_error: BaseException | None = None
     admitted: bool = False
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    channels: RowChannels | None = None
 
 
 @dataclass(frozen=True)
@@ -142,12 +156,19 @@ class Engine:
         *,
         on_token: TokenCallback | None = None,
         timeout: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> RequestHandle:
         """Queue a request and return its handle at once (never blocks on the model).
 
         ``prompt`` is text, token ids, or chat messages (rendered with the chat template).
         ``on_token(token_id, text_delta)`` runs on the engine thread; returning False
         stops the row, raising fails it. ``timeout`` (seconds) cancels it when passed.
+        ``tools`` (OpenAI function format) need a chat-messages prompt; ``tool_choice``
+        is "auto", "none", "required"/"any" or a tool name, and the last two are enforced
+        by a grammar. Invalid tools, tool choices or constraints raise here, at once.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -156,13 +177,26 @@ class Engine:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         if isinstance(prompt, (bytes, bytearray)) or prompt is None:
             raise TypeError("prompt must be text, a list of token ids, or chat messages")
+        specs = normalize_tools(tools)
+        choice = normalize_tool_choice(tool_choice, specs)
+        if specs and choice != "none" and not _is_chat(prompt):
+            raise ValueError("tools need a chat-messages prompt")
+        forced = bool(specs) and choice not in ("auto", "none")
+        if forced and params.constraint is not None:
+            raise ValueError("a forced tool_choice cannot be combined with a constraint")
+        if forced:  # checks the tools' schemas now; rebuilt for the tokenizer at admission
+            validate_constraint(forced_call_grammar(specs, choice, parallel_tool_calls))
+        elif params.constraint is not None:
+            validate_constraint(params.constraint)
         now = time.monotonic()
         stream = RequestStream()
         with self._lock:
             self._raise_if_unusable()
             request_id = next(self._ids)
             row = _Row(request_id, prompt, params, stream, on_token, now,
-                       None if timeout is None else now + timeout)
+                       None if timeout is None else now + timeout,
+                       tools=specs, tool_choice=choice, parallel_tool_calls=parallel_tool_calls,
+                       template_kwargs=dict(chat_template_kwargs or {}))
             self._commands.put(_Submit(row))
         self._ensure_thread()
         return RequestHandle(request_id, stream, lambda: self._commands.put(_Cancel(request_id)))
@@ -277,14 +311,21 @@ class Engine:
     def _accept(self, row: _Row) -> None:
         assert self._scheduler is not None
         try:
-            row.prompt_ids = self._runner.encode(row.prompt)
+            tools = row.tools if row.tool_choice != "none" else ()
+            row.prompt_ids, start = self._runner.encode_request(
+                row.prompt, tools, row.template_kwargs)
+            if tools and row.tool_choice != "auto":
+                row.params = replace(row.params, constraint=self._runner.forced_call_constraint(
+                    tools, row.tool_choice, row.parallel_tool_calls))
             self._runner.check_constraint(row.params)
             kv_bytes = self._scheduler.validate(len(row.prompt_ids), row.params.max_tokens)
-        except Exception as exc:
+        except Exception as exc:  # a bad request fails alone
             self._rows[row.request_id] = row
             self._finish(row, FinishReason.ERROR, error=exc)
             return
         row.text = RowText(self._runner.new_detokenizer(), row.params.stop)
+        row.channels = RowChannels(ChannelSplitter(self._runner.channel_markers(), start),
+                                   self._runner.tool_parser, row.tools)
         row.stop_ids = self._runner.stop_token_ids(row.params)
         self._rows[row.request_id] = row
         lane = self._scheduler.lane_for(row.params.needs_serial_lane)
@@ -379,7 +420,10 @@ class Engine:
                 return
         lp = (logprob,) if logprob is not None else None
         if finish is None:
-            row.stream.publish(StreamEvent(delta, new_ids, lp))
+            assert row.channels is not None
+            content, reasoning = row.channels.feed(delta)
+            row.stream.publish(StreamEvent(delta, new_ids, lp, content=content,
+                                           reasoning=reasoning))
             return
         if runner_holds_row:
             self._evict(row.request_id)
@@ -411,14 +455,23 @@ class Engine:
         if self._scheduler is not None:
             self._scheduler.release(row.request_id)
         usage = _usage(row)
+        content = reasoning = ""
+        channels = row.channels
+        if channels is not None:
+            content, reasoning = _join(channels.feed(delta), channels.finish())
         completion = Completion(
             text=row.text.text if row.text is not None else "",
             token_ids=tuple(row.token_ids),
             finish_reason=reason,
             usage=usage,
             logprobs=tuple(row.logprobs) if row.params.logprobs else None,
+            content=channels.content if channels is not None else "",
+            reasoning=channels.reasoning if channels and channels.saw_reasoning else None,
+            tool_calls=tuple(channels.calls) if channels is not None else (),
+            invalid_tool_calls=tuple(channels.invalid) if channels is not None else (),
         )
-        event = StreamEvent(delta, token_ids, logprobs, reason, usage, error)
+        event = StreamEvent(delta, token_ids, logprobs, reason, usage, error, content,
+                            reasoning, completion)
         with self._stats_lock:
             if reason is FinishReason.ERROR:
                 self._stats.failed += 1
@@ -474,7 +527,7 @@ class Engine:
         if self._runner is not None:
             try:
                 self._runner.close()
-            except Exception:  # noqa: BLE001 - already dying; the waiters matter more
+            except Exception:
                 log.exception("releasing rows after the engine died failed")
         self._fail_everything(dead, FinishReason.ERROR)
         if self._scheduler is not None:
@@ -509,6 +562,15 @@ class _ReleasedRunner:
 
     def __getattr__(self, name: str) -> Any:
         raise EngineClosedError("the engine is closed")
+
+
+def _is_chat(prompt: Prompt) -> bool:
+    return not isinstance(prompt, str) and bool(prompt) and all(
+        isinstance(m, Mapping) for m in prompt)
+
+
+def _join(*parts: tuple[str, str]) -> tuple[str, str]:
+    return "".join(p[0] for p in parts), "".join(p[1] for p in parts)
 
 
 def _usage(row: _Row) -> Usage:

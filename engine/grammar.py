@@ -68,6 +68,14 @@ class GrammarCompiler:
             )
         return self._tokenizer
 
+    def lark_literal(self, text: str) -> str:
+        """Lark for ``text``: ``<text>`` if it is one special token, else a quoted string."""
+        tokenizer = self._llg_tokenizer()
+        ids = tokenizer.tokenize_str(text)
+        if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
+            return text if text.startswith("<") and text.endswith(">") else f"<[{ids[0]}]>"
+        return json.dumps(text)
+
     def compile(self, constraint: Constraint) -> Any:
         """A pristine matcher for the constraint (cached); raises InvalidConstraintError."""
         cached = self._compiled.get(constraint)
@@ -127,3 +135,16 @@ class RowGrammar:
 def _kind(constraint: Constraint) -> str:
     return {JsonSchema: "JSON schema", JsonObject: "JSON object", Regex: "regex",
             LarkGrammar: "Lark grammar"}[type(constraint)]
+
+
+def validate_constraint(constraint: Constraint) -> None:
+    """Reject a bad schema or grammar at submit, on the caller's thread (no tokenizer)."""
+    import llguidance
+
+    try:
+        text = grammar_text(constraint)
+        problem = llguidance.LLMatcher.validate_grammar(text)
+    except ValueError as exc:
+        problem = str(exc)
+    if problem:
+        raise InvalidConstraintError(f"invalid {_kind(constraint)}: {problem}")

@@ -6,12 +6,13 @@ Pure data: no mlx import, so the scheduler and streams can be tested without a m
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from engine.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
+from engine.tools import InvalidToolCall, ToolCall
 
 ChatMessage = dict[str, Any]
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
@@ -156,7 +157,12 @@ class Usage:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """One step of a request: new text, new token ids; the last one has finish_reason."""
+    """One step of a request; the last one has ``finish_reason``, ``usage``, ``completion``.
+
+    ``text`` is the raw new text; ``content`` and ``reasoning`` split it into the answer
+    and the model's thinking, with tool-call markup left out (calls are parsed in
+    ``completion.tool_calls``).
+    """
 
     text: str
     token_ids: tuple[int, ...] = ()
@@ -164,6 +170,9 @@ class StreamEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: BaseException | None = None
+    content: str = ""
+    reasoning: str = ""
+    completion: Completion | None = None
 
     @property
     def is_final(self) -> bool:
@@ -172,18 +181,14 @@ class StreamEvent:
 
 @dataclass(frozen=True)
 class Completion:
-    """A whole request's output."""
+    """A whole request's output: raw ``text``, and ``content`` / ``reasoning`` / tool calls."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason
     usage: Usage
     logprobs: tuple[TokenLogprob, ...] | None = None
-
-
-def join_logprobs(parts: Iterable[tuple[TokenLogprob, ...] | None]) -> tuple[TokenLogprob, ...]:
-    """Concatenate per-event logprobs into one tuple."""
-    out: list[TokenLogprob] = []
-    for part in parts:
-        out.extend(part or ())
-    return tuple(out)
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    invalid_tool_calls: tuple[InvalidToolCall, ...] = ()

@@ -19,7 +19,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from engine.cache_layout import footprint_of
+from engine.channels import CONTENT, REASONING, TOOL
 from engine.config import EngineConfig
+from engine.constraints import LarkGrammar
 from engine.footprint import ModelFootprint
 from engine.grammar import GrammarCompiler, RowGrammar
 from engine.request import (
@@ -32,6 +34,13 @@ from engine.request import (
 )
 from engine.sampling import BatchRow, BatchSampler, seeded_sampler
 from engine.serial_lane import SerialRow
+from engine.tools import (
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    ToolSpec,
+    forced_call_grammar,
+    with_fallback_tool_prompt,
+)
 
 
 @dataclass(frozen=True)
@@ -45,7 +54,8 @@ class RowSpec:
 
 @dataclass(frozen=True)
 class TokenOut:
-    """One generated token of one row; ``finish`` is set when the row ended with it."""
+    """One generated token of one row; ``finish`` is set when the row ended with it, and
+    then the runner has already let the row go."""
 
     request_id: int
     token: int
@@ -93,6 +103,7 @@ class Runner:
         self._stop_sequences: dict[tuple[int, ...], StopSequences] = {}
         self._serial: SerialRow | None = None
         self._serial_row: _Row | None = None
+        self._renders_tools: bool | None = None
 
     # ----- loading -----------------------------------------------------------------
 
@@ -149,6 +160,68 @@ class Runner:
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
         return ids
+
+    def encode_request(
+        self, prompt: Prompt, tools: Sequence[ToolSpec], template_kwargs: dict[str, Any]
+    ) -> tuple[list[int], str]:
+        """Token ids for a request, and the channel its output starts in.
+
+        Tools are rendered by the chat template when it knows how; otherwise they are
+        described in the system message (``engine.tools.fallback_tool_prompt``).
+        """
+        if not (prompt and not isinstance(prompt, str)
+                and all(isinstance(m, dict) for m in prompt)):
+            return self.encode(prompt), CONTENT
+        messages: list[ChatMessage] = list(prompt)  # type: ignore[arg-type]
+        kwargs = dict(template_kwargs)
+        if tools:
+            if self.template_renders_tools():
+                kwargs["tools"] = [t.as_openai() for t in tools]
+            else:
+                messages = with_fallback_tool_prompt(messages, tools)
+        text = self.chat_text(messages, **kwargs)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        think = self.tokenizer.think_start if self.tokenizer.has_thinking else None
+        # Templates that open the thinking block themselves start the output inside it.
+        starts_thinking = bool(think) and text.rstrip().endswith(str(think))
+        return ids, REASONING if starts_thinking else CONTENT
+
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template shows tools passed as ``tools=`` (probed once)."""
+        if self._renders_tools is None:
+            probe = ToolSpec("zz_probe_tool_zz", "probe")
+            message = [{"role": "user", "content": "hi"}]
+            try:
+                text = self.chat_text(message, tools=[probe.as_openai()])
+                self._renders_tools = probe.name in text
+            except Exception:  # a template that chokes on tools cannot render them
+                self._renders_tools = False
+        return self._renders_tools
+
+    def channel_markers(self) -> dict[str, tuple[str, str]]:
+        """Text markers of reasoning and tool calls for this tokenizer."""
+        tokenizer = self.tokenizer
+        markers = {TOOL: (TOOL_CALL_START, TOOL_CALL_END)}
+        if tokenizer.has_tool_calling:
+            markers[TOOL] = (tokenizer.tool_call_start, tokenizer.tool_call_end)
+        if tokenizer.has_thinking:
+            markers[REASONING] = (tokenizer.think_start, tokenizer.think_end)
+        return markers
+
+    def forced_call_constraint(
+        self, tools: Sequence[ToolSpec], choice: str, parallel: bool
+    ) -> LarkGrammar:
+        """The grammar that forces tool calls, with markers as this tokenizer spells them."""
+        start, end = self.channel_markers()[TOOL]
+        compiler = self.grammar_compiler()
+        return forced_call_grammar(tools, choice, parallel,
+                                   compiler.lark_literal(start), compiler.lark_literal(end))
+
+    @property
+    def tool_parser(self) -> Any:
+        return self.tokenizer.tool_parser if self.tokenizer.has_tool_calling else None
 
     def render_chat(self, messages: list[ChatMessage], **template_kwargs: Any) -> list[int]:
         return list(self.tokenizer.encode(self.chat_text(messages, **template_kwargs),
@@ -243,8 +316,10 @@ class Runner:
                 TokenOut(row.spec.request_id, token, finish,
                          _logprob(row.params, token, response.logprobs))
             )
-            if finish is not None and response.finish_reason is not None:
+            if response.finish_reason is not None:
                 self._forget(row.spec.request_id)  # mlx-lm already dropped the row
+            elif finish is not None:
+                self.remove([row.spec.request_id])
         for row in self._rows.values():
             if row.failure is not None:
                 result.failed[row.spec.request_id] = row.failure
@@ -360,7 +435,7 @@ def _guard(row: _Row, processor: LogitsProcessor) -> LogitsProcessor:
             return logits
         try:
             return processor(tokens, logits)
-        except Exception as exc:  # noqa: BLE001 - reported to that row's consumer
+        except Exception as exc:
             row.failure = exc
             return logits
 

@@ -64,7 +64,7 @@ def apply_masks(
                 grammar.consume(fed[i])
             grammar.started = True
             grammar.fill(bitmask, i)
-        except Exception as exc:  # noqa: BLE001 - this row fails, the batch goes on
+        except Exception as exc:
             row.failure = exc
             bitmask[i] = -1
     allowed = unpack_bitmask(bitmask, logprobs.shape[-1])
@@ -83,7 +83,7 @@ class BatchSampler:
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         # mlx-lm calls this from GenerationBatch._step; that batch's uids give the row order.
-        batch = sys._getframe(1).f_locals.get("self")
+        batch: Any = sys._getframe(1).f_locals.get("self")
         uids = getattr(batch, "uids", None)
         if uids is None or len(uids) != logprobs.shape[0]:
             raise RuntimeError("BatchSampler must be called by mlx-lm's GenerationBatch._step")

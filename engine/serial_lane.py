@@ -73,11 +73,16 @@ class SerialRow:
             allowed = unpack_bitmask(bitmask, logprobs.shape[-1])
             masked = mx.where(allowed, logprobs, -mx.inf)
             masked = masked - mx.logsumexp(masked, axis=-1, keepdims=True)
-            token = int(self._sampler(masked).item())
+            token = _as_int(self._sampler(masked))
             self.grammar.consume(token)  # no pipelining here: done-ness is current
         else:
-            token = int(self._sampler(logprobs).item())
+            token = _as_int(self._sampler(logprobs))
         self._next_input = token
         self._history.append(token)
         self.generated += 1
         return SerialToken(token, logprobs[0])
+
+
+def _as_int(sampled: mx.array) -> int:
+    value: int = sampled.reshape(-1)[0].item()  # type: ignore[assignment]
+    return value

@@ -37,10 +37,13 @@ CHAT_TEMPLATE = (
     "{%- elif message.role == 'assistant' and message.tool_calls -%}"
     "{{- '<|im_start|>assistant' -}}"
     "{%- if message.content -%}{{- '\n' + message.content -}}{%- endif -%}"
-    "{%- for call in message.tool_calls -%}"
-    "{%- set fn = call.function if call.function is defined else call -%}"
-    "{{- '\n<tool_call>\n{\"name\": \"' + fn.name + '\", \"arguments\": ' -}}"
-    "{{- fn.arguments if fn.arguments is string else (fn.arguments | tojson) -}}"
+    "{%- for tool_call in message.tool_calls -%}"
+    "{%- if tool_call.function is defined -%}"
+    "{%- set tool_call = tool_call.function -%}"
+    "{%- endif -%}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' -}}"
+    "{{- tool_call.arguments if tool_call.arguments is string "
+    "else (tool_call.arguments | tojson) -}}"
     "{{- '}\n</tool_call>' -}}"
     "{%- endfor -%}"
     "{{- '<|im_end|>\n' -}}"
@@ -94,6 +97,7 @@ def build_tiny_model(
     context: int = 2048,
     seed: int = 0,
     weight_scale: float = 4.0,
+    thinking: bool = False,
 ) -> Path:
     """Write the model directory to ``out`` (created) and return it."""
     import mlx.core as mx
@@ -103,6 +107,11 @@ def build_tiny_model(
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer(vocab)
+    if thinking:  # mlx-lm then treats it as a reasoning model (has_thinking)
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)  # type: ignore[attr-defined]
+                              for t in ("<think>", "</think>")])
     tokenizer.save(str(out / "tokenizer.json"))  # type: ignore[attr-defined]
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",

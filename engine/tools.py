@@ -1,0 +1,202 @@
+"""Tool calling without a model: tool schemas, the forcing grammar, parsing calls.
+
+Tools use the OpenAI function format. Forced choices ("required"/"any" or a tool name)
+become a Lark grammar whose JSON part is the tool's own argument schema, so the row can
+only produce well-formed calls. Parsing prefers the model's mlx-lm tool parser and falls
+back to the tagged-JSON format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.constraints import LarkGrammar
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+ToolParser = Callable[[str, Any], Any]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A parsed call: a unique id, the tool's name and its arguments."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class InvalidToolCall:
+    """Call-like output that did not parse; reported, never raised."""
+
+    id: str
+    name: str | None
+    raw: str
+    error: str
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """One tool, normalised from the OpenAI function format (or its inner dict)."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object",
+                                                                 "properties": {}})
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> tuple[ToolSpec, ...]:
+    """Validate tool definitions; raises ValueError naming the bad entry."""
+    specs: list[ToolSpec] = []
+    for i, tool in enumerate(tools or ()):
+        if not isinstance(tool, Mapping):
+            raise ValueError(f"tools[{i}] must be a dict in the OpenAI function format")
+        fn = tool.get("function", tool)
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}] has no function name")
+        parameters = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, Mapping):
+            raise ValueError(f"tools[{i}] ({name}): parameters must be a JSON schema object")
+        specs.append(ToolSpec(name, str(fn.get("description") or ""), dict(parameters)))
+    names = [s.name for s in specs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"duplicate tool names: {duplicates}")
+    return tuple(specs)
+
+
+def normalize_tool_choice(choice: str | Mapping[str, Any] | None,
+                          tools: Sequence[ToolSpec]) -> str:
+    """"auto", "none", "required" (also "any"), or the name of one of ``tools``."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, Mapping):
+        fn = choice.get("function", choice)
+        choice = fn.get("name") if isinstance(fn, Mapping) else None
+        if not isinstance(choice, str):
+            raise ValueError("tool_choice dict must name a function")
+    if choice == "any":
+        return "required"
+    if choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise ValueError("tool_choice='required' needs at least one tool")
+        return choice
+    if choice not in {t.name for t in tools}:
+        raise ValueError(f"tool_choice names {choice!r}, which is not among the tools "
+                         f"{[t.name for t in tools]}")
+    return choice
+
+
+def quoted(text: str) -> str:
+    """A Lark string literal for ``text``."""
+    return json.dumps(text)
+
+
+def forced_call_grammar(
+    tools: Sequence[ToolSpec],
+    choice: str,
+    parallel: bool,
+    start: str = quoted(TOOL_CALL_START),
+    end: str = quoted(TOOL_CALL_END),
+) -> LarkGrammar:
+    """A grammar that admits only well-formed calls (one, or several when parallel).
+
+    ``start`` / ``end`` are Lark fragments for the call markers: a quoted string, or
+    ``<tool_call>`` when the tokenizer has the marker as one special token (llguidance
+    only matches special tokens written that way).
+    """
+    chosen = [t for t in tools if choice == "required" or t.name == choice]
+    schema = {"anyOf": [{
+        "type": "object",
+        "properties": {"name": {"const": t.name}, "arguments": _closed(t.parameters)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    } for t in chosen], "x-guidance": {"whitespace_flexible": False,
+                                       "item_separator": ", ", "key_separator": ": "}}
+    repeat = ' ("\\n" call)*' if parallel else ""
+    lark = (
+        f"start: call{repeat}\n"
+        f'call: {start} "\\n" body "\\n" {end}\n'
+        f"body: %json {json.dumps(schema)}\n"
+    )
+    return LarkGrammar(lark)
+
+
+def _closed(schema: dict[str, Any]) -> dict[str, Any]:
+    # Forced calls name only declared arguments unless the schema says otherwise, as in
+    # OpenAI's strict mode; otherwise a small model can invent keys forever.
+    if schema.get("type") == "object" and "additionalProperties" not in schema:
+        return {**schema, "additionalProperties": False}
+    return schema
+
+
+def fallback_tool_prompt(tools: Sequence[ToolSpec]) -> str:
+    """System-prompt text for chat templates that do not render tools themselves."""
+    listing = "\n".join(json.dumps(t.as_openai()) for t in tools)
+    return (
+        "You have access to the following tools:\n"
+        f"<tools>\n{listing}\n</tools>\n\n"
+        "To call a tool, reply with one line per call in exactly this format:\n"
+        f'{TOOL_CALL_START}{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}'
+        f"{TOOL_CALL_END}\n"
+        "Otherwise reply normally."
+    )
+
+
+def with_fallback_tool_prompt(messages: Sequence[Mapping[str, Any]],
+                              tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:
+    """Messages with the tool listing merged into (or prepended as) the system message."""
+    text = fallback_tool_prompt(tools)
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{text}".strip()
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_call(raw: str, parser: ToolParser | None, tools: Sequence[ToolSpec]) -> (
+        ToolCall | InvalidToolCall):
+    """Parse one call's markup body with the model's parser, else as tagged JSON."""
+    text = raw.strip()
+    call_id = new_call_id()
+    try:
+        parsed = parser(text, [t.as_openai() for t in tools]) if parser else json.loads(text)
+        if isinstance(parsed, list) and len(parsed) == 1:
+            parsed = parsed[0]
+        if not isinstance(parsed, Mapping):
+            raise ValueError("a tool call must be a JSON object")
+        name = parsed.get("name")
+        arguments = parsed.get("arguments", parsed.get("parameters", {}))
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        if not isinstance(name, str) or not name:
+            raise ValueError("the call has no tool name")
+        if not isinstance(arguments, Mapping):
+            raise ValueError("the call's arguments are not a JSON object")
+    except Exception as exc:
+        guess = _guess_name(text)
+        return InvalidToolCall(call_id, guess, raw, f"{type(exc).__name__}: {exc}")
+    return ToolCall(call_id, name, dict(arguments))
+
+
+def _guess_name(text: str) -> str | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value.get("name") if isinstance(value, dict) else None

@@ -1,0 +1,144 @@
+"""Constrained decoding inside the batch: the grammar, not the model, makes output valid."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from engine import Engine, FinishReason, SamplingParams
+from engine.constraints import JsonObject, JsonSchema, LarkGrammar, Regex
+from engine.grammar import InvalidConstraintError
+from tests.conftest import alone, greedy, prompts_of_lengths, wait_until
+
+TRIP = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 30},
+        "mode": {"enum": ["car", "train", "plane"]},
+    },
+    "required": ["city", "days", "mode"],
+    "additionalProperties": False,
+}
+
+
+def test_schema_rows_validate_beside_unchanged_unconstrained_rows(tiny_engine: Engine) -> None:
+    plain = prompts_of_lengths(tiny_engine, [9, 33, 17], seed=41)
+    reference = alone(tiny_engine, plain, greedy(40))
+    constrained = [tiny_engine.submit(f"trip {i}", greedy(80, constraint=JsonSchema(TRIP)))
+                   for i in range(3)]
+    handles = [tiny_engine.submit(p, greedy(40)) for p in plain]
+    for handle in constrained:
+        result = handle.result(timeout=60)
+        assert result.finish_reason is FinishReason.STOP, result.text
+        jsonschema.validate(json.loads(result.text), TRIP)
+    assert [h.result().token_ids for h in handles] == reference
+    assert tiny_engine.stats().peak_running >= 4
+
+
+def test_unconstrained_output_is_not_valid_json_without_the_grammar(tiny_engine: Engine) -> None:
+    text = tiny_engine.submit("trip 0", greedy(40)).result().text
+    with pytest.raises(ValueError):
+        json.loads(text)  # so the previous test's validity comes from the grammar
+
+
+def test_regex_json_object_and_lark(tiny_engine: Engine) -> None:
+    regex = tiny_engine.submit("code", greedy(20, constraint=Regex(r"[A-Z]{3}-[0-9]{4}"))).result()
+    assert regex.finish_reason is FinishReason.STOP
+    assert len(regex.text) == 8 and regex.text[3] == "-" and regex.text[4:].isdigit()
+    obj = tiny_engine.submit("obj", greedy(200, constraint=JsonObject())).result()
+    if obj.finish_reason is FinishReason.STOP:
+        assert isinstance(json.loads(obj.text), dict)
+    else:
+        assert obj.finish_reason is FinishReason.LENGTH and obj.text.startswith("{")
+    lark = tiny_engine.submit("yes or no", greedy(10, constraint=LarkGrammar(
+        'start: ("yes" | "no") "!"'))).result()
+    assert lark.text in ("yes!", "no!") and lark.finish_reason is FinishReason.STOP
+
+
+def test_grammar_completion_stops_before_max_tokens(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit("x", greedy(100, constraint=Regex("abc"))).result()
+    assert result.text == "abc" and result.finish_reason is FinishReason.STOP
+    assert result.usage.completion_tokens < 100
+
+
+def test_max_tokens_cut_reports_length_not_stop(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit("trip", greedy(5, constraint=JsonSchema(TRIP))).result()
+    assert result.finish_reason is FinishReason.LENGTH
+    with pytest.raises(ValueError):
+        json.loads(result.text)
+
+
+@pytest.mark.parametrize("constraint", [
+    Regex("[a-"), JsonSchema({"type": "bogus"}), LarkGrammar("start: undefined_rule"),
+])
+def test_invalid_constraint_is_rejected_at_submit(tiny_engine: Engine, constraint) -> None:  # type: ignore[no-untyped-def]
+    sibling = tiny_engine.submit("fine", greedy(10))
+    with pytest.raises(InvalidConstraintError):
+        tiny_engine.submit("bad", greedy(10, constraint=constraint))
+    assert sibling.result().usage.completion_tokens == 10
+    assert isinstance(InvalidConstraintError("x"), ValueError)
+
+
+def test_constrained_rows_on_the_serial_lane(tiny_engine: Engine) -> None:
+    params = SamplingParams(max_tokens=80, temperature=0.9, seed=5, constraint=JsonSchema(TRIP))
+    first = tiny_engine.submit("trip", params).result()
+    jsonschema.validate(json.loads(first.text), TRIP)
+    assert tiny_engine.submit("trip", params).result().text == first.text
+
+
+def test_matchers_are_released_on_every_exit_path(make_engine) -> None:  # type: ignore[no-untyped-def]
+    eng = make_engine(max_batch=2)
+    schema = greedy(60, constraint=JsonSchema(TRIP))
+    long_schema = greedy(1000, constraint=Regex("[a-z ]{0,2000}"))
+
+    def live() -> int:
+        return eng._runner.live_matchers
+
+    # finished
+    eng.submit("a", schema).result()
+    assert live() == 0
+    # stopped by the callback
+    eng.submit("b", long_schema, on_token=lambda *_: False).result()
+    assert live() == 0
+    # evicted mid-decode, and cancelled while pending (max_batch=2 keeps the third waiting)
+    seen: list[int] = []
+    running = [eng.submit(f"r{i}", long_schema, on_token=lambda t, _: seen.append(t))
+               for i in range(2)]
+    pending = eng.submit("p", long_schema)
+    wait_until(lambda: len(seen) > 4 and eng.stats().pending == 1)
+    assert live() == 2
+    pending.cancel()
+    for h in running:
+        h.cancel()
+    assert all(h.result().finish_reason is FinishReason.CANCELLED for h in [pending, *running])
+    wait_until(lambda: eng.stats().running == 0)
+    assert live() == 0
+
+    # failed (its logits processor raises)
+    def explode(tokens, logits):  # type: ignore[no-untyped-def]
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        eng.submit("f", greedy(20, constraint=Regex("[a-z]+"),
+                               logits_processors=(explode,))).result()
+    wait_until(lambda: eng.stats().running == 0)
+    assert live() == 0
+    # engine shutdown with a constrained row in flight
+    seen.clear()
+    eng.submit("s", long_schema, on_token=lambda t, _: seen.append(t))
+    wait_until(lambda: len(seen) > 2)
+    runner = eng._runner
+    eng.close()
+    assert runner.live_matchers == 0
+
+
+def test_compiled_grammars_are_cached_and_bounded(tiny_engine: Engine) -> None:
+    compiler = tiny_engine._runner.grammar_compiler()
+    first = compiler.compile(JsonSchema(TRIP))
+    assert compiler.compile(JsonSchema(dict(TRIP))) is first
+    for i in range(compiler._cache_size + 5):
+        compiler.compile(Regex(f"x{i}"))
+    assert len(compiler._compiled) == compiler._cache_size

@@ -1,0 +1,145 @@
+"""Tool calls: forced by grammar, parsed into calls, rendered with or without template help."""
+
+from __future__ import annotations
+
+import jsonschema
+import pytest
+
+from engine import Engine, FinishReason, SamplingParams
+from engine.channels import ChannelSplitter, RowChannels
+from engine.constraints import LarkGrammar
+from engine.tools import forced_call_grammar, normalize_tool_choice, normalize_tools
+from tests.conftest import greedy
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+                   "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a time zone.",
+    "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET", "JST"]}},
+                   "required": ["tz"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def params_of(tool: dict) -> dict:  # type: ignore[type-arg]
+    return tool["function"]["parameters"]  # type: ignore[no-any-return]
+
+
+def test_required_tool_choice_produces_a_valid_call(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit(ASK, greedy(80), tools=[WEATHER, CLOCK],
+                                tool_choice="required", parallel_tool_calls=False).result()
+    assert result.finish_reason is FinishReason.STOP, result.text
+    assert len(result.tool_calls) == 1 and not result.invalid_tool_calls
+    call = result.tool_calls[0]
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.name]
+    jsonschema.validate(call.arguments, params_of(tool))
+    assert result.content.strip() == ""
+
+
+@pytest.mark.parametrize("name", ["get_weather", "get_time"])
+def test_named_tool_choice_produces_that_tool(tiny_engine: Engine, name: str) -> None:
+    result = tiny_engine.submit(ASK, greedy(80), tools=[WEATHER, CLOCK], tool_choice=name,
+                                parallel_tool_calls=False).result()
+    assert [c.name for c in result.tool_calls] == [name]
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[name]
+    jsonschema.validate(result.tool_calls[0].arguments, params_of(tool))
+
+
+def test_any_is_required_and_none_omits_tools(tiny_engine: Engine) -> None:
+    specs = normalize_tools([WEATHER])
+    assert normalize_tool_choice("any", specs) == "required"
+    none = tiny_engine.submit(ASK, greedy(20), tools=[WEATHER], tool_choice="none").result()
+    plain = tiny_engine.submit(ASK, greedy(20)).result()
+    assert none.token_ids == plain.token_ids
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_parallel_calls_parse_into_separate_calls_with_distinct_ids(tiny_engine: Engine) -> None:
+    two_calls = LarkGrammar(
+        'start: call "\\n" call\n'
+        'call: <tool_call> "\\n{\\"name\\": \\"get_time\\", \\"arguments\\": '
+        '{\\"tz\\": \\"" ("UTC" | "CET") "\\"}}\\n" </tool_call>\n'
+    )
+    result = tiny_engine.submit(ASK, greedy(80, constraint=two_calls), tools=[CLOCK]).result()
+    assert [c.name for c in result.tool_calls] == ["get_time", "get_time"]
+    assert len({c.id for c in result.tool_calls}) == 2
+
+
+def test_malformed_calls_are_reported_not_raised(tiny_engine: Engine) -> None:
+    broken = LarkGrammar('start: "Sure. " <tool_call> "\\n{\\"name\\": oops\\n" </tool_call>')
+    result = tiny_engine.submit(ASK, greedy(40, constraint=broken), tools=[WEATHER]).result()
+    assert result.finish_reason is FinishReason.STOP
+    assert result.tool_calls == () and len(result.invalid_tool_calls) == 1
+    invalid = result.invalid_tool_calls[0]
+    assert "oops" in invalid.raw and invalid.error
+    assert result.content == "Sure. "
+
+
+def test_tools_are_rendered_by_the_template_when_it_can(tiny_engine: Engine) -> None:
+    runner = tiny_engine._runner
+    assert runner.template_renders_tools()
+    ids, _ = runner.encode_request(ASK, normalize_tools([WEATHER]), {})
+    text = tiny_engine.tokenizer.decode(ids)
+    assert "# Tools" in text and "get_weather" in text
+
+
+def test_fallback_system_prompt_when_the_template_ignores_tools(tiny_engine: Engine) -> None:
+    runner = tiny_engine._runner
+    runner._renders_tools = False
+    try:
+        messages = [{"role": "system", "content": "Be terse."}, *ASK]
+        ids, _ = runner.encode_request(messages, normalize_tools([WEATHER]), {})
+        text = tiny_engine.tokenizer.decode(ids)
+        assert "Be terse." in text and "<tools>" in text and "get_weather" in text
+        assert "# Tools" not in text  # not the template's own tool section
+        forced = tiny_engine.submit(messages, greedy(80), tools=[WEATHER],
+                                    tool_choice="get_weather").result()
+        assert forced.tool_calls and forced.tool_calls[0].name == "get_weather"
+    finally:
+        runner._renders_tools = None
+
+
+def test_bad_tools_and_choices_raise_at_submit(tiny_engine: Engine) -> None:
+    with pytest.raises(ValueError, match="not among the tools"):
+        tiny_engine.submit(ASK, greedy(), tools=[WEATHER], tool_choice="nope")
+    with pytest.raises(ValueError, match="function name"):
+        tiny_engine.submit(ASK, greedy(), tools=[{"type": "function", "function": {}}])
+    with pytest.raises(ValueError, match="chat-messages"):
+        tiny_engine.submit("text prompt", greedy(), tools=[WEATHER])
+    with pytest.raises(ValueError, match="needs at least one tool"):
+        tiny_engine.submit(ASK, greedy(), tool_choice="required")
+    bad_schema = {"type": "function", "function": {"name": "x",
+                                                   "parameters": {"type": "bogus"}}}
+    with pytest.raises(ValueError, match="JSON schema"):
+        tiny_engine.submit(ASK, greedy(), tools=[bad_schema], tool_choice="required")
+
+
+def test_forced_grammar_closes_argument_objects() -> None:
+    grammar = forced_call_grammar(normalize_tools([WEATHER]), "required", False)
+    assert '"additionalProperties": false' in grammar.grammar
+
+
+def test_reasoning_is_returned_apart_from_content(thinking_model_dir) -> None:  # type: ignore[no-untyped-def]
+    with Engine(thinking_model_dir) as eng:
+        assert eng.tokenizer.has_thinking
+        grammar = LarkGrammar('start: <think> "let me see" </think> "It is sunny."')
+        events = list(eng.submit(ASK, SamplingParams(max_tokens=30, constraint=grammar)))
+        result = events[-1].completion
+        assert result is not None
+        assert result.reasoning == "let me see" and result.content == "It is sunny."
+        assert "".join(e.reasoning for e in events) == "let me see"
+        assert "".join(e.content for e in events) == "It is sunny."
+
+
+def test_channel_splitter_handles_markers_split_across_tokens() -> None:
+    channels = RowChannels(ChannelSplitter({"reasoning": ("<think>", "</think>"),
+                                            "tool": ("<tool_call>", "</tool_call>")}), None, ())
+    pieces = ["<thi", "nk>hmm</th", "ink>Hi <tool", '_call>{"name": "a", "arguments": {}}',
+              '</tool_call><tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call> bye',
+              " <tool_call>{bad"]
+    deltas = [channels.feed(p) for p in pieces] + [channels.finish()]
+    assert "".join(d[0] for d in deltas) == "Hi  bye "
+    assert "".join(d[1] for d in deltas) == "hmm"
+    assert [(c.name, c.arguments) for c in channels.calls] == [("a", {}), ("b", {"x": 1})]
+    assert len(channels.invalid) == 1 and channels.invalid[0].raw == "{bad"
