@@ -11,9 +11,9 @@ try:  # TEMP until blas.py lands
 except ImportError:
     pass
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.errors import (  # noqa: E402
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import (
     ContextLengthError,
     EngineClosedError,
     EngineDeadError,
@@ -21,8 +21,14 @@ from engine.errors import (  # noqa: E402
     KVBudgetError,
     RequestTimeoutError,
 )
-from engine.registry import get_engine  # noqa: E402
-from engine.request import (  # noqa: E402
+from engine.models import (
+    InvalidModelError,
+    ModelDownloadError,
+    UnsupportedModelError,
+    resolve_model,
+)
+from engine.registry import get_engine
+from engine.request import (
     Completion,
     FinishReason,
     SamplingParams,
@@ -30,8 +36,8 @@ from engine.request import (  # noqa: E402
     TokenLogprob,
     Usage,
 )
-from engine.stats import EngineStats  # noqa: E402
-from engine.streams import RequestHandle  # noqa: E402
+from engine.stats import EngineStats
+from engine.streams import RequestHandle
 
 __all__ = [
     "Completion",
@@ -43,14 +49,18 @@ __all__ = [
     "EngineError",
     "EngineStats",
     "FinishReason",
+    "InvalidModelError",
     "KVBudgetError",
+    "ModelDownloadError",
     "RequestHandle",
     "RequestTimeoutError",
     "SamplingParams",
     "StreamEvent",
     "TokenLogprob",
+    "UnsupportedModelError",
     "Usage",
     "activate_fast_blas",
     "blas_info",
     "get_engine",
+    "resolve_model",
 ]
