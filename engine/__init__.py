@@ -12,6 +12,7 @@ except ImportError:
     pass
 
 from engine.config import EngineConfig
+from engine.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
 from engine.engine import Engine
 from engine.errors import (
     ContextLengthError,
@@ -27,6 +28,7 @@ from engine.models import (
     UnsupportedModelError,
     resolve_model,
 )
+from engine.grammar import InvalidConstraintError
 from engine.registry import get_engine
 from engine.request import (
     Completion,
@@ -38,9 +40,11 @@ from engine.request import (
 )
 from engine.stats import EngineStats
 from engine.streams import RequestHandle
+from engine.tools import InvalidToolCall, ToolCall
 
 __all__ = [
     "Completion",
+    "Constraint",
     "ContextLengthError",
     "Engine",
     "EngineClosedError",
@@ -49,14 +53,21 @@ __all__ = [
     "EngineError",
     "EngineStats",
     "FinishReason",
+    "InvalidConstraintError",
     "InvalidModelError",
+    "InvalidToolCall",
+    "JsonObject",
+    "JsonSchema",
     "KVBudgetError",
+    "LarkGrammar",
     "ModelDownloadError",
+    "Regex",
     "RequestHandle",
     "RequestTimeoutError",
     "SamplingParams",
     "StreamEvent",
     "TokenLogprob",
+    "ToolCall",
     "UnsupportedModelError",
     "Usage",
     "activate_fast_blas",
