@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +26,18 @@ from engine.config import EngineConfig
 from engine.errors import EngineClosedError, EngineDeadError, EngineError, RequestTimeoutError
 from engine.grammar import validate_constraint
 from engine.request import (
-    Completion,
     FinishReason,
     Prompt,
     SamplingParams,
-    StreamEvent,
     TokenCallback,
     TokenLogprob,
-    Usage,
 )
+from engine.rows import Row
 from engine.scheduler import BatchMode, Scheduler, StepPlan, Ticket
 from engine.stats import EngineStats
 from engine.streams import RequestHandle, RequestStream
 from engine.text import RowText
 from engine.tools import (
-    ToolSpec,
     forced_call_grammar,
     normalize_tool_choice,
     normalize_tools,
@@ -50,37 +47,9 @@ log = logging.getLogger("engine")
 ModelSpec = str | os.PathLike[str] | None
 
 
-@dataclass
-class _Row:
-    """A request the engine thread knows about, from submit to its final event."""
-
-    request_id: int
-    prompt: Prompt
-    params: SamplingParams
-    stream: RequestStream
-    on_token: TokenCallback | None
-    submitted_at: float
-    deadline: float | None
-    prompt_ids: list[int] = field(default_factory=list)
-    text: RowText | None = None
-    stop_ids: frozenset[int] = frozenset()
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    completion_tokens: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    cancel_error: BaseException | None = None
-    admitted: bool = False
-    tools: tuple[ToolSpec, ...] = ()
-    tool_choice: str = "auto"
-    parallel_tool_calls: bool = True
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    channels: RowChannels | None = None
-
-
 @dataclass(frozen=True)
 class _Submit:
-    row: _Row
+    row: Row
 
 
 @dataclass(frozen=True)
@@ -121,7 +90,7 @@ class Engine:
         # Engine-thread state below: touched only by the engine thread once it runs.
         self._runner: Any = None
         self._scheduler: Scheduler | None = None
-        self._rows: dict[int, _Row] = {}
+        self._rows: dict[int, Row] = {}
         self._consecutive_failures = 0
         _live_engines.add(self)
 
@@ -193,7 +162,7 @@ class Engine:
         with self._lock:
             self._raise_if_unusable()
             request_id = next(self._ids)
-            row = _Row(request_id, prompt, params, stream, on_token, now,
+            row = Row(request_id, prompt, params, stream, on_token, now,
                        None if timeout is None else now + timeout,
                        tools=specs, tool_choice=choice, parallel_tool_calls=parallel_tool_calls,
                        template_kwargs=dict(chat_template_kwargs or {}))
@@ -308,7 +277,7 @@ class Engine:
         deadlines = [r.deadline for r in self._rows.values() if r.deadline is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
-    def _accept(self, row: _Row) -> None:
+    def _accept(self, row: Row) -> None:
         assert self._scheduler is not None
         try:
             tools = row.tools if row.tool_choice != "none" else ()
@@ -368,7 +337,6 @@ class Engine:
         from engine.runner import RowSpec
 
         row = self._rows[ticket.request_id]
-        row.admitted = True
         return RowSpec(row.request_id, row.prompt_ids, row.params)
 
     def _step(self, run: Any, serial: bool) -> None:
@@ -391,43 +359,28 @@ class Engine:
                 self._deliver(row, out.token, out.finish, out.logprob)
 
     def _deliver(
-        self, row: _Row, token: int, finish: FinishReason | None, logprob: TokenLogprob | None
+        self, row: Row, token: int, finish: FinishReason | None, logprob: TokenLogprob | None
     ) -> None:
-        assert row.text is not None
-        now = time.monotonic()
-        row.first_token_at = row.first_token_at or now
-        row.last_token_at = now
-        row.completion_tokens += 1
-        new_ids: tuple[int, ...] = ()
-        delta = ""
-        if not (finish is FinishReason.STOP and token in row.stop_ids):
-            new_ids = (token,)
-            row.token_ids.append(token)
-            delta = row.text.add_token(token)
-            if logprob is not None:
-                row.logprobs.append(logprob)
         runner_holds_row = finish is None  # stops decided here must evict it
-        if row.text.stopped:
-            finish = FinishReason.STOP
+        delta, ids, finish = row.take_token(token, finish, time.monotonic())
+        if logprob is not None and ids:
+            row.logprobs.append(logprob)
         if row.on_token is not None:
             try:
                 if row.on_token(token, delta) is False and finish is None:
                     finish = FinishReason.STOP
-            except Exception as exc:
+            except Exception as exc:  # fails this row's consumer only
                 if runner_holds_row:
                     self._evict(row.request_id)
                 self._finish(row, FinishReason.ERROR, error=exc)
                 return
         lp = (logprob,) if logprob is not None else None
         if finish is None:
-            assert row.channels is not None
-            content, reasoning = row.channels.feed(delta)
-            row.stream.publish(StreamEvent(delta, new_ids, lp, content=content,
-                                           reasoning=reasoning))
+            row.stream.publish(row.event(delta, ids, lp))
             return
         if runner_holds_row:
             self._evict(row.request_id)
-        self._finish(row, finish, delta=delta + row.text.finish(), token_ids=new_ids, logprobs=lp)
+        self._finish(row, finish, delta=delta, token_ids=ids, logprobs=lp)
 
     def _evict(self, request_id: int) -> None:
         """Remove a row the runner still holds (stopped by text, callback or failure)."""
@@ -438,12 +391,12 @@ class Engine:
         assert self._scheduler is not None
         self._scheduler.release(request_id)
 
-    def _finish_cancelled(self, row: _Row) -> None:
+    def _finish_cancelled(self, row: Row) -> None:
         self._finish(row, FinishReason.CANCELLED, error=row.cancel_error)
 
     def _finish(
         self,
-        row: _Row,
+        row: Row,
         reason: FinishReason,
         *,
         error: BaseException | None = None,
@@ -454,24 +407,7 @@ class Engine:
         self._rows.pop(row.request_id, None)
         if self._scheduler is not None:
             self._scheduler.release(row.request_id)
-        usage = _usage(row)
-        content = reasoning = ""
-        channels = row.channels
-        if channels is not None:
-            content, reasoning = _join(channels.feed(delta), channels.finish())
-        completion = Completion(
-            text=row.text.text if row.text is not None else "",
-            token_ids=tuple(row.token_ids),
-            finish_reason=reason,
-            usage=usage,
-            logprobs=tuple(row.logprobs) if row.params.logprobs else None,
-            content=channels.content if channels is not None else "",
-            reasoning=channels.reasoning if channels and channels.saw_reasoning else None,
-            tool_calls=tuple(channels.calls) if channels is not None else (),
-            invalid_tool_calls=tuple(channels.invalid) if channels is not None else (),
-        )
-        event = StreamEvent(delta, token_ids, logprobs, reason, usage, error, content,
-                            reasoning, completion)
+        event, completion = row.final(reason, error, delta, token_ids, logprobs)
         with self._stats_lock:
             if reason is FinishReason.ERROR:
                 self._stats.failed += 1
@@ -567,20 +503,6 @@ class _ReleasedRunner:
 def _is_chat(prompt: Prompt) -> bool:
     return not isinstance(prompt, str) and bool(prompt) and all(
         isinstance(m, Mapping) for m in prompt)
-
-
-def _join(*parts: tuple[str, str]) -> tuple[str, str]:
-    return "".join(p[0] for p in parts), "".join(p[1] for p in parts)
-
-
-def _usage(row: _Row) -> Usage:
-    ttft = row.first_token_at - row.submitted_at if row.first_token_at is not None else None
-    rate = None
-    if row.first_token_at is not None and row.last_token_at is not None:
-        span = row.last_token_at - row.first_token_at
-        if row.completion_tokens > 1 and span > 0:
-            rate = (row.completion_tokens - 1) / span
-    return Usage(len(row.prompt_ids), row.completion_tokens, 0, ttft, rate)
 
 
 def _resolve(spec: ModelSpec, config: EngineConfig) -> Path:
