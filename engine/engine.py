@@ -281,7 +281,7 @@ class Engine:
         assert self._scheduler is not None
         try:
             tools = row.tools if row.tool_choice != "none" else ()
-            row.prompt_ids, start = self._runner.encode_request(
+            row.prompt_ids, start = self._runner.prompts.encode_request(
                 row.prompt, tools, row.template_kwargs)
             if tools and row.tool_choice != "auto":
                 row.params = replace(row.params, constraint=self._runner.forced_call_constraint(
@@ -293,8 +293,8 @@ class Engine:
             self._finish(row, FinishReason.ERROR, error=exc)
             return
         row.text = RowText(self._runner.new_detokenizer(), row.params.stop)
-        row.channels = RowChannels(ChannelSplitter(self._runner.channel_markers(), start),
-                                   self._runner.tool_parser, row.tools)
+        row.channels = RowChannels(ChannelSplitter(self._runner.prompts.channel_markers(), start),
+                                   self._runner.prompts.tool_parser, row.tools)
         row.stop_ids = self._runner.stop_token_ids(row.params)
         self._rows[row.request_id] = row
         lane = self._scheduler.lane_for(row.params.needs_serial_lane)

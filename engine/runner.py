@@ -19,27 +19,23 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from engine.cache_layout import footprint_of
-from engine.channels import CONTENT, REASONING, TOOL
+from engine.channels import TOOL
 from engine.config import EngineConfig
 from engine.constraints import LarkGrammar
 from engine.footprint import ModelFootprint
 from engine.grammar import GrammarCompiler, RowGrammar
+from engine.prompts import PromptRenderer
 from engine.request import (
-    ChatMessage,
     FinishReason,
     LogitsProcessor,
-    Prompt,
     SamplingParams,
     TokenLogprob,
 )
 from engine.sampling import BatchRow, BatchSampler, seeded_sampler
 from engine.serial_lane import SerialRow
 from engine.tools import (
-    TOOL_CALL_END,
-    TOOL_CALL_START,
     ToolSpec,
     forced_call_grammar,
-    with_fallback_tool_prompt,
 )
 
 
@@ -94,6 +90,7 @@ class Runner:
         self.model: Any = None
         self.tokenizer: Any = None
         self.footprint: ModelFootprint | None = None
+        self.prompts: PromptRenderer
         self._stream: Any = None
         self._generator: BatchGenerator | None = None
         self._compiler: GrammarCompiler | None = None
@@ -103,7 +100,6 @@ class Runner:
         self._stop_sequences: dict[tuple[int, ...], StopSequences] = {}
         self._serial: SerialRow | None = None
         self._serial_row: _Row | None = None
-        self._renders_tools: bool | None = None
 
     # ----- loading -----------------------------------------------------------------
 
@@ -111,6 +107,7 @@ class Runner:
         """Load weights and tokenizer on this (the engine) thread; probe the cache layout."""
         self._stream = mx.new_thread_local_stream(mx.default_device())
         self.model, self.tokenizer = mlx_load(str(self.model_path))[:2]
+        self.prompts = PromptRenderer(self.tokenizer, self.model_path, self.vocab_size)
         self.footprint = self._probe_footprint()
         self._generator = self._new_generator()
         return self.footprint
@@ -145,96 +142,14 @@ class Runner:
 
     # ----- prompts -------------------------------------------------------------------
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Text, token ids, or chat messages (rendered with the chat template) -> ids."""
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt))
-        elif prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self.render_chat(list(prompt))  # type: ignore[arg-type]
-        else:
-            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
-            vocab = self.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        return ids
-
-    def encode_request(
-        self, prompt: Prompt, tools: Sequence[ToolSpec], template_kwargs: dict[str, Any]
-    ) -> tuple[list[int], str]:
-        """Token ids for a request, and the channel its output starts in.
-
-        Tools are rendered by the chat template when it knows how; otherwise they are
-        described in the system message (``engine.tools.fallback_tool_prompt``).
-        """
-        if not (prompt and not isinstance(prompt, str)
-                and all(isinstance(m, dict) for m in prompt)):
-            return self.encode(prompt), CONTENT
-        messages: list[ChatMessage] = list(prompt)  # type: ignore[arg-type]
-        kwargs = dict(template_kwargs)
-        if tools:
-            if self.template_renders_tools():
-                kwargs["tools"] = [t.as_openai() for t in tools]
-            else:
-                messages = with_fallback_tool_prompt(messages, tools)
-        text = self.chat_text(messages, **kwargs)
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        think = self.tokenizer.think_start if self.tokenizer.has_thinking else None
-        # Templates that open the thinking block themselves start the output inside it.
-        starts_thinking = bool(think) and text.rstrip().endswith(str(think))
-        return ids, REASONING if starts_thinking else CONTENT
-
-    def template_renders_tools(self) -> bool:
-        """Whether the chat template shows tools passed as ``tools=`` (probed once)."""
-        if self._renders_tools is None:
-            probe = ToolSpec("zz_probe_tool_zz", "probe")
-            message = [{"role": "user", "content": "hi"}]
-            try:
-                text = self.chat_text(message, tools=[probe.as_openai()])
-                self._renders_tools = probe.name in text
-            except Exception:  # a template that chokes on tools cannot render them
-                self._renders_tools = False
-        return self._renders_tools
-
-    def channel_markers(self) -> dict[str, tuple[str, str]]:
-        """Text markers of reasoning and tool calls for this tokenizer."""
-        tokenizer = self.tokenizer
-        markers = {TOOL: (TOOL_CALL_START, TOOL_CALL_END)}
-        if tokenizer.has_tool_calling:
-            markers[TOOL] = (tokenizer.tool_call_start, tokenizer.tool_call_end)
-        if tokenizer.has_thinking:
-            markers[REASONING] = (tokenizer.think_start, tokenizer.think_end)
-        return markers
-
     def forced_call_constraint(
         self, tools: Sequence[ToolSpec], choice: str, parallel: bool
     ) -> LarkGrammar:
         """The grammar that forces tool calls, with markers as this tokenizer spells them."""
-        start, end = self.channel_markers()[TOOL]
+        start, end = self.prompts.channel_markers()[TOOL]
         compiler = self.grammar_compiler()
         return forced_call_grammar(tools, choice, parallel,
                                    compiler.lark_literal(start), compiler.lark_literal(end))
-
-    @property
-    def tool_parser(self) -> Any:
-        return self.tokenizer.tool_parser if self.tokenizer.has_tool_calling else None
-
-    def render_chat(self, messages: list[ChatMessage], **template_kwargs: Any) -> list[int]:
-        return list(self.tokenizer.encode(self.chat_text(messages, **template_kwargs),
-                                          add_special_tokens=False))
-
-    def chat_text(self, messages: list[ChatMessage], **template_kwargs: Any) -> str:
-        if self.tokenizer.chat_template is None:
-            raise ValueError(
-                f"the model at {self.model_path} has no chat template; pass text or token ids"
-            )
-        return str(self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **template_kwargs
-        ))
 
     @property
     def vocab_size(self) -> int:

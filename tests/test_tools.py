@@ -78,18 +78,18 @@ def test_malformed_calls_are_reported_not_raised(tiny_engine: Engine) -> None:
 
 def test_tools_are_rendered_by_the_template_when_it_can(tiny_engine: Engine) -> None:
     runner = tiny_engine._runner
-    assert runner.template_renders_tools()
-    ids, _ = runner.encode_request(ASK, normalize_tools([WEATHER]), {})
+    assert runner.prompts.template_renders_tools()
+    ids, _ = runner.prompts.encode_request(ASK, normalize_tools([WEATHER]), {})
     text = tiny_engine.tokenizer.decode(ids)
     assert "# Tools" in text and "get_weather" in text
 
 
 def test_fallback_system_prompt_when_the_template_ignores_tools(tiny_engine: Engine) -> None:
     runner = tiny_engine._runner
-    runner._renders_tools = False
+    runner.prompts._renders_tools = False
     try:
         messages = [{"role": "system", "content": "Be terse."}, *ASK]
-        ids, _ = runner.encode_request(messages, normalize_tools([WEATHER]), {})
+        ids, _ = runner.prompts.encode_request(messages, normalize_tools([WEATHER]), {})
         text = tiny_engine.tokenizer.decode(ids)
         assert "Be terse." in text and "<tools>" in text and "get_weather" in text
         assert "# Tools" not in text  # not the template's own tool section
@@ -97,7 +97,7 @@ def test_fallback_system_prompt_when_the_template_ignores_tools(tiny_engine: Eng
                                     tool_choice="get_weather").result()
         assert forced.tool_calls and forced.tool_calls[0].name == "get_weather"
     finally:
-        runner._renders_tools = None
+        runner.prompts._renders_tools = None
 
 
 def test_bad_tools_and_choices_raise_at_submit(tiny_engine: Engine) -> None:

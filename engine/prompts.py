@@ -1,0 +1,109 @@
+"""Turning a request's prompt into token ids with the model's tokenizer and chat template.
+
+Chat messages are rendered with ``add_generation_prompt=True``; tools go through the
+template's ``tools=`` when it renders them, otherwise into the system message. Also
+knows the tokenizer's text markers for reasoning and tool calls. No model, no mlx.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.channels import CONTENT, REASONING, TOOL
+from engine.request import ChatMessage, Prompt
+from engine.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec, with_fallback_tool_prompt
+
+
+class PromptRenderer:
+    """Encodes prompts for one tokenizer (mlx-lm's TokenizerWrapper)."""
+
+    def __init__(self, tokenizer: Any, model_path: Path, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.vocab_size = vocab_size
+        self._renders_tools: bool | None = None
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Text, token ids, or chat messages (rendered with the chat template) -> ids."""
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt))
+        elif prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self.render_chat(list(prompt))  # type: ignore[arg-type]
+        else:
+            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+            vocab = self.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        return ids
+
+    def encode_request(
+        self, prompt: Prompt, tools: Sequence[ToolSpec], template_kwargs: dict[str, Any]
+    ) -> tuple[list[int], str]:
+        """Token ids for a request, and the channel its output starts in.
+
+        Tools are rendered by the chat template when it knows how; otherwise they are
+        described in the system message (``engine.tools.fallback_tool_prompt``).
+        """
+        if not (prompt and not isinstance(prompt, str)
+                and all(isinstance(m, dict) for m in prompt)):
+            return self.encode(prompt), CONTENT
+        messages: list[ChatMessage] = list(prompt)  # type: ignore[arg-type]
+        kwargs = dict(template_kwargs)
+        if tools:
+            if self.template_renders_tools():
+                kwargs["tools"] = [t.as_openai() for t in tools]
+            else:
+                messages = with_fallback_tool_prompt(messages, tools)
+        text = self.chat_text(messages, **kwargs)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        think = self.tokenizer.think_start if self.tokenizer.has_thinking else None
+        # Templates that open the thinking block themselves start the output inside it.
+        starts_thinking = bool(think) and text.rstrip().endswith(str(think))
+        return ids, REASONING if starts_thinking else CONTENT
+
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template shows tools passed as ``tools=`` (probed once)."""
+        if self._renders_tools is None:
+            probe = ToolSpec("zz_probe_tool_zz", "probe")
+            message = [{"role": "user", "content": "hi"}]
+            try:
+                text = self.chat_text(message, tools=[probe.as_openai()])
+                self._renders_tools = probe.name in text
+            except Exception:  # a template that chokes on tools cannot render them
+                self._renders_tools = False
+        return self._renders_tools
+
+    def channel_markers(self) -> dict[str, tuple[str, str]]:
+        """Text markers of reasoning and tool calls for this tokenizer."""
+        tokenizer = self.tokenizer
+        markers = {TOOL: (TOOL_CALL_START, TOOL_CALL_END)}
+        if tokenizer.has_tool_calling:
+            markers[TOOL] = (tokenizer.tool_call_start, tokenizer.tool_call_end)
+        if tokenizer.has_thinking:
+            markers[REASONING] = (tokenizer.think_start, tokenizer.think_end)
+        return markers
+
+    @property
+    def tool_parser(self) -> Any:
+        return self.tokenizer.tool_parser if self.tokenizer.has_tool_calling else None
+
+    def render_chat(self, messages: list[ChatMessage], **template_kwargs: Any) -> list[int]:
+        return list(self.tokenizer.encode(self.chat_text(messages, **template_kwargs),
+                                          add_special_tokens=False))
+
+    def chat_text(self, messages: list[ChatMessage], **template_kwargs: Any) -> str:
+        if self.tokenizer.chat_template is None:
+            raise ValueError(
+                f"the model at {self.model_path} has no chat template; pass text or token ids"
+            )
+        return str(self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **template_kwargs
+        ))
+
