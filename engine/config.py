@@ -36,6 +36,16 @@ class EngineConfig(BaseModel):
         description="Keep quantized weights (True) or dequantize to float32 (False); "
         "None picks per backend (float32 on CPU, quantized on Metal/CUDA).",
     )
+    prefix_cache_bytes: int = Field(
+        default=1 << 30, ge=0,
+        description="Byte cap of the reusable prompt-prefix KV cache (0 = off).",
+    )
+    prefix_cache_ttl: float | None = Field(
+        default=600.0, gt=0, description="Seconds a stored prefix may be reused (None = no TTL).",
+    )
+    prefix_min_tokens: int = Field(
+        default=16, ge=1, description="Shortest prefix worth storing or reusing.",
+    )
     max_consecutive_step_failures: int = Field(
         default=3, ge=1,
         description="Model-step failures in a row before the engine declares itself dead.",

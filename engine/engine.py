@@ -230,7 +230,10 @@ class Engine:
         path = self.model_path
         self._runner = Runner(path, self.config)
         footprint = self._runner.load()
-        self._scheduler = Scheduler(footprint, self.config.max_batch, self.config.kv_budget_bytes)
+        store = self._runner.reuse.store
+        # Cached prefixes count against the KV budget and are the first thing to give way.
+        self._scheduler = Scheduler(footprint, self.config.max_batch, self.config.kv_budget_bytes,
+                                    cache_bytes=lambda: store.nbytes, reclaim=store.shrink_to)
         with self._stats_lock:
             self._stats.loaded = True
             self._stats.batch_mode = self._scheduler.mode.value
@@ -281,8 +284,8 @@ class Engine:
         assert self._scheduler is not None
         try:
             tools = row.tools if row.tool_choice != "none" else ()
-            row.prompt_ids, start = self._runner.prompts.encode_request(
-                row.prompt, tools, row.template_kwargs)
+            encoded = self._runner.prompts.encode_request(row.prompt, tools, row.template_kwargs)
+            row.prompt_ids, row.head_len = encoded.ids, encoded.head_len
             if tools and row.tool_choice != "auto":
                 row.params = replace(row.params, constraint=self._runner.forced_call_constraint(
                     tools, row.tool_choice, row.parallel_tool_calls))
@@ -293,7 +296,8 @@ class Engine:
             self._finish(row, FinishReason.ERROR, error=exc)
             return
         row.text = RowText(self._runner.new_detokenizer(), row.params.stop)
-        row.channels = RowChannels(ChannelSplitter(self._runner.prompts.channel_markers(), start),
+        row.channels = RowChannels(ChannelSplitter(self._runner.prompts.channel_markers(),
+                                                   encoded.start_channel),
                                    self._runner.prompts.tool_parser, row.tools)
         row.stop_ids = self._runner.stop_token_ids(row.params)
         self._rows[row.request_id] = row
@@ -327,17 +331,24 @@ class Engine:
                 self._finish_cancelled(self._rows[request_id])
         specs = [self._spec(ticket) for ticket in plan.admit]
         self._runner.insert(specs)
+        self._note_cached_tokens()
         if plan.serial is not None:
             specs.append(self._spec(plan.serial))
             self._runner.start_serial(specs[-1])
         with self._stats_lock:
             self._stats.prompt_tokens += sum(len(spec.prompt) for spec in specs)
 
+    def _note_cached_tokens(self) -> None:
+        for request_id, cached in self._runner.take_cached_tokens().items():
+            row = self._rows.get(request_id)
+            if row is not None:
+                row.cached_tokens = cached
+
     def _spec(self, ticket: Ticket) -> Any:
         from engine.runner import RowSpec
 
         row = self._rows[ticket.request_id]
-        return RowSpec(row.request_id, row.prompt_ids, row.params)
+        return RowSpec(row.request_id, row.prompt_ids, row.params, row.head_len)
 
     def _step(self, run: Any, serial: bool) -> None:
         try:
@@ -346,6 +357,7 @@ class Engine:
             self._model_failure(exc, serial)
             return
         self._consecutive_failures = 0
+        self._note_cached_tokens()
         with self._stats_lock:
             self._stats.steps += 1
             self._stats.peak_running = max(self._stats.peak_running, result.decoding_rows)
@@ -444,6 +456,13 @@ class Engine:
             self._stats.pending = self._scheduler.pending
             self._stats.kv_bytes_projected = self._scheduler.kv_bytes_projected
             self._stats.live_matchers = self._runner.live_matchers
+            store = self._runner.reuse.store
+            self._stats.prefix_hits = store.stats.hits
+            self._stats.prefix_misses = store.stats.misses
+            self._stats.prefix_hit_tokens = store.stats.hit_tokens
+            self._stats.prefix_evictions = store.stats.evictions + store.stats.expirations
+            self._stats.prefix_bytes = store.nbytes
+            self._stats.prefix_entries = len(store)
 
     def _shutdown(self) -> None:
         error = EngineClosedError("the engine was closed while the request ran")

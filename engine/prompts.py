@@ -8,12 +8,22 @@ knows the tokenizer's text markers for reasoning and tool calls. No model, no ml
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.channels import CONTENT, REASONING, TOOL
 from engine.request import ChatMessage, Prompt
 from engine.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec, with_fallback_tool_prompt
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A request's prompt as the engine needs it."""
+
+    ids: list[int]
+    start_channel: str = CONTENT
+    head_len: int = 0
 
 
 class PromptRenderer:
@@ -43,15 +53,17 @@ class PromptRenderer:
 
     def encode_request(
         self, prompt: Prompt, tools: Sequence[ToolSpec], template_kwargs: dict[str, Any]
-    ) -> tuple[list[int], str]:
-        """Token ids for a request, and the channel its output starts in.
+    ) -> EncodedPrompt:
+        """Token ids for a request, the channel its output starts in, and its shared head.
 
         Tools are rendered by the chat template when it knows how; otherwise they are
-        described in the system message (``engine.tools.fallback_tool_prompt``).
+        described in the system message (``engine.tools.fallback_tool_prompt``). The head
+        is the leading system message(s) with the tools: what parallel agent branches
+        share, and what the prefix cache stores on its own.
         """
         if not (prompt and not isinstance(prompt, str)
                 and all(isinstance(m, dict) for m in prompt)):
-            return self.encode(prompt), CONTENT
+            return EncodedPrompt(self.encode(prompt))
         messages: list[ChatMessage] = list(prompt)  # type: ignore[arg-type]
         kwargs = dict(template_kwargs)
         if tools:
@@ -66,7 +78,24 @@ class PromptRenderer:
         think = self.tokenizer.think_start if self.tokenizer.has_thinking else None
         # Templates that open the thinking block themselves start the output inside it.
         starts_thinking = bool(think) and text.rstrip().endswith(str(think))
-        return ids, REASONING if starts_thinking else CONTENT
+        return EncodedPrompt(ids, REASONING if starts_thinking else CONTENT,
+                             self._head_length(messages, ids, kwargs))
+
+    def _head_length(self, messages: list[ChatMessage], ids: list[int],
+                     kwargs: dict[str, Any]) -> int:
+        leading = 0
+        while leading < len(messages) and messages[leading].get("role") == "system":
+            leading += 1
+        if not leading or leading == len(messages):
+            return 0
+        try:
+            text = str(self.tokenizer.apply_chat_template(
+                messages[:leading], add_generation_prompt=False, tokenize=False, **kwargs))
+        except Exception:  # a template that refuses a system-only chat: no head
+            return 0
+        head = list(self.tokenizer.encode(text, add_special_tokens=False))
+        # Only a true token prefix of the whole prompt can be reused as one.
+        return len(head) if 0 < len(head) < len(ids) and ids[: len(head)] == head else 0
 
     def template_renders_tools(self) -> bool:
         """Whether the chat template shows tools passed as ``tools=`` (probed once)."""

@@ -42,6 +42,7 @@ class Row:
     parallel_tool_calls: bool = True
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     prompt_ids: list[int] = field(default_factory=list)
+    head_len: int = 0
     cached_tokens: int = 0
     text: RowText | None = None
     channels: RowChannels | None = None

@@ -24,6 +24,8 @@ from engine.config import EngineConfig
 from engine.constraints import LarkGrammar
 from engine.footprint import ModelFootprint
 from engine.grammar import GrammarCompiler, RowGrammar
+from engine.prefix_cache import PrefixStore
+from engine.prefix_reuse import PrefixReuse, reuse_policy, sliced
 from engine.prompts import PromptRenderer
 from engine.request import (
     FinishReason,
@@ -46,6 +48,7 @@ class RowSpec:
     request_id: int
     prompt: list[int]
     params: SamplingParams
+    head_len: int = 0  # tokens of the shared head (system + tools); 0 = none
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class _Row:
     spec: RowSpec
     grammar: RowGrammar | None = None
     failure: BaseException | None = None
+    cached_tokens: int = 0
 
     @property
     def params(self) -> SamplingParams:
@@ -100,6 +104,13 @@ class Runner:
         self._stop_sequences: dict[tuple[int, ...], StopSequences] = {}
         self._serial: SerialRow | None = None
         self._serial_row: _Row | None = None
+        self.reuse: PrefixReuse | None = None
+        # A row prefilling a shared head ("leader") makes rows with the same head wait
+        # for it, so that parallel branches hit the stored head on their first call.
+        self._heads_in_flight: dict[tuple[int, ...], int] = {}
+        self._head_of_leader: dict[int, tuple[int, ...]] = {}
+        self._deferred: dict[tuple[int, ...], list[_Row]] = {}
+        self._cached_report: dict[int, int] = {}
 
     # ----- loading -----------------------------------------------------------------
 
@@ -110,6 +121,9 @@ class Runner:
         self.prompts = PromptRenderer(self.tokenizer, self.model_path, self.vocab_size)
         self.footprint = self._probe_footprint()
         self._generator = self._new_generator()
+        store = PrefixStore(self.config.prefix_cache_bytes, self.config.prefix_cache_ttl,
+                            min_tokens=self.config.prefix_min_tokens)
+        self.reuse = PrefixReuse(store, reuse_policy(self.footprint))
         return self.footprint
 
     def _probe_footprint(self) -> ModelFootprint:
@@ -179,26 +193,90 @@ class Runner:
         return rows
 
     def insert(self, specs: Sequence[RowSpec]) -> None:
-        if not specs:
-            return
+        """Hand rows to the batch, each starting from the longest reusable KV prefix."""
         rows = [_Row(spec, self._grammar_for(spec.params)) for spec in specs]
-        uids = self.generator.insert(
-            [spec.prompt for spec in specs],
-            max_tokens=[spec.params.max_tokens for spec in specs],
-            logits_processors=[self._processors(row) for row in rows],
-            stop_sequences=[self._stop_sequences_for(spec.params) for spec in specs],
+        for row in rows:
+            self._rows[row.spec.request_id] = row
+        self._start(rows)
+
+    def take_cached_tokens(self) -> dict[int, int]:
+        """Prompt tokens reused from the prefix cache, per row started since last asked."""
+        report, self._cached_report = self._cached_report, {}
+        return report
+
+    def _start(self, rows: list[_Row]) -> None:
+        ready: list[_Row] = []
+        plans = []
+        for row in rows:  # in order: the first row with a new head becomes its leader
+            head = _head_key(row.spec)
+            if head is not None and head in self._heads_in_flight:
+                self._deferred.setdefault(head, []).append(row)
+            else:
+                plans.append(self._prefill_plan(row))
+                ready.append(row)
+        if not ready:
+            return
+        uids = self.generator.insert_segments(
+            [plan[0] for plan in plans],
+            max_tokens=[row.params.max_tokens for row in ready],
+            caches=[plan[1] for plan in plans],
+            all_tokens=[plan[2] for plan in plans],
+            logits_processors=[self._processors(row) for row in ready],
+            stop_sequences=[self._stop_sequences_for(row.params) for row in ready],
         )
-        for uid, row in zip(uids, rows):
+        for uid, row in zip(uids, ready):
             request_id = row.spec.request_id
-            self._rows[request_id] = row
             self._uid_to_request[uid] = request_id
             self._request_to_uid[request_id] = uid
+            self._cached_report[request_id] = row.cached_tokens
+
+    def _prefill_plan(self, row: _Row) -> tuple[list[list[int]], list[Any] | None, list[int]]:
+        """(prompt segments to prefill, starting cache, tokens that cache holds)."""
+        prompt, cache, reused = row.spec.prompt, None, 0
+        if self.reuse is not None:
+            running = {r: self._rows[r].spec.prompt for r in self._request_to_uid}
+            found = self.reuse.lookup(prompt, running, self._extract)
+            if found is not None:
+                cache, reused = found
+        row.cached_tokens = reused
+        head = row.spec.head_len
+        key = _head_key(row.spec)
+        if (key is not None and self.reuse is not None and self.reuse.enabled
+                and reused < head < len(prompt) - 1):
+            # Stop at the head boundary once, store it there, and let its twins wait.
+            self._heads_in_flight[key] = row.spec.request_id
+            self._head_of_leader[row.spec.request_id] = key
+            return [prompt[reused:head], prompt[head:]], cache, prompt[:reused]
+        return [prompt[reused:]], cache, prompt[:reused]
+
+    def _extract(self, request_id: int) -> tuple[list[Any], list[int]] | None:
+        uid = self._request_to_uid.get(request_id)
+        if uid is None:
+            return None
+        found = self.generator.extract_cache([uid]).get(uid)
+        return (list(found[0]), list(found[1])) if found is not None else None
+
+    def _head_stored(self, key: tuple[int, ...]) -> None:
+        """The head's prefill ended (stored or abandoned): start the rows waiting on it."""
+        leader = self._heads_in_flight.pop(key, None)
+        if leader is not None:
+            self._head_of_leader.pop(leader, None)
+        waiting = self._deferred.pop(key, [])
+        if waiting:
+            self._start(waiting)
 
     def remove(self, request_ids: Sequence[int]) -> None:
-        """Evict rows at any stage (queued, prefilling, decoding); their caches are freed."""
+        """Evict rows at any stage (waiting, queued, prefilling, decoding).
+
+        Their KV memory leaves the batch; what they computed is offered to the prefix
+        store (bounded by its byte cap) before it is dropped.
+        """
         uids = [self._request_to_uid[r] for r in request_ids if r in self._request_to_uid]
         if uids:
-            self.generator.remove(uids)
+            keep = self.reuse is not None and self.reuse.enabled
+            for cache, tokens in self.generator.remove(uids, return_prompt_caches=keep).values():
+                assert self.reuse is not None
+                self.reuse.keep(tokens, cache)
         for request_id in request_ids:
             self._forget(request_id)
 
@@ -209,6 +287,14 @@ class Runner:
         row = self._rows.pop(request_id, None)
         if row is not None and row.grammar is not None:
             row.grammar.close()
+        if row is not None:
+            key = _head_key(row.spec)
+            waiting = self._deferred.get(key) if key is not None else None
+            if waiting is not None and row in waiting:
+                waiting.remove(row)
+        head = self._head_of_leader.get(request_id)
+        if head is not None:
+            self._head_stored(head)  # abandoned: a waiting twin becomes the leader
 
     @property
     def batch_rows(self) -> int:
@@ -216,8 +302,11 @@ class Runner:
 
     def step(self) -> StepResult:
         """One decode step for decoding rows plus one prefill chunk for prefilling rows."""
-        _, responses = self.generator.next()
+        progress, responses = self.generator.next()
         result = StepResult(decoding_rows=len(self.generator._generation_batch))
+        for prompt_response in progress:
+            if prompt_response.end_of_segment and not prompt_response.end_of_prompt:
+                self._maybe_store_head(prompt_response.uid)
         for response in responses:
             request_id = self._uid_to_request.get(response.uid)
             row = self._rows.get(request_id) if request_id is not None else None
@@ -232,6 +321,8 @@ class Runner:
                          _logprob(row.params, token, response.logprobs))
             )
             if response.finish_reason is not None:
+                if self.reuse is not None and response.prompt_cache is not None:
+                    self.reuse.keep(response.all_tokens, response.prompt_cache)
                 self._forget(row.spec.request_id)  # mlx-lm already dropped the row
             elif finish is not None:
                 self.remove([row.spec.request_id])
@@ -240,9 +331,22 @@ class Runner:
                 result.failed[row.spec.request_id] = row.failure
         return result
 
+    def _maybe_store_head(self, uid: int) -> None:
+        request_id = self._uid_to_request.get(uid)
+        key = self._head_of_leader.get(request_id) if request_id is not None else None
+        if key is None or self.reuse is None:
+            return
+        found = self._extract(request_id)  # type: ignore[arg-type]
+        if found is not None and len(found[1]) >= len(key):
+            self.reuse.keep(found[1][: len(key)], [_trimmed(c, len(key)) for c in found[0]])
+        self._head_stored(key)
+
     def reset_batch(self) -> list[int]:
         """Drop every batch row after a model failure; returns their request ids."""
         dropped = list(self._rows)
+        self._deferred.clear()
+        self._heads_in_flight.clear()
+        self._head_of_leader.clear()
         for request_id in dropped:
             self._forget(request_id)
         self._generator = self._new_generator()
@@ -340,6 +444,15 @@ class Runner:
 
     def stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
         return self._stop_ids(params)
+
+
+def _head_key(spec: RowSpec) -> tuple[int, ...] | None:
+    return tuple(spec.prompt[: spec.head_len]) if spec.head_len else None
+
+
+def _trimmed(layer: Any, n: int) -> Any:
+    """A cache layer cut to its first n tokens (the head), sharing no arrays."""
+    return sliced([layer], n)[0]
 
 
 def _guard(row: _Row, processor: LogitsProcessor) -> LogitsProcessor:

@@ -9,6 +9,7 @@ marked for eviction), then waiting requests are admitted FIFO while they fit und
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -59,11 +60,21 @@ class Scheduler:
     """FIFO admission by row count and projected KV bytes; cancellation bookkeeping."""
 
     def __init__(
-        self, footprint: ModelFootprint, max_batch: int, kv_budget_bytes: int | None
+        self,
+        footprint: ModelFootprint,
+        max_batch: int,
+        kv_budget_bytes: int | None,
+        *,
+        cache_bytes: Callable[[], int] = lambda: 0,
+        reclaim: Callable[[int], object] = lambda limit: None,
     ) -> None:
+        """``cache_bytes`` reports the prefix cache's size; ``reclaim(limit)`` shrinks it
+        to at most ``limit`` bytes, which admission does before making anyone wait."""
         self.footprint = footprint
         self.max_batch = max_batch
         self.kv_budget_bytes = kv_budget_bytes
+        self._cache_bytes = cache_bytes
+        self._reclaim = reclaim
         self._pending: dict[Lane, deque[Ticket]] = {lane: deque() for lane in Lane}
         self._running: dict[int, Ticket] = {}
         self._serial: Ticket | None = None
@@ -125,7 +136,12 @@ class Scheduler:
     def _fits(self, ticket: Ticket) -> bool:
         if self.kv_budget_bytes is None:
             return True
-        return self.kv_bytes_projected + ticket.kv_bytes <= self.kv_budget_bytes
+        needed = self.kv_bytes_projected + ticket.kv_bytes
+        if needed > self.kv_budget_bytes:
+            return False
+        if needed + self._cache_bytes() > self.kv_budget_bytes:
+            self._reclaim(self.kv_budget_bytes - needed)
+        return needed + self._cache_bytes() <= self.kv_budget_bytes
 
     def _admit(self, plan: StepPlan) -> None:
         # Strict FIFO per lane: a head that does not fit yet blocks those behind it,

@@ -23,3 +23,9 @@ class EngineStats:
     generated_tokens: int = 0
     kv_bytes_projected: int = 0  # worst-case KV bytes of the running rows
     live_matchers: int = 0  # grammar matchers held by constrained rows
+    prefix_hits: int = 0  # rows that started from a reused KV prefix
+    prefix_misses: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens not prefilled thanks to reuse
+    prefix_evictions: int = 0  # entries dropped by the byte cap, LRU or TTL
+    prefix_bytes: int = 0  # KV bytes the prefix cache holds now
+    prefix_entries: int = 0

@@ -79,7 +79,7 @@ def test_malformed_calls_are_reported_not_raised(tiny_engine: Engine) -> None:
 def test_tools_are_rendered_by_the_template_when_it_can(tiny_engine: Engine) -> None:
     runner = tiny_engine._runner
     assert runner.prompts.template_renders_tools()
-    ids, _ = runner.prompts.encode_request(ASK, normalize_tools([WEATHER]), {})
+    ids = runner.prompts.encode_request(ASK, normalize_tools([WEATHER]), {}).ids
     text = tiny_engine.tokenizer.decode(ids)
     assert "# Tools" in text and "get_weather" in text
 
@@ -89,7 +89,7 @@ def test_fallback_system_prompt_when_the_template_ignores_tools(tiny_engine: Eng
     runner.prompts._renders_tools = False
     try:
         messages = [{"role": "system", "content": "Be terse."}, *ASK]
-        ids, _ = runner.prompts.encode_request(messages, normalize_tools([WEATHER]), {})
+        ids = runner.prompts.encode_request(messages, normalize_tools([WEATHER]), {}).ids
         text = tiny_engine.tokenizer.decode(ids)
         assert "Be terse." in text and "<tools>" in text and "get_weather" in text
         assert "# Tools" not in text  # not the template's own tool section
