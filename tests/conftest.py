@@ -23,28 +23,26 @@ def _cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(root) if root else tmp_path_factory.getbasetemp()
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-weight qwen2 model with a real BPE tokenizer and a tools chat template."""
-    out = _cache_root(tmp_path_factory) / "tiny-qwen2-v3"
+def _built(out: Path, **options: bool) -> Path:
+    # Built once, published by rename, so a crashed build never looks finished.
     with _build_lock:
         if not (out / "config.json").exists():
             partial = out.with_name(out.name + f".tmp{os.getpid()}")
-            build_tiny_model(partial)
+            build_tiny_model(partial, **options)  # type: ignore[arg-type]
             os.replace(partial, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight qwen2 model with a real BPE tokenizer and a tools chat template."""
+    return _built(_cache_root(tmp_path_factory) / "tiny-qwen2-v3")
 
 
 @pytest.fixture(scope="session")
 def thinking_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with <think>/</think> tokens, so mlx-lm sees a reasoning model."""
-    out = _cache_root(tmp_path_factory) / "tiny-qwen2-thinking-v1"
-    with _build_lock:
-        if not (out / "config.json").exists():
-            partial = out.with_name(out.name + f".tmp{os.getpid()}")
-            build_tiny_model(partial, thinking=True)
-            os.replace(partial, out)
-    return out
+    return _built(_cache_root(tmp_path_factory) / "tiny-qwen2-thinking-v1", thinking=True)
 
 
 @pytest.fixture
