@@ -22,13 +22,13 @@ from engine.errors import (
     KVBudgetError,
     RequestTimeoutError,
 )
+from engine.grammar import InvalidConstraintError
 from engine.models import (
     InvalidModelError,
     ModelDownloadError,
     UnsupportedModelError,
     resolve_model,
 )
-from engine.grammar import InvalidConstraintError
 from engine.registry import get_engine
 from engine.request import (
     Completion,

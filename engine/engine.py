@@ -79,6 +79,7 @@ class Engine:
         self.config = config or EngineConfig()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._resolve_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._loaded = threading.Event()
@@ -99,7 +100,8 @@ class Engine:
     @property
     def model_path(self) -> Path:
         """The resolved local model directory (what ``mlx_lm.load`` would load)."""
-        with self._lock:
+        # Its own lock: resolving may download and convert, and submit must not wait on it.
+        with self._resolve_lock:
             if self._model_path is None:
                 self._model_path = _resolve(self.model_spec, self.config)
             return self._model_path
@@ -163,9 +165,9 @@ class Engine:
             self._raise_if_unusable()
             request_id = next(self._ids)
             row = Row(request_id, prompt, params, stream, on_token, now,
-                       None if timeout is None else now + timeout,
-                       tools=specs, tool_choice=choice, parallel_tool_calls=parallel_tool_calls,
-                       template_kwargs=dict(chat_template_kwargs or {}))
+                      None if timeout is None else now + timeout,
+                      tools=specs, tool_choice=choice, parallel_tool_calls=parallel_tool_calls,
+                      template_kwargs=dict(chat_template_kwargs or {}))
             self._commands.put(_Submit(row))
         self._ensure_thread()
         return RequestHandle(request_id, stream, lambda: self._commands.put(_Cancel(request_id)))
