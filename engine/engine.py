@@ -220,7 +220,7 @@ class Engine:
             self._loaded.set()
             while self._serve_once():
                 pass
-        except BaseException as exc:
+        except BaseException as exc:  # every waiter must learn of it
             self._die(exc)
         finally:
             self._loaded.set()
@@ -355,7 +355,7 @@ class Engine:
     def _step(self, run: Any, serial: bool) -> None:
         try:
             result = run()
-        except Exception as exc:
+        except Exception as exc:  # contained below, or fatal after retries
             self._model_failure(exc, serial)
             return
         self._consecutive_failures = 0
@@ -484,7 +484,7 @@ class Engine:
         if self._runner is not None:
             try:
                 self._runner.close()
-            except Exception:
+            except Exception:  # best effort on the way out
                 log.exception("releasing rows after the engine died failed")
         self._fail_everything(dead, FinishReason.ERROR)
         if self._scheduler is not None:
@@ -510,7 +510,7 @@ class Engine:
             import mlx.core as mx
 
             mx.clear_streams()  # without it, processes aborted at exit (DESIGN.md)
-        except Exception:
+        except Exception:  # best effort on the way out
             pass
 
 

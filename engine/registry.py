@@ -51,7 +51,7 @@ def get_engine(model: ModelSpec = None, **config: Any) -> Engine:
 def _usable(engine: Engine) -> bool:
     try:
         engine._raise_if_unusable()
-    except Exception:
+    except Exception:  # closed or dead engines are replaced
         return False
     return True
 

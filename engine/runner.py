@@ -463,7 +463,7 @@ def _guard(row: _Row, processor: LogitsProcessor) -> LogitsProcessor:
             return logits
         try:
             return processor(tokens, logits)
-        except Exception as exc:
+        except Exception as exc:  # reported to that row's consumer
             row.failure = exc
             return logits
 

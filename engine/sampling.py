@@ -64,7 +64,7 @@ def apply_masks(
                 grammar.consume(fed[i])
             grammar.started = True
             grammar.fill(bitmask, i)
-        except Exception as exc:
+        except Exception as exc:  # this row fails, the batch goes on
             row.failure = exc
             bitmask[i] = -1
     allowed = unpack_bitmask(bitmask, logprobs.shape[-1])

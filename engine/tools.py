@@ -188,7 +188,7 @@ def parse_call(raw: str, parser: ToolParser | None, tools: Sequence[ToolSpec]) -
             raise ValueError("the call has no tool name")
         if not isinstance(arguments, Mapping):
             raise ValueError("the call's arguments are not a JSON object")
-    except Exception as exc:
+    except Exception as exc:  # any parser failure is reported, not raised
         guess = _guess_name(text)
         return InvalidToolCall(call_id, guess, raw, f"{type(exc).__name__}: {exc}")
     return ToolCall(call_id, name, dict(arguments))
