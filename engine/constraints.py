@@ -20,7 +20,7 @@ class JsonSchema:
 
     def __init__(self, schema: Mapping[str, Any] | str) -> None:
         if isinstance(schema, Mapping):
-            text = json.dumps(schema, sort_keys=True)
+            text = json.dumps(schema)  # key order matters: fields are generated in it
         elif isinstance(schema, str):
             try:
                 json.loads(schema)

@@ -429,6 +429,11 @@ class Engine:
                 self._stats.cancelled += 1
             else:
                 self._stats.completed += 1
+            if self._scheduler is not None:
+                # Before the consumer wakes: whoever holds a result sees its row gone.
+                self._stats.running = self._scheduler.running
+                self._stats.pending = self._scheduler.pending
+                self._stats.kv_bytes_projected = self._scheduler.kv_bytes_projected
         row.stream.publish(event, completion)
 
     def _model_failure(self, exc: Exception, serial: bool) -> None:

@@ -1,0 +1,260 @@
+"""LlamaIndex types <-> the engine's plain chat dicts and results (no model, no mlx).
+
+Kept apart from ``llama_index.py`` so the LLM class reads as request plumbing only:
+here live message conversion in, response and stream-chunk building out, tool schemas
+and tool selections.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    AudioBlock,
+    ChatMessage,
+    ChatResponse,
+    CitableBlock,
+    CitationBlock,
+    CompletionResponse,
+    DocumentBlock,
+    ImageBlock,
+    MessageRole,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+    VideoBlock,
+)
+from llama_index.core.bridge.pydantic import BaseModel
+from llama_index.core.llms.llm import ToolSelection
+
+from engine import Completion, InvalidToolCall, JsonSchema, StreamEvent, ToolCall, Usage
+from mlx_providers._chat import arguments_dict, normalize_messages, tool_call_dict
+
+_MEDIA = (ImageBlock, AudioBlock, VideoBlock, DocumentBlock)
+
+
+def _blocks_text(blocks: Iterable[Any]) -> str:
+    """The text of a message's blocks; raises for media, which a text model cannot see."""
+    parts: list[str] = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            parts.append(block.text)
+        elif isinstance(block, CitableBlock):
+            parts.append(_blocks_text(block.content))
+        elif isinstance(block, CitationBlock):
+            parts.append(_blocks_text([block.cited_content]))
+        elif isinstance(block, _MEDIA):
+            raise ValueError(f"MLXBatchLLM serves text-only models; got a "
+                             f"{type(block).__name__} in a chat message")
+        # Thinking, tool-call and cache-point blocks carry no prompt text: calls are
+        # rendered from tool_calls, and past reasoning is not fed back to the model.
+    return "\n".join(parts)
+
+
+def _calls_of(message: ChatMessage) -> list[dict[str, Any]]:
+    """An assistant message's tool calls, from ToolCallBlocks or legacy additional_kwargs."""
+    calls = [tool_call_dict(b.tool_call_id, b.tool_name, b.tool_kwargs)
+             for b in message.blocks if isinstance(b, ToolCallBlock)]
+    seen = {c["id"] for c in calls if c["id"]}
+    for raw in message.additional_kwargs.get("tool_calls") or ():
+        call = _legacy_call(raw)
+        if call is not None and (not call["id"] or call["id"] not in seen):
+            calls.append(call)
+    return calls
+
+
+def _legacy_call(raw: Any) -> dict[str, Any] | None:
+    """A call kept by other integrations: an OpenAI dict or object, or a ToolSelection."""
+    if isinstance(raw, ToolSelection):
+        return tool_call_dict(raw.tool_id, raw.tool_name, raw.tool_kwargs)
+    if isinstance(raw, Mapping):
+        fn = raw.get("function", raw)
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if not name:
+            return None
+        return tool_call_dict(raw.get("id"), str(name), fn.get("arguments", fn.get("args")))
+    fn = getattr(raw, "function", None)
+    name = getattr(fn, "name", None)
+    if not name:
+        return None
+    return tool_call_dict(getattr(raw, "id", None), str(name), getattr(fn, "arguments", None))
+
+
+def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """LlamaIndex chat history as template-safe dicts (through ``_chat.normalize_messages``)."""
+    out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # tool_call_id -> tool name, so results can name their tool
+    for message in messages:
+        role = message.role.value if isinstance(message.role, MessageRole) else message.role
+        item: dict[str, Any] = {"role": role, "content": _blocks_text(message.blocks)}
+        extra = message.additional_kwargs
+        if role == MessageRole.ASSISTANT.value:
+            calls = _calls_of(message)
+            if calls:
+                item["tool_calls"] = calls
+                names.update({c["id"]: c["function"]["name"] for c in calls if c["id"]})
+        elif role in (MessageRole.TOOL.value, MessageRole.FUNCTION.value):
+            call_id = extra.get("tool_call_id")
+            if call_id:
+                item["tool_call_id"] = call_id
+            name = extra.get("name") or extra.get("tool_name") or names.get(call_id or "")
+            if name:
+                item["name"] = name
+            if extra.get("is_error"):
+                item["status"] = "error"
+        out.append(item)
+    return normalize_messages(out)
+
+
+def openai_tool(tool: Any) -> dict[str, Any]:
+    """A LlamaIndex tool (or an OpenAI tool dict already) in the OpenAI function format."""
+    if isinstance(tool, Mapping):
+        return dict(tool)
+    metadata = getattr(tool, "metadata", None)
+    if metadata is None or not hasattr(metadata, "to_openai_tool"):
+        raise TypeError(f"expected a LlamaIndex tool or an OpenAI tool dict, got {tool!r}")
+    return dict(metadata.to_openai_tool(skip_length_check=True))
+
+
+def usage_dict(usage: Usage) -> dict[str, Any]:
+    """Usage in the key names LlamaIndex's token counting reads from ``raw["usage"]``."""
+    return {"prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "cached_tokens": usage.cached_tokens,
+            "time_to_first_token": usage.time_to_first_token,
+            "decode_tokens_per_second": usage.decode_tokens_per_second}
+
+
+def _invalid_dict(call: InvalidToolCall) -> dict[str, Any]:
+    """An unparsed call as plain JSON data (raw responses get serialised by tracers)."""
+    return {"id": call.id, "name": call.name, "raw": call.raw, "error": call.error}
+
+
+def final_raw(completion: Completion, model_name: str) -> dict[str, Any]:
+    """``ChatResponse.raw`` of a finished request: usage, finish reason, unparsed calls."""
+    return {"model": model_name,
+            "finish_reason": completion.finish_reason.value,
+            "usage": usage_dict(completion.usage),
+            "invalid_tool_calls": [_invalid_dict(c) for c in completion.invalid_tool_calls]}
+
+
+def assistant_message(content: str, reasoning: str | None,
+                      tool_calls: Sequence[ToolCall] = ()) -> ChatMessage:
+    """The assistant's turn: thinking first, then the answer text, then its tool calls."""
+    if tool_calls and not content.strip():
+        content = ""  # the newlines between calls are not an answer
+    blocks: list[Any] = []
+    if reasoning:
+        blocks.append(ThinkingBlock(content=reasoning))
+    blocks.append(TextBlock(text=content))
+    blocks.extend(ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=dict(c.arguments))
+                  for c in tool_calls)
+    return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks)
+
+
+def chat_response(completion: Completion, model_name: str, delta: str | None = None,
+                  extra: Mapping[str, Any] | None = None) -> ChatResponse:
+    """A whole (or the last streamed) chat response built from the engine's Completion."""
+    message = assistant_message(completion.content, completion.reasoning, completion.tool_calls)
+    return ChatResponse(message=message, delta=delta, raw=final_raw(completion, model_name),
+                        additional_kwargs=dict(extra or {}))
+
+
+def tool_selections(message: ChatMessage) -> list[ToolSelection]:
+    """The tool calls of an assistant message, each with a distinct ``tool_id``."""
+    found: list[ToolSelection] = []
+    for block in message.blocks:
+        if isinstance(block, ToolCallBlock):
+            found.append(_selection(block.tool_call_id, block.tool_name, block.tool_kwargs))
+    if not found:  # histories built by other integrations keep calls in additional_kwargs
+        for raw in message.additional_kwargs.get("tool_calls") or ():
+            call = _legacy_call(raw)
+            if call is not None:
+                fn = call["function"]
+                found.append(_selection(call["id"], fn["name"], fn["arguments"]))
+    return found
+
+
+def _selection(call_id: str | None, name: str, arguments: Any) -> ToolSelection:
+    """A ToolSelection; a call without an id gets a fresh one (agents match results by id)."""
+    kwargs = arguments if isinstance(arguments, Mapping) else arguments_dict(arguments)
+    return ToolSelection(tool_id=call_id or f"call_{uuid.uuid4().hex[:24]}",
+                         tool_name=name, tool_kwargs=dict(kwargs))
+
+
+def keep_first_call(response: ChatResponse) -> ChatResponse:
+    """The response with only its first tool call (when parallel calls were not allowed)."""
+    message = response.message
+    calls = [b for b in message.blocks if isinstance(b, ToolCallBlock)]
+    if len(calls) <= 1:
+        return response
+    blocks = [b for b in message.blocks if not isinstance(b, ToolCallBlock)] + calls[:1]
+    trimmed = message.model_copy(update={"blocks": blocks})
+    return response.model_copy(update={"message": trimmed})
+
+
+class StreamChunks:
+    """Turns a request's stream events into LlamaIndex chunks with delta and accumulation."""
+
+    def __init__(self, model_name: str) -> None:
+        """Start with nothing accumulated; ``model_name`` goes into the last chunk's raw."""
+        self.model_name = model_name
+        self.content = ""
+        self.reasoning = ""
+
+    def chat(self, event: StreamEvent) -> ChatResponse | None:
+        """The chat chunk for ``event``; None for events with nothing to show (call markup)."""
+        extra = {"thinking_delta": event.reasoning} if event.reasoning else {}
+        if event.completion is not None:  # the last event: the whole turn, calls and usage
+            return chat_response(event.completion, self.model_name, event.content, extra)
+        if not self._feed(event):
+            return None
+        message = assistant_message(self.content, self.reasoning or None)
+        return ChatResponse(message=message, delta=event.content, additional_kwargs=extra)
+
+    def completion(self, event: StreamEvent) -> CompletionResponse | None:
+        """The completion chunk for ``event``; None when it adds no text."""
+        extra = {"thinking_delta": event.reasoning} if event.reasoning else {}
+        if event.completion is not None:
+            return completion_response(event.completion, self.model_name, event.content, extra)
+        if not self._feed(event):
+            return None
+        return CompletionResponse(text=self.content, delta=event.content, additional_kwargs=extra)
+
+    def _feed(self, event: StreamEvent) -> bool:
+        """Accumulate the event's text; False when it carries none (tool-call markup)."""
+        self.content += event.content
+        self.reasoning += event.reasoning
+        return bool(event.content or event.reasoning)
+
+
+def completion_response(completion: Completion, model_name: str, delta: str | None = None,
+                        extra: Mapping[str, Any] | None = None) -> CompletionResponse:
+    """A whole (or the last streamed) completion; reasoning goes to additional_kwargs."""
+    additional = dict(extra or {})
+    if completion.reasoning:
+        additional["reasoning"] = completion.reasoning
+    return CompletionResponse(text=completion.content, delta=delta,
+                              raw=final_raw(completion, model_name), additional_kwargs=additional)
+
+
+def json_kwargs(output_cls: type[BaseModel],
+                llm_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Chat options that force the output to JSON valid against ``output_cls``'s schema."""
+    return {**(llm_kwargs or {}), "constraint": JsonSchema(output_cls.model_json_schema())}
+
+
+def parse_structured(output_cls: type[Any], response: ChatResponse) -> Any:
+    """``output_cls`` from a constrained response; says so when max_tokens cut the JSON."""
+    text = response.message.content or ""
+    try:
+        return output_cls.model_validate_json(text)
+    except ValueError as exc:
+        raw = response.raw if isinstance(response.raw, Mapping) else {}
+        hint = (" (the output was cut at max_tokens; raise it, e.g. "
+                "llm_kwargs={'max_tokens': ...})" if raw.get("finish_reason") == "length" else "")
+        raise ValueError(f"the model's JSON for {output_cls.__name__} did not validate"
+                         f"{hint}: {text[:200]!r}") from exc

@@ -1,0 +1,421 @@
+"""MLXBatchLLM: a LlamaIndex ``FunctionCallingLLM`` on the shared continuous-batching engine.
+
+Every call, sync or async, from any number of agents, query engines or threads, becomes
+one row of the engine's running batch. The async methods are native: they await the
+engine's stream and never run blocking code on the event loop. Cancelling the awaiting
+task, abandoning a stream, or cancelling an agent run evicts the row at the next step.
+
+    from mlx_providers import MLXBatchLLM
+    llm = MLXBatchLLM()                       # the default model, SmolLM2-135M-Instruct
+    print(llm.complete("The capital of France is"))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW, DEFAULT_NUM_OUTPUTS
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.events.llm import (
+    LLMStructuredPredictEndEvent,
+    LLMStructuredPredictStartEvent,
+)
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.program.utils import process_streaming_objects
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.types import PydanticProgramMode
+
+from engine import (
+    Completion,
+    Engine,
+    RequestHandle,
+    SamplingParams,
+    get_engine,
+)
+from mlx_providers._llama_index_messages import (
+    StreamChunks,
+    chat_response,
+    completion_response,
+    json_kwargs,
+    keep_first_call,
+    openai_tool,
+    parse_structured,
+    to_engine_messages,
+    tool_selections,
+)
+
+__all__ = ["MLXBatchLLM"]
+
+dispatcher = get_dispatcher(__name__)
+
+# Per-call keyword arguments: sampling overrides, then what the engine's submit takes.
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
+                    "repetition_penalty", "seed", "stop")
+_PER_CALL = (*_SAMPLING_FIELDS, "constraint", "timeout", "tools", "tool_choice",
+             "parallel_tool_calls", "chat_template_kwargs")
+
+
+@dataclass(frozen=True)
+class _Request:
+    """Everything one engine submit needs, built (and validated) before submitting."""
+
+    prompt: str | list[dict[str, Any]]
+    params: SamplingParams
+    options: dict[str, Any]
+
+
+def _wait(handle: RequestHandle) -> Completion:
+    """Block for the result; an interrupt (Ctrl-C) while waiting evicts the row."""
+    try:
+        return handle.result()
+    except BaseException:
+        handle.cancel()
+        raise
+
+
+class MLXBatchLLM(FunctionCallingLLM):
+    """A local MLX model as a LlamaIndex function-calling LLM, batched with every other call.
+
+    ``model`` is a local mlx-lm/HF directory, a ``.gguf`` file, a hub id, or None for the
+    default model. All instances for one model share one engine (also with LangChain's
+    ``ChatMLXBatch``). Sampling fields are defaults; every call may override them, and
+    may also pass ``constraint`` (an engine ``JsonSchema``/``JsonObject``/``Regex``/
+    ``LarkGrammar``), ``timeout``, ``tools``, ``tool_choice``, ``parallel_tool_calls`` and
+    ``chat_template_kwargs``.
+    """
+
+    model: str | None = Field(
+        default=None, description="Model directory, .gguf file or hub id; None = default model.")
+    max_tokens: int = Field(default=DEFAULT_NUM_OUTPUTS, description="Tokens to generate at most.")
+    temperature: float = Field(default=0.0, description="0 is greedy (deterministic).")
+    top_p: float = Field(default=1.0, description="Nucleus sampling mass (1 = off).")
+    top_k: int = Field(default=0, description="Sample among the k likeliest tokens (0 = off).")
+    min_p: float = Field(default=0.0, description="Minimum probability relative to the top token.")
+    repetition_penalty: float | None = Field(default=None, description="Penalty > 1 repeats less.")
+    seed: int | None = Field(
+        default=None, description="Reproducible sampling; seeded requests run one at a time.")
+    stop: list[str] = Field(default_factory=list, description="Strings that end the output.")
+    timeout: float | None = Field(
+        default=None, description="Seconds before a request is cancelled with an error.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra chat-template variables (e.g. enable_thinking).")
+    engine_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="EngineConfig fields for the shared engine; empty reuses any existing one.")
+
+    _engine: Engine = PrivateAttr()
+    _context_window: int | None = PrivateAttr(default=None)
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
+        """Validate the settings and attach to the model's shared engine (loaded lazily)."""
+        super().__init__(model=None if model is None else os.fspath(model), **kwargs)
+        self._sampling({})  # bad sampling values fail here, naming the field
+        self._engine = get_engine(self.model, **self.engine_config)
+
+    @classmethod
+    def class_name(cls) -> str:
+        """The name LlamaIndex serialisation records for this class."""
+        return "MLXBatchLLM"
+
+    @property
+    def engine(self) -> Engine:
+        """The process-wide engine this LLM (and every other adapter on its model) uses."""
+        return self._engine
+
+    @property
+    def model_name(self) -> str:
+        """The model as given, or the resolved default model's directory name."""
+        return self.model if self.model is not None else self._engine.model_path.name
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        """LlamaIndex's view of the model; the first call loads it for its context window."""
+        if self._context_window is None:
+            limit = self._engine.start().stats().context_limit
+            self._context_window = limit or DEFAULT_CONTEXT_WINDOW
+        return LLMMetadata(context_window=self._context_window, num_output=self.max_tokens,
+                           is_chat_model=True, is_function_calling_model=True,
+                           model_name=self.model_name)
+
+    # ----- building and submitting requests -------------------------------------------
+
+    def _sampling(self, kwargs: Mapping[str, Any]) -> SamplingParams:
+        """The fields' sampling settings with this call's overrides (validated)."""
+        settings = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING_FIELDS}
+        return SamplingParams(**settings, constraint=kwargs.get("constraint"))
+
+    def _request(self, prompt: str | list[dict[str, Any]], kwargs: Mapping[str, Any]) -> _Request:
+        """A submit-ready request; unknown per-call options raise instead of being dropped."""
+        unknown = sorted(set(kwargs) - set(_PER_CALL))
+        if unknown:
+            raise TypeError(f"MLXBatchLLM got unexpected keyword arguments {unknown}; "
+                            f"per-call options are {list(_PER_CALL)}")
+        options: dict[str, Any] = {"timeout": kwargs.get("timeout", self.timeout)}
+        if kwargs.get("tools"):
+            options["tools"] = [openai_tool(tool) for tool in kwargs["tools"]]
+        for name in ("tool_choice", "parallel_tool_calls"):
+            if kwargs.get(name) is not None:
+                options[name] = kwargs[name]
+        template = {**self.chat_template_kwargs, **(kwargs.get("chat_template_kwargs") or {})}
+        if template:
+            options["chat_template_kwargs"] = template
+        return _Request(prompt, self._sampling(kwargs), options)
+
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: Mapping[str, Any]) -> _Request:
+        """A request for chat messages (rendered by the model's chat template)."""
+        return self._request(to_engine_messages(messages), kwargs)
+
+    def _completion_request(self, prompt: str, formatted: bool,
+                            kwargs: Mapping[str, Any]) -> _Request:
+        """A raw-text request; ``formatted=False`` applies ``completion_to_prompt`` first."""
+        if not formatted and self.completion_to_prompt is not None:
+            prompt = self.completion_to_prompt(prompt)
+        return self._request(prompt, kwargs)
+
+    def _submit(self, request: _Request) -> RequestHandle:
+        """Queue the request on the shared engine; returns at once."""
+        return self._engine.submit(request.prompt, request.params, **request.options)
+
+    # ----- chat and completion, sync ---------------------------------------------------
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """One assistant turn (answer, reasoning as a ThinkingBlock, tool calls as blocks)."""
+        completion = _wait(self._submit(self._chat_request(messages, kwargs)))
+        return chat_response(completion, self.model_name)
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Continue raw text (no chat template)."""
+        completion = _wait(self._submit(self._completion_request(prompt, formatted, kwargs)))
+        return completion_response(completion, self.model_name)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        """Chunks with ``delta`` and the text so far; the request starts at first ``next``."""
+        request = self._chat_request(messages, kwargs)
+        chunks = StreamChunks(self.model_name)
+
+        def gen() -> ChatResponseGen:
+            handle = self._submit(request)
+            try:
+                for event in handle:
+                    chunk = chunks.chat(event)
+                    if chunk is not None:
+                        yield chunk
+            finally:  # closing or dropping the generator evicts the row
+                handle.cancel()
+
+        return gen()
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False,
+                        **kwargs: Any) -> CompletionResponseGen:
+        """Completion chunks; the request starts at first ``next``."""
+        request = self._completion_request(prompt, formatted, kwargs)
+        chunks = StreamChunks(self.model_name)
+
+        def gen() -> CompletionResponseGen:
+            handle = self._submit(request)
+            try:
+                for event in handle:
+                    chunk = chunks.completion(event)
+                    if chunk is not None:
+                        yield chunk
+            finally:
+                handle.cancel()
+
+        return gen()
+
+    # ----- chat and completion, async (native: the event loop never blocks) ------------
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Await one assistant turn; cancelling the awaiting task evicts the row."""
+        handle = self._submit(self._chat_request(messages, kwargs))
+        return chat_response(await handle.aresult(), self.model_name)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False,
+                        **kwargs: Any) -> CompletionResponse:
+        """Await a raw-text continuation; cancelling the awaiting task evicts the row."""
+        handle = self._submit(self._completion_request(prompt, formatted, kwargs))
+        return completion_response(await handle.aresult(), self.model_name)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage],
+                           **kwargs: Any) -> ChatResponseAsyncGen:
+        """An async generator of chunks; the request starts at its first iteration."""
+        request = self._chat_request(messages, kwargs)
+        chunks = StreamChunks(self.model_name)
+
+        async def gen() -> ChatResponseAsyncGen:
+            handle = self._submit(request)
+            try:
+                async for event in handle:
+                    chunk = chunks.chat(event)
+                    if chunk is not None:
+                        yield chunk
+            finally:  # task cancellation, aclose() or garbage collection evicts the row
+                handle.cancel()
+
+        return gen()
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        """An async generator of completion chunks; the request starts at first iteration."""
+        request = self._completion_request(prompt, formatted, kwargs)
+        chunks = StreamChunks(self.model_name)
+
+        async def gen() -> CompletionResponseAsyncGen:
+            handle = self._submit(request)
+            try:
+                async for event in handle:
+                    chunk = chunks.completion(event)
+                    if chunk is not None:
+                        yield chunk
+            finally:
+                handle.cancel()
+
+        return gen()
+
+    # ----- tools ----------------------------------------------------------------------
+
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[Any],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Chat keyword arguments for a tool turn; a required or named tool is grammar-forced."""
+        messages = list(chat_history or [])
+        if isinstance(user_msg, str):
+            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg))
+        elif user_msg is not None:
+            messages.append(user_msg)
+        chat_kwargs: dict[str, Any] = {"messages": messages, **kwargs}
+        if tools:
+            chat_kwargs["tools"] = [openai_tool(tool) for tool in tools]
+            chat_kwargs["parallel_tool_calls"] = allow_parallel_tool_calls
+        if tool_choice is None and tool_required:
+            tool_choice = "required"  # without tools the engine raises, naming the problem
+        if tool_choice is not None:
+            chat_kwargs["tool_choice"] = tool_choice
+        return chat_kwargs
+
+    def _validate_chat_with_tools_response(
+        self,
+        response: ChatResponse,
+        tools: Sequence[Any],
+        allow_parallel_tool_calls: bool = False,
+        **kwargs: Any,
+    ) -> ChatResponse:
+        """Keep only the first call when parallel calls were not allowed."""
+        return response if allow_parallel_tool_calls else keep_first_call(response)
+
+    def get_tool_calls_from_response(
+        self,
+        response: ChatResponse,
+        error_on_no_tool_call: bool = True,
+        **kwargs: Any,
+    ) -> list[ToolSelection]:
+        """The response's tool calls, each with its own ``tool_id``."""
+        selections = tool_selections(response.message)
+        if not selections and error_on_no_tool_call:
+            raise ValueError("Expected at least one tool call, but got 0 tool calls.")
+        return selections
+
+    # ----- structured output (grammar-constrained JSON) --------------------------------
+
+    @dispatcher.span
+    def structured_predict(self, output_cls: type[Any], prompt: BasePromptTemplate,
+                           llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any) -> Any:
+        """``output_cls`` filled by the model, its JSON forced to the class's schema."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+        dispatcher.event(LLMStructuredPredictStartEvent(
+            output_cls=output_cls, template=prompt, template_args=prompt_args))
+        messages = self._get_messages(prompt, **prompt_args)
+        response = self.chat(messages, **json_kwargs(output_cls, llm_kwargs))
+        result = parse_structured(output_cls, response)
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    @dispatcher.span
+    async def astructured_predict(self, output_cls: type[Any], prompt: BasePromptTemplate,
+                                  llm_kwargs: dict[str, Any] | None = None,
+                                  **prompt_args: Any) -> Any:
+        """Async ``structured_predict``; cancelling the awaiting task evicts the row."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super().astructured_predict(output_cls, prompt, llm_kwargs,
+                                                     **prompt_args)
+        dispatcher.event(LLMStructuredPredictStartEvent(
+            output_cls=output_cls, template=prompt, template_args=prompt_args))
+        messages = self._get_messages(prompt, **prompt_args)
+        response = await self.achat(messages, **json_kwargs(output_cls, llm_kwargs))
+        result = parse_structured(output_cls, response)
+        dispatcher.event(LLMStructuredPredictEndEvent(output=result))
+        return result
+
+    def _structured_stream_call(self, output_cls: type[Any], prompt: Any,
+                                llm_kwargs: dict[str, Any] | None = None,
+                                **prompt_args: Any) -> Any:
+        """Partial objects as the constrained JSON streams in (base class adds the events)."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return super()._structured_stream_call(output_cls, prompt, llm_kwargs, **prompt_args)
+        messages = self._get_messages(prompt, **prompt_args)
+        stream = self.stream_chat(messages, **json_kwargs(output_cls, llm_kwargs))
+
+        def gen() -> Any:
+            current: list[Any] | None = None
+            for response in stream:
+                objects = process_streaming_objects(response, output_cls, cur_objects=current,
+                                                    flexible_mode=True, llm=self)
+                current = objects if isinstance(objects, list) else [objects]
+                yield objects
+
+        return gen()
+
+    async def _structured_astream_call(self, output_cls: type[Any], prompt: Any,
+                                       llm_kwargs: dict[str, Any] | None = None,
+                                       **prompt_args: Any) -> Any:
+        """Async partial objects as the constrained JSON streams in."""
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super()._structured_astream_call(output_cls, prompt, llm_kwargs,
+                                                          **prompt_args)
+        messages = self._get_messages(prompt, **prompt_args)
+        stream = await self.astream_chat(messages, **json_kwargs(output_cls, llm_kwargs))
+
+        async def gen() -> Any:
+            current: list[Any] | None = None
+            async for response in stream:
+                objects = process_streaming_objects(response, output_cls, cur_objects=current,
+                                                    flexible_mode=True, llm=self)
+                current = objects if isinstance(objects, list) else [objects]
+                yield objects
+
+        return gen()
+

@@ -1,0 +1,112 @@
+"""LlamaIndex message conversion and tool selections, without a model."""
+
+from __future__ import annotations
+
+import pytest
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ImageBlock,
+    MessageRole,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+)
+from llama_index.core.tools import FunctionTool
+
+from engine import Completion, FinishReason, ToolCall, Usage
+from mlx_providers._llama_index_messages import (
+    chat_response,
+    keep_first_call,
+    openai_tool,
+    to_engine_messages,
+    tool_selections,
+)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def test_history_with_calls_results_and_late_system_text_is_template_safe() -> None:
+    history = [
+        ChatMessage(role=MessageRole.SYSTEM, content="Be brief."),
+        ChatMessage(role=MessageRole.USER, content="Add 1 and 2."),
+        ChatMessage(role=MessageRole.ASSISTANT, blocks=[
+            ThinkingBlock(content="the user wants a sum"),
+            TextBlock(text="Calling."),
+            ToolCallBlock(tool_call_id="c1", tool_name="add", tool_kwargs='{"a": 1, "b": 2}')]),
+        ChatMessage(role=MessageRole.TOOL, content="3", additional_kwargs={"tool_call_id": "c1"}),
+        ChatMessage(role=MessageRole.SYSTEM, content="Now answer."),
+    ]
+    assert to_engine_messages(history) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add 1 and 2."},
+        {"role": "assistant", "content": "Calling.", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+        {"role": "tool", "content": "3", "tool_call_id": "c1", "name": "add"},
+        {"role": "user", "content": "[system] Now answer."},
+    ]
+
+
+def test_openai_style_calls_in_additional_kwargs_are_read_once() -> None:
+    legacy = {"id": "c9", "type": "function",
+              "function": {"name": "add", "arguments": '{"a": 5, "b": 6}'}}
+    both = ChatMessage(role=MessageRole.ASSISTANT, blocks=[
+        ToolCallBlock(tool_call_id="c9", tool_name="add", tool_kwargs={"a": 5, "b": 6})],
+        additional_kwargs={"tool_calls": [legacy]})
+    [converted] = to_engine_messages([both])
+    assert [c["id"] for c in converted["tool_calls"]] == ["c9"]
+    only_legacy = ChatMessage(role=MessageRole.ASSISTANT, content="",
+                              additional_kwargs={"tool_calls": [legacy]})
+    [selection] = tool_selections(only_legacy)
+    assert (selection.tool_id, selection.tool_name, selection.tool_kwargs) == (
+        "c9", "add", {"a": 5, "b": 6})
+
+
+def test_failed_tool_results_are_marked_as_errors() -> None:
+    result = ChatMessage(role=MessageRole.TOOL, content="boom",
+                         additional_kwargs={"tool_call_id": "c1", "is_error": True})
+    [converted] = to_engine_messages([result])
+    assert converted["content"] == "Error: boom"
+
+
+def test_media_blocks_are_refused_not_dropped() -> None:
+    picture = ChatMessage(role=MessageRole.USER, blocks=[ImageBlock(url="http://x/y.png")])
+    with pytest.raises(ValueError, match="ImageBlock"):
+        to_engine_messages([picture])
+
+
+def test_calls_without_ids_still_get_distinct_tool_ids() -> None:
+    message = ChatMessage(role=MessageRole.ASSISTANT, blocks=[
+        ToolCallBlock(tool_name="add", tool_kwargs={"a": 1, "b": 2}),
+        ToolCallBlock(tool_name="add", tool_kwargs={"a": 1, "b": 2})])
+    ids = [s.tool_id for s in tool_selections(message)]
+    assert len(set(ids)) == 2 and all(ids)
+
+
+def test_responses_keep_calls_as_blocks_and_can_drop_extra_calls() -> None:
+    completion = Completion(
+        text="...", token_ids=(1, 2), finish_reason=FinishReason.STOP,
+        usage=Usage(prompt_tokens=7, completion_tokens=2), content="\n", reasoning="hmm",
+        tool_calls=(ToolCall("c1", "add", {"a": 1, "b": 2}), ToolCall("c2", "add", {"a": 3})))
+    response = chat_response(completion, "tiny")
+    thinking, text, *calls = response.message.blocks
+    assert isinstance(thinking, ThinkingBlock) and thinking.content == "hmm"
+    assert isinstance(text, TextBlock) and text.text == ""  # newlines between calls dropped
+    assert [c.tool_call_id for c in calls if isinstance(c, ToolCallBlock)] == ["c1", "c2"]
+    assert response.raw["usage"]["total_tokens"] == 9
+    single = keep_first_call(response)
+    assert [s.tool_id for s in tool_selections(single.message)] == ["c1"]
+    assert isinstance(single, ChatResponse) and len(tool_selections(response.message)) == 2
+
+
+def test_tools_become_openai_function_schemas() -> None:
+    schema = openai_tool(FunctionTool.from_defaults(add))
+    assert schema["function"]["name"] == "add"
+    assert set(schema["function"]["parameters"]["properties"]) == {"a", "b"}
+    assert openai_tool(schema) == schema
+    with pytest.raises(TypeError, match="LlamaIndex tool"):
+        openai_tool(object())
