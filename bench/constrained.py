@@ -58,8 +58,8 @@ def main() -> None:
         for constrained in best:
             best[constrained] = max(best[constrained], run(eng, prompts, constrained,
                                                            args.tokens))
-    print(f"| rows | constrained rows | decode tok/s | vs unconstrained |")
-    print(f"|-----:|-----------------:|-------------:|-----------------:|")
+    print("| rows | constrained rows | decode tok/s | vs unconstrained |")
+    print("|-----:|-----------------:|-------------:|-----------------:|")
     for constrained, rate in best.items():
         print(f"| {args.rows} | {constrained} | {rate:.1f} | {rate / best[0]:.3f} |")
     eng.close()

@@ -4,12 +4,9 @@ On Linux a fast BLAS is loaded before mlx is first imported (see ``engine.blas``
 so import this package before ``mlx`` for full CPU speed.
 """
 
-try:  # TEMP until blas.py lands
-    from engine.blas import activate_fast_blas, blas_info
+from engine.blas import activate_fast_blas, blas_info
 
-    activate_fast_blas()
-except ImportError:
-    pass
+activate_fast_blas()
 
 from engine.config import EngineConfig
 from engine.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
