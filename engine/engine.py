@@ -25,6 +25,7 @@ from engine.channels import ChannelSplitter, RowChannels
 from engine.config import EngineConfig
 from engine.errors import EngineClosedError, EngineDeadError, EngineError, RequestTimeoutError
 from engine.grammar import validate_constraint
+from engine.models import config_context_limit
 from engine.request import (
     FinishReason,
     Prompt,
@@ -172,6 +173,25 @@ class Engine:
         self._ensure_thread()
         return RequestHandle(request_id, stream, lambda: self._commands.put(_Cancel(request_id)))
 
+    def count_tokens(
+        self,
+        prompt: Prompt,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Prompt tokens ``submit`` would use for this prompt (loads the model if needed)."""
+        self.start()
+        encoded = self._runner.prompts.encode_request(
+            prompt, normalize_tools(tools), dict(chat_template_kwargs or {}))
+        return len(encoded.ids)
+
+    @property
+    def context_limit(self) -> int | None:
+        """The model's context limit in tokens, without loading the weights."""
+        limit = self.stats().context_limit
+        return limit if limit is not None else config_context_limit(self.model_path)
+
     def stats(self) -> EngineStats:
         """A consistent snapshot of the engine's counters (safe from any thread)."""
         with self._stats_lock:
@@ -307,6 +327,7 @@ class Engine:
         self._scheduler.enqueue(
             Ticket(row.request_id, len(row.prompt_ids), row.params.max_tokens, kv_bytes, lane)
         )
+        row.queued = True
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -350,6 +371,7 @@ class Engine:
         from engine.runner import RowSpec
 
         row = self._rows[ticket.request_id]
+        row.admitted = True
         return RowSpec(row.request_id, row.prompt_ids, row.params, row.head_len)
 
     def _step(self, run: Any, serial: bool) -> None:
@@ -429,11 +451,12 @@ class Engine:
                 self._stats.cancelled += 1
             else:
                 self._stats.completed += 1
-            if self._scheduler is not None:
-                # Before the consumer wakes: whoever holds a result sees its row gone.
-                self._stats.running = self._scheduler.running
-                self._stats.pending = self._scheduler.pending
-                self._stats.kv_bytes_projected = self._scheduler.kv_bytes_projected
+            # Before the consumer wakes, so whoever holds a result sees its row gone; one
+            # row at a time, so the counts agree with completed/cancelled at every moment.
+            if row.admitted:
+                self._stats.running = max(0, self._stats.running - 1)
+            elif row.queued:
+                self._stats.pending = max(0, self._stats.pending - 1)
         row.stream.publish(event, completion)
 
     def _model_failure(self, exc: Exception, serial: bool) -> None:

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import importlib.util
 import io
+import json
 import os
 import re
 import shutil
@@ -40,6 +41,7 @@ __all__ = [
     "ModelDownloadError",
     "UnsupportedModelError",
     "cache_dir",
+    "config_context_limit",
     "converted_gguf_dir",
     "default_model_gguf",
     "gguf_fingerprint",
@@ -376,3 +378,16 @@ def resolve_model(
         gguf_path = path
     keep = prefer_quantized() if quantized is None else quantized
     return converted_gguf_dir(gguf_path, quantized=keep)
+
+
+def config_context_limit(model_path: Path) -> int | None:
+    """The context length a model directory's config.json declares, if any."""
+    try:
+        config = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = config.get(name) or (config.get("text_config") or {}).get(name)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

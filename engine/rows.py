@@ -53,6 +53,8 @@ class Row:
     first_token_at: float | None = None
     last_token_at: float | None = None
     cancel_error: BaseException | None = None
+    queued: bool = False  # waiting for admission
+    admitted: bool = False  # holds a row in the batch or the serial lane
 
     def take_token(self, token: int, finish: FinishReason | None, now: float) -> tuple[
             str, tuple[int, ...], FinishReason | None]:

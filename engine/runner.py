@@ -6,7 +6,6 @@ mlx-lm BatchGenerator's own uids never leave this module.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from engine.config import EngineConfig
 from engine.constraints import LarkGrammar
 from engine.footprint import ModelFootprint
 from engine.grammar import GrammarCompiler, RowGrammar
+from engine.models import config_context_limit
 from engine.prefix_cache import PrefixStore
 from engine.prefix_reuse import PrefixReuse, reuse_policy, sliced
 from engine.prompts import PromptRenderer
@@ -132,7 +132,7 @@ class Runner:
             self.model(mx.array([[0]]), cache=cache)
             mx.eval([c.state for c in cache])
         layers = [fp for layer in cache for fp in footprint_of(layer)]
-        return ModelFootprint.of(layers, _config_context_limit(self.model_path))
+        return ModelFootprint.of(layers, config_context_limit(self.model_path))
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -505,15 +505,3 @@ def _logprob(params: SamplingParams, token: int, logprobs: Any) -> TokenLogprob 
         top_values: list[float] = values[order].tolist()
         top = tuple(zip(top_ids, top_values))
     return TokenLogprob(token, float(row[token].item()), top)
-
-
-def _config_context_limit(model_path: Path) -> int | None:
-    try:
-        config = json.loads((model_path / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = config.get(name) or (config.get("text_config") or {}).get(name)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None

@@ -123,7 +123,8 @@ def forced_call_grammar(
         "additionalProperties": False,
     } for t in chosen], "x-guidance": {"whitespace_flexible": False,
                                        "item_separator": ", ", "key_separator": ": "}}
-    repeat = ' ("\\n" call)*' if parallel else ""
+    # A newline may follow the last call: models write one, and it must not force another.
+    repeat = ' ("\\n" call)* "\\n"?' if parallel else ' "\\n"?'
     lark = (
         f"start: call{repeat}\n"
         f'call: {start} "\\n" body "\\n" {end}\n'

@@ -1,0 +1,428 @@
+"""``ChatMLXBatch``: a LangChain chat model whose requests are rows of one shared batch.
+
+Every ``ChatMLXBatch`` for the same model in a process talks to the same engine
+(``engine.get_engine``), so concurrent chains, ``abatch`` fan-outs, parallel branches and
+threads decode together without the caller doing anything. All four LangChain paths
+(``_generate``, ``_stream``, ``_agenerate``, ``_astream``) are native: leaving early
+(task cancellation, ``break``, closing a stream, a timeout) evicts the request's row.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import LangSmithParams, LanguageModelInput, ModelProfile
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables.config import get_config_list
+from pydantic import Field, field_validator, model_validator
+
+from engine import (
+    Completion,
+    Engine,
+    EngineConfig,
+    JsonObject,
+    JsonSchema,
+    RequestHandle,
+    SamplingParams,
+    StreamEvent,
+    get_engine,
+)
+from mlx_providers._langchain_messages import (
+    ToolLike,
+    chat_generation,
+    chat_messages,
+    constraint_for,
+    event_chunk,
+    json_schema_of,
+    openai_tools,
+    structured_parser,
+    tool_choice_name,
+    with_raw,
+)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the engine loads for model=None
+# Standard LangChain arguments that mean nothing for an in-process model: accepted quietly.
+_REMOTE_ONLY = frozenset({"api_key", "base_url", "max_retries"})
+_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+             "seed")
+_REQUEST_KWARGS = frozenset({*_SAMPLING, "model", "timeout", "tools", "tool_choice",
+                             "parallel_tool_calls", "response_format", "constraint",
+                             "reasoning", "chat_template_kwargs", "stream"})
+StructuredMethod = Literal["function_calling", "json_schema", "json_mode"]
+
+
+@dataclass(frozen=True)
+class _Request:
+    """Everything one call sends to the engine, resolved from fields and call kwargs."""
+
+    engine: Engine
+    model_name: str
+    is_own_model: bool
+    messages: list[dict[str, Any]]
+    params: SamplingParams
+    timeout: float | None
+    tools: list[dict[str, Any]] | None
+    tool_choice: str | None
+    parallel_tool_calls: bool
+    template_kwargs: dict[str, Any]
+
+    def submit(self) -> RequestHandle:
+        return self.engine.submit(
+            self.messages, self.params, timeout=self.timeout, tools=self.tools,
+            tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls,
+            chat_template_kwargs=self.template_kwargs)
+
+
+class ChatMLXBatch(BaseChatModel):
+    """A local MLX chat model on the process-wide continuous-batching engine.
+
+    Construction is cheap; the model loads on first use. ``chat.engine`` is the shared
+    engine (``chat.engine.stats()`` shows the batch). Example::
+
+        chat = ChatMLXBatch(max_tokens=64)
+        answers = await asyncio.gather(*(chat.ainvoke(q) for q in questions))  # one batch
+    """
+
+    model: str | None = None
+    """A local mlx-lm model directory, a ``.gguf`` file, a hub id, or None (the default
+    model, SmolLM2-135M-Instruct)."""
+    temperature: float = Field(default=0.0, ge=0)
+    """0 is greedy (deterministic, and batched rows match single runs token for token)."""
+    max_tokens: int = Field(default=256, ge=1)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0, lt=1)
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    """With temperature > 0, reproducible sampling (such rows run on the serial lane)."""
+    stop: list[str] | None = None
+    """Stop strings (matched on text across tokens, never streamed)."""
+    timeout: float | None = Field(default=None, gt=0)
+    """Seconds after which a request is evicted and ``RequestTimeoutError`` raised."""
+    streaming: bool = False
+    """Route ``invoke`` through the streaming path (LangChain's standard flag)."""
+    reasoning: bool | None = None
+    """Thinking on/off for templates that support it (``enable_thinking``); None = default."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    engine_config: dict[str, Any] = Field(default_factory=dict)
+    """``EngineConfig`` fields for the shared engine (empty = reuse it as configured)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_remote_only_arguments(cls, values: Any) -> Any:
+        # Unknown arguments would be ignored silently by pydantic; say so, except for the
+        # standard remote-API ones that are meaningless here.
+        if isinstance(values, dict):
+            unknown = set(values) - set(cls.model_fields) - _REMOTE_ONLY
+            aliases = {f.alias for f in cls.model_fields.values() if f.alias}
+            if unknown - aliases:
+                warnings.warn(f"ChatMLXBatch ignores unknown arguments "
+                              f"{sorted(unknown - aliases)}", stacklevel=4)
+            values = {k: v for k, v in values.items() if k not in _REMOTE_ONLY}
+        return values
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_as_text(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @field_validator("engine_config", mode="before")
+    @classmethod
+    def _valid_engine_config(cls, value: Any) -> dict[str, Any]:
+        # Validate now (cheap) so a typo fails at construction, not at first use.
+        if value is None:
+            return {}
+        if isinstance(value, EngineConfig):
+            return value.model_dump()
+        EngineConfig(**value)
+        return dict(value)
+
+    # ----- identity, tracing, profile ---------------------------------------------------
+
+    @property
+    def _llm_type(self) -> str:
+        return "mlx-batch-chat"
+
+    @property
+    def model_name(self) -> str:
+        """The model as reported to callbacks and tracers."""
+        return _display_name(self.model)
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "temperature": self.temperature,
+                "max_tokens": self.max_tokens, "top_p": self.top_p, "top_k": self.top_k,
+                "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                "seed": self.seed, "stop": self.stop, "reasoning": self.reasoning}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "mlx"
+        model = kwargs.get("model")
+        params["ls_model_name"] = _display_name(model) if model else self.model_name
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        # Static capabilities; max_input_tokens is added once the model has loaded (the
+        # context limit is only known then and construction must stay cheap).
+        return ModelProfile(text_inputs=True, text_outputs=True, image_inputs=False,
+                            audio_inputs=False, video_inputs=False, pdf_inputs=False,
+                            tool_calling=True, tool_choice=True, tool_call_streaming=True,
+                            structured_output=True, temperature=True, open_weights=True)
+
+    @property
+    def engine(self) -> Engine:
+        """The process-wide engine for this model (created, not loaded, on first access)."""
+        return get_engine(self.model, **self.engine_config)
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` with the model's tokenizer (loads the model)."""
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+
+    def get_num_tokens_from_messages(
+        self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
+    ) -> int:
+        """Prompt tokens of a history, rendered exactly as a request would be (tools too)."""
+        return self.engine.count_tokens(
+            chat_messages(messages), tools=openai_tools(tools) if tools else None,
+            chat_template_kwargs=self._template_kwargs(None, None))
+
+    # ----- the four paths ---------------------------------------------------------------
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """One request, waited for on this thread (``invoke``, ``batch``)."""
+        request = self._request(messages, stop, kwargs)
+        handle = request.submit()
+        try:
+            completion = handle.result()
+        except BaseException:  # KeyboardInterrupt and friends: free the row
+            handle.cancel()
+            raise
+        return self._result(request, completion)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """One request, awaited without a thread (``ainvoke``, ``abatch``)."""
+        request = self._request(messages, stop, kwargs)
+        handle = request.submit()
+        try:
+            completion = await handle.aresult()  # task cancellation cancels the row
+        except BaseException:
+            handle.cancel()
+            raise
+        return self._result(request, completion)
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        """Chunks as the engine thread produces them (``stream``)."""
+        request = self._request(messages, stop, kwargs)
+        handle = request.submit()
+        try:
+            for event in handle:
+                chunk = self._chunk(request, event)
+                if chunk is not None:
+                    yield chunk
+        finally:  # a consumer that left early (break, close, error) evicts the row
+            handle.cancel()
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """Chunks delivered to the event loop without a thread (``astream``)."""
+        request = self._request(messages, stop, kwargs)
+        handle = request.submit()
+        try:
+            async for event in handle:
+                chunk = self._chunk(request, event)
+                if chunk is not None:
+                    yield chunk
+        finally:  # cancellation, aclose() or an abandoned generator evicts the row
+            handle.cancel()
+
+    def batch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[AIMessage]:
+        """Like ``Runnable.batch``, but with one thread per input unless max_concurrency
+        is set: the threads only wait on the engine, and every input becomes a row."""
+        return super().batch(inputs, _one_thread_each(config, len(inputs)),
+                             return_exceptions=return_exceptions, **kwargs)
+
+    def batch_as_completed(  # type: ignore[override]
+        self,
+        inputs: Sequence[LanguageModelInput],
+        config: RunnableConfig | Sequence[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> Iterator[tuple[int, AIMessage | Exception]]:
+        """Like ``batch``: one waiting thread per input unless max_concurrency is set."""
+        yield from super().batch_as_completed(  # type: ignore[call-overload]
+            inputs, _one_thread_each(config, len(inputs)),
+            return_exceptions=return_exceptions, **kwargs)
+
+    # ----- tools and structured output --------------------------------------------------
+
+    def bind_tools(
+        self,
+        tools: Sequence[ToolLike],
+        *,
+        tool_choice: str | bool | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (any LangChain tool, pydantic model, function or OpenAI dict).
+
+        ``tool_choice``: "auto" (default), "none", "any"/"required"/True (some tool), or a
+        tool name; the forcing ones are enforced by the engine's grammar, so the calls
+        are always well-formed and match the tool's argument schema.
+        """
+        formatted = openai_tools(tools, strict=strict)
+        choice = tool_choice_name(tool_choice, formatted)
+        if choice is not None:
+            kwargs["tool_choice"] = choice
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        return super().bind(tools=formatted, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: Mapping[str, Any] | type | None = None,
+        *,
+        method: StructuredMethod = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, Any]:
+        """Outputs parsed into ``schema`` (pydantic, TypedDict, JSON schema, OpenAI tool).
+
+        ``json_schema`` (default) constrains decoding with the schema's grammar,
+        ``function_calling`` forces a call to a tool built from the schema, and
+        ``json_mode`` constrains the output to any JSON object. ``include_raw`` returns
+        ``{"raw", "parsed", "parsing_error"}`` instead of raising on a parsing error.
+        """
+        if kwargs:
+            raise ValueError(f"unsupported arguments {sorted(kwargs)}")
+        if schema is None and method != "json_mode":
+            raise ValueError(f"method={method!r} needs a schema")
+        trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
+        if method == "function_calling":
+            assert schema is not None
+            name = openai_tools([schema], strict=strict)[0]["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False,
+                                  strict=strict, ls_structured_output_format=trace)
+        elif method in ("json_schema", "json_mode"):
+            constraint = (JsonSchema(json_schema_of(schema)) if schema is not None
+                          and method == "json_schema" else JsonObject())
+            llm = self.bind(response_format=constraint, ls_structured_output_format=trace)
+        else:
+            raise ValueError(f"method must be function_calling, json_schema or json_mode, "
+                             f"got {method!r}")
+        parser = structured_parser(schema, tool_output=method == "function_calling")
+        return with_raw(llm, parser) if include_raw else llm | parser
+
+    # ----- requests -----------------------------------------------------------------------
+
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None,
+                 kwargs: dict[str, Any]) -> _Request:
+        """Resolve fields and per-call kwargs into one engine request (validated here)."""
+        unknown = set(kwargs) - _REQUEST_KWARGS
+        if unknown:
+            raise TypeError(f"ChatMLXBatch got unexpected keyword arguments {sorted(unknown)}; "
+                            f"supported: {sorted(_REQUEST_KWARGS - {'stream'})}")
+        model = kwargs.get("model") or self.model
+        sampling = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING}
+        constraint = kwargs.get("constraint") or constraint_for(kwargs.get("response_format"))
+        stops = stop if stop is not None else self.stop
+        params = SamplingParams(**sampling, stop=tuple(stops or ()), constraint=constraint)
+        # Tools passed per call (not through bind_tools) may be in any LangChain shape too.
+        tools = openai_tools(kwargs["tools"]) if kwargs.get("tools") else None
+        return _Request(
+            engine=get_engine(model, **self.engine_config),
+            model_name=_display_name(model),
+            is_own_model=model == self.model,
+            messages=chat_messages(messages),
+            params=params,
+            timeout=kwargs.get("timeout", self.timeout),
+            tools=tools,
+            tool_choice=tool_choice_name(kwargs.get("tool_choice"), tools) if tools else None,
+            parallel_tool_calls=kwargs.get("parallel_tool_calls", True),
+            template_kwargs=self._template_kwargs(kwargs.get("reasoning"),
+                                                  kwargs.get("chat_template_kwargs")),
+        )
+
+    def _template_kwargs(self, reasoning: bool | None,
+                         extra: Mapping[str, Any] | None) -> dict[str, Any]:
+        thinking = reasoning if reasoning is not None else self.reasoning
+        out: dict[str, Any] = {} if thinking is None else {"enable_thinking": thinking}
+        return {**out, **(self.chat_template_kwargs or {}), **(extra or {})}
+
+    def _chunk(self, request: _Request, event: StreamEvent) -> ChatGenerationChunk | None:
+        if event.error is not None:  # a failure or timeout ends in no final chunk
+            raise event.error
+        if event.completion is not None:
+            self._note_loaded(request)
+        return event_chunk(event, request.model_name)
+
+    def _result(self, request: _Request, completion: Completion) -> ChatResult:
+        self._note_loaded(request)
+        return ChatResult(generations=[chat_generation(completion, request.model_name)])
+
+    def _note_loaded(self, request: _Request) -> None:
+        # The context limit is known once the engine has loaded the model.
+        if not request.is_own_model:
+            return
+        limit = request.engine.stats().context_limit
+        if self.profile is not None and limit and "max_input_tokens" not in self.profile:
+            self.profile["max_input_tokens"] = limit
+
+
+def _one_thread_each(config: RunnableConfig | Sequence[RunnableConfig] | None,
+                     count: int) -> list[RunnableConfig]:
+    # LangChain's default pool has min(32, cores + 4) threads: 6 on two cores, which
+    # would cap the batch at 6 rows. The threads only wait, so give each input one.
+    return [c if c.get("max_concurrency") is not None
+            else RunnableConfig(**{**c, "max_concurrency": max(1, count)})
+            for c in get_config_list(config, count)]
+
+
+def _display_name(model: str | os.PathLike[str] | None) -> str:
+    return DEFAULT_MODEL_NAME if model is None else os.fspath(model)
+
+
+__all__ = ["ChatMLXBatch"]

@@ -1,0 +1,520 @@
+"""ChatMLXBatch on a real (tiny) model: paths, streaming, tools, structured output,
+transparent batching and cancellation, checked through the engine's own statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import jsonschema
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.runnables import RunnableParallel
+from langchain_core.tools import tool
+from pydantic import BaseModel, Field
+from typing_extensions import TypedDict
+
+from engine import LarkGrammar, RequestTimeoutError
+from mlx_providers import ChatMLXBatch
+from tests.conftest import wait_until
+
+# Prompts whose greedy continuations on the tiny model do not stop before 48 tokens.
+PROMPTS = ["Hello", "Hey", "hi", "Tell me a joke about cats.", "What is 2 + 2?",
+           "Name a colour.", "Write a haiku.", "Say something."]
+# Prompts that do not stop before 1500 tokens: rows that are still running when cancelled.
+LONG = ["Hello", "Tell me a joke about cats.", "Name a colour.", "Write a haiku."]
+CITY = {"type": "string", "maxLength": 8}  # bounded, so a random model's string ends
+
+
+class Forecast(BaseModel):
+    """A weather forecast."""
+
+    city: str = Field(max_length=8)
+    days: int = Field(ge=1, le=9)
+
+
+class ForecastDict(TypedDict):
+    """A weather forecast."""
+
+    sky: Literal["clear", "cloudy"]
+
+
+@tool
+def get_weather(city: str) -> str:
+    """Current weather for a city."""
+    return "sunny"
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": CITY}, "required": ["city"]}}}
+
+
+@pytest.fixture
+def model_dir(tiny_model_dir: Path, tmp_path: Path) -> Iterator[str]:
+    """A private copy of the tiny model: its own engine, so its statistics start at zero."""
+    target = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, target)
+    yield str(target)
+    ChatMLXBatch(model=str(target)).engine.close()
+
+
+def chat(model_dir: str, **kw: Any) -> ChatMLXBatch:
+    """A chat model on ``model_dir`` (48 greedy tokens unless told otherwise)."""
+    return ChatMLXBatch(**{"model": model_dir, "max_tokens": 48, **kw})
+
+
+def alone(model_dir: str, prompts: list[str], max_tokens: int = 48) -> list[str]:
+    """Each prompt's greedy answer with nothing else in the engine."""
+    return [str(chat(model_dir, max_tokens=max_tokens).invoke(p).content) for p in prompts]
+
+
+class ChunkCounter(BaseCallbackHandler):
+    """Counts LangChain's per-token callbacks."""
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+        self.tokens.append(token)
+
+
+# ----- the four paths ---------------------------------------------------------------------
+
+
+async def test_all_four_paths_give_the_same_greedy_answer(model_dir: str) -> None:
+    model = chat(model_dir)
+    invoked = model.invoke("Hello")
+    ainvoked = await model.ainvoke("Hello")
+    streamed = list(model.stream("Hello"))
+    astreamed = [c async for c in model.astream("Hello")]
+    assert invoked.content and invoked.content == ainvoked.content
+    for chunks in (streamed, astreamed):
+        assert "".join(str(c.content) for c in chunks) == invoked.content
+        assert len(chunks) > 2  # really streamed, not one chunk at the end
+    for message in (invoked, ainvoked):
+        usage = message.usage_metadata
+        assert usage is not None
+        assert (usage["input_tokens"], usage["output_tokens"]) == (34, 48)
+    assert invoked.response_metadata["finish_reason"] == "length"
+
+
+def test_usage_and_metadata_ride_on_exactly_one_chunk(model_dir: str) -> None:
+    counter = ChunkCounter()
+    chunks = list(chat(model_dir).stream("Hello", config={"callbacks": [counter]}))
+    with_usage = [c for c in chunks if c.usage_metadata]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1]
+    usage = with_usage[0].usage_metadata
+    assert usage is not None
+    assert usage["output_tokens"] == 48
+    assert usage["total_tokens"] == usage["input_tokens"] + 48
+    assert usage.get("input_token_details", {}).get("cache_read") == 0
+    final = chunks[-1]
+    assert final.chunk_position == "last"
+    assert final.response_metadata["model_name"] == model_dir
+    assert final.response_metadata["model_provider"] == "mlx"
+    assert final.response_metadata["finish_reason"] == "length"
+    assert all("model_name" not in c.response_metadata for c in chunks[:-1])
+    assert len(counter.tokens) == len(chunks)  # on_llm_new_token fired per chunk
+
+
+def test_streaming_flag_routes_invoke_through_the_stream(model_dir: str) -> None:
+    counter = ChunkCounter()
+    message = chat(model_dir, streaming=True).invoke("Hello", config={"callbacks": [counter]})
+    assert len(counter.tokens) > 2 and "".join(counter.tokens) == message.content
+
+
+def test_stop_strings_end_the_answer_before_the_stop(model_dir: str) -> None:
+    full = str(chat(model_dir).invoke("Hello").content)
+    stop = full[10:14]
+    assert stop.strip() and stop not in full[:10]
+    cut = chat(model_dir).invoke("Hello", stop=[stop])
+    assert cut.content == full[:full.index(stop)]
+    assert cut.response_metadata["finish_reason"] == "stop"
+
+
+# ----- messages ---------------------------------------------------------------------------
+
+
+AGENT_HISTORY: list[BaseMessage] = [
+    SystemMessage("You are terse."),
+    HumanMessage("Weather in Paris?", name="alice"),
+    HumanMessage("And be quick."),
+    AIMessage("", tool_calls=[{"name": "get_weather", "args": {"city": "Paris"}, "id": "c1"}]),
+    ToolMessage([{"type": "text", "text": "sunny"}], tool_call_id="c1", name="get_weather"),
+    AIMessage([{"type": "text", "text": "Checking Rome too."},
+               {"type": "tool_use", "id": "c2", "name": "get_weather", "input": {}}],
+              tool_calls=[{"name": "get_weather", "args": {"city": "Rome"}, "id": "c2"}]),
+    ToolMessage("Error: service down", tool_call_id="c2", status="error"),
+    SystemMessage("Answer in one word."),
+    AIMessage("Sunny."),
+    AIMessage("Mostly."),
+    HumanMessage("Thanks"),
+]
+
+
+def test_an_agent_history_renders_through_the_chat_template(model_dir: str) -> None:
+    model = chat(model_dir, max_tokens=4).bind_tools([get_weather])
+    message = model.invoke(AGENT_HISTORY)
+    assert isinstance(message, AIMessage)
+    counted = chat(model_dir).get_num_tokens_from_messages(AGENT_HISTORY, tools=[get_weather])
+    assert message.usage_metadata is not None
+    assert message.usage_metadata["input_tokens"] == counted
+
+
+def test_token_counts_use_the_model_tokenizer(model_dir: str) -> None:
+    model = chat(model_dir)
+    ids = model.get_token_ids("def main(): pass")
+    assert ids == list(model.engine.tokenizer.encode("def main(): pass",
+                                                     add_special_tokens=False))
+    assert model.get_num_tokens("def main(): pass") == len(ids)
+    answer = model.invoke([HumanMessage("Hello")])
+    assert answer.usage_metadata is not None
+    assert model.get_num_tokens_from_messages([HumanMessage("Hello")]) == \
+        answer.usage_metadata["input_tokens"]
+
+
+def test_profile_learns_the_context_limit_once_loaded(model_dir: str) -> None:
+    model = chat(model_dir, max_tokens=2)
+    assert model.profile is not None and "max_input_tokens" not in model.profile
+    model.invoke("Hello")
+    assert model.profile["max_input_tokens"] == 2048
+
+
+def test_same_model_shares_one_engine_and_model_override_uses_another(
+        model_dir: str, thinking_model_dir: Path) -> None:
+    assert chat(model_dir).engine is chat(model_dir, temperature=0.7).engine
+    message = chat(model_dir, max_tokens=4).invoke("Hello", model=str(thinking_model_dir))
+    assert message.response_metadata["model_name"] == str(thinking_model_dir)
+
+
+# ----- reasoning --------------------------------------------------------------------------
+
+
+def test_reasoning_goes_to_reasoning_content(thinking_model_dir: Path) -> None:
+    model = ChatMLXBatch(model=str(thinking_model_dir), max_tokens=30)
+    grammar = LarkGrammar('start: <think> "let me see" </think> "It is sunny."')
+    message = model.invoke("Weather?", constraint=grammar)
+    assert message.content == "It is sunny."
+    assert message.additional_kwargs["reasoning_content"] == "let me see"
+    assert [b["type"] for b in message.content_blocks] == ["reasoning", "text"]
+    full: Any = None
+    for chunk in model.stream("Weather?", constraint=grammar):
+        full = chunk if full is None else full + chunk
+    assert full.content == "It is sunny."
+    assert full.additional_kwargs["reasoning_content"] == "let me see"
+
+
+# ----- tools ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tool_choice", ["any", "get_weather", True])
+def test_forced_tool_choice_gives_valid_calls(model_dir: str, tool_choice: Any) -> None:
+    model = chat(model_dir, max_tokens=60).bind_tools([WEATHER_TOOL], tool_choice=tool_choice,
+                                                      parallel_tool_calls=False)
+    message = model.invoke("Weather in Paris?")
+    assert len(message.tool_calls) == 1 and not message.invalid_tool_calls
+    call = message.tool_calls[0]
+    assert call["name"] == "get_weather" and call["id"]
+    jsonschema.validate(call["args"], WEATHER_TOOL["function"]["parameters"])  # type: ignore[index]
+    full: Any = None
+    for chunk in model.stream("Weather in Paris?"):
+        full = chunk if full is None else full + chunk
+    assert isinstance(full, AIMessageChunk)
+    assert [(c["name"], c["args"]) for c in full.tool_calls] == [(call["name"], call["args"])]
+    assert full.tool_call_chunks and full.tool_call_chunks[0]["name"] == "get_weather"
+
+
+def test_tool_choice_none_answers_in_text(model_dir: str) -> None:
+    model = chat(model_dir).bind_tools([WEATHER_TOOL], tool_choice="none")
+    message = model.invoke("Hello")
+    assert message.content == chat(model_dir).invoke("Hello").content
+    assert message.tool_calls == []
+
+
+def test_malformed_calls_become_invalid_tool_calls(model_dir: str) -> None:
+    broken = LarkGrammar('start: "Sure. " <tool_call> "\\n{\\"name\\": oops\\n" </tool_call>')
+    model = chat(model_dir, max_tokens=40).bind_tools([WEATHER_TOOL])
+    message = model.invoke("Weather?", constraint=broken)
+    assert message.content == "Sure. " and message.tool_calls == []
+    assert len(message.invalid_tool_calls) == 1
+    assert "oops" in str(message.invalid_tool_calls[0]["args"])
+    assert message.invalid_tool_calls[0]["error"]
+    full: Any = None
+    for chunk in model.stream("Weather?", constraint=broken):
+        full = chunk if full is None else full + chunk
+    assert full.tool_calls == [] and len(full.invalid_tool_calls) == 1
+
+
+# ----- structured output ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_structured_output_into_pydantic(model_dir: str, method: str) -> None:
+    structured = chat(model_dir, max_tokens=80).with_structured_output(Forecast, method=method)  # type: ignore[arg-type]
+    result = structured.invoke("Forecast for Oslo?")
+    assert isinstance(result, Forecast)
+    streamed = list(structured.stream("Forecast for Oslo?"))
+    assert streamed and all(isinstance(r, Forecast) for r in streamed)
+    assert streamed[-1] == result
+
+
+@pytest.mark.parametrize("schema", [ForecastDict, {
+    "title": "Sky", "type": "object", "properties": {"sky": {"enum": ["clear", "cloudy"]}},
+    "required": ["sky"]}], ids=["typeddict", "json_schema"])
+async def test_structured_output_into_dicts(model_dir: str, schema: Any) -> None:
+    structured = chat(model_dir, max_tokens=80).with_structured_output(schema)
+    result = await structured.ainvoke("Sky over Oslo?")
+    assert isinstance(result, dict) and set(result) == {"sky"}
+
+
+def test_json_mode_gives_a_json_object(model_dir: str) -> None:
+    structured = chat(model_dir, max_tokens=200).with_structured_output(
+        None, method="json_mode", include_raw=True)
+    result = structured.invoke("Return an object.")
+    assert result["raw"].content.startswith("{")  # type: ignore[index]
+    assert isinstance(result["parsed"], dict)  # type: ignore[index]
+
+
+def test_include_raw_reports_parsing_errors_instead_of_raising(model_dir: str) -> None:
+    structured = chat(model_dir, max_tokens=3).with_structured_output(Forecast, include_raw=True)
+    result = structured.invoke("Forecast?")
+    assert isinstance(result["raw"], AIMessage)  # type: ignore[index]
+    assert result["parsed"] is None and result["parsing_error"] is not None  # type: ignore[index]
+    ok = chat(model_dir, max_tokens=80).with_structured_output(Forecast, include_raw=True)
+    good = ok.invoke("Forecast?")
+    assert isinstance(good["parsed"], Forecast) and good["parsing_error"] is None  # type: ignore[index]
+
+
+# ----- transparent batching ---------------------------------------------------------------
+
+
+async def test_concurrent_ainvokes_on_separate_instances_share_one_batch(model_dir: str) -> None:
+    prompts = (PROMPTS * 2)[:16]
+    expected = alone(model_dir, prompts)
+    results = await asyncio.gather(*(chat(model_dir).ainvoke(p) for p in prompts))
+    assert [r.content for r in results] == expected  # greedy: batched == alone
+    assert chat(model_dir).engine.stats().peak_running >= 8
+
+
+def test_batch_runs_every_input_at_once_on_threads(model_dir: str) -> None:
+    prompts = (PROMPTS * 2)[:16]
+    expected = alone(model_dir, prompts)
+    results = chat(model_dir).batch(prompts)
+    assert [r.content for r in results] == expected
+    assert chat(model_dir).engine.stats().peak_running >= 8
+
+
+async def test_runnable_parallel_branches_share_one_batch(model_dir: str) -> None:
+    branches = {f"b{i}": chat(model_dir) for i in range(16)}
+    out = await RunnableParallel(branches).ainvoke("Tell me a joke about cats.")  # type: ignore[arg-type]
+    assert len({m.content for m in out.values()}) == 1  # same prompt, greedy
+    assert chat(model_dir).engine.stats().peak_running >= 8
+
+
+def test_sync_runnable_parallel_with_enough_workers_batches(model_dir: str) -> None:
+    branches = {f"b{i}": chat(model_dir) for i in range(12)}
+    RunnableParallel(branches).invoke("Hello", config={"max_concurrency": 12})  # type: ignore[arg-type]
+    assert chat(model_dir).engine.stats().peak_running >= 8
+
+
+# ----- cancellation ------------------------------------------------------------------------
+
+
+def running(model_dir: str) -> int:
+    """Rows the engine holds right now."""
+    return chat(model_dir).engine.stats().running
+
+
+def cancelled(model_dir: str) -> int:
+    """Requests the engine ended as cancelled (by a consumer or a timeout)."""
+    return chat(model_dir).engine.stats().cancelled
+
+
+async def first_chunks(model_dir: str, n: int, got: asyncio.Event) -> None:
+    """Stream a long answer, signal after ``n`` chunks, then keep consuming."""
+    count = 0
+    async for _ in chat(model_dir, max_tokens=1500).astream("Tell me a joke about cats."):
+        count += 1
+        if count == n:
+            got.set()
+
+
+async def test_cancelling_an_astream_task_evicts_its_row_only(model_dir: str) -> None:
+    siblings = PROMPTS[:3]
+    expected = alone(model_dir, siblings)
+    got = asyncio.Event()
+    victim = asyncio.create_task(first_chunks(model_dir, 3, got))
+    others = [asyncio.create_task(chat(model_dir).ainvoke(p)) for p in siblings]
+    await got.wait()
+    await asyncio.to_thread(wait_until, lambda: running(model_dir) == 4)
+    victim.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await victim
+    await asyncio.to_thread(wait_until, lambda: running(model_dir) <= 3)
+    results = await asyncio.gather(*others)
+    assert [r.content for r in results] == expected
+    assert cancelled(model_dir) == 1
+
+
+async def test_cancelling_an_ainvoke_task_evicts_its_row(model_dir: str) -> None:
+    task = asyncio.create_task(chat(model_dir, max_tokens=1500).ainvoke("Hello"))
+    await asyncio.to_thread(wait_until, lambda: running(model_dir) == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.to_thread(wait_until, lambda: running(model_dir) == 0)
+    assert cancelled(model_dir) == 1
+
+
+async def test_a_failing_sibling_branch_cancels_the_others(model_dir: str) -> None:
+    async def fail_soon() -> None:
+        await asyncio.to_thread(wait_until, lambda: running(model_dir) == 3)
+        raise RuntimeError("branch failed")
+
+    branches = [asyncio.create_task(chat(model_dir, max_tokens=1500).ainvoke(p))
+                for p in LONG[:3]]
+    failing = asyncio.create_task(fail_soon())
+    await asyncio.wait([*branches, failing], return_when=asyncio.FIRST_EXCEPTION)
+    # What LangGraph and asyncio.TaskGroup do when one branch raises: cancel the others.
+    for branch in branches:
+        branch.cancel()
+    outcomes = await asyncio.gather(*branches, return_exceptions=True)
+    assert all(isinstance(o, asyncio.CancelledError) for o in outcomes)
+    assert isinstance(failing.exception(), RuntimeError)
+    await asyncio.to_thread(wait_until, lambda: running(model_dir) == 0)
+    assert cancelled(model_dir) == 3
+
+
+async def test_closing_an_astream_evicts_its_row(model_dir: str) -> None:
+    stream = chat(model_dir, max_tokens=1500).astream("Hello")
+    await stream.__anext__()
+    await stream.aclose()  # type: ignore[attr-defined]
+    await asyncio.to_thread(wait_until, lambda: running(model_dir) == 0)
+    assert cancelled(model_dir) == 1
+
+
+async def test_breaking_out_of_astream_evicts_its_row(model_dir: str) -> None:
+    async for _ in chat(model_dir, max_tokens=1500).astream("Hello"):
+        break  # the abandoned generator is closed by the event loop, which cancels
+    await asyncio.to_thread(wait_until, lambda: running(model_dir) == 0)
+    assert cancelled(model_dir) == 1
+
+
+def test_breaking_out_of_stream_evicts_its_row_only(model_dir: str) -> None:
+    siblings = PROMPTS[3:6]
+    expected = alone(model_dir, siblings)
+    results: list[Any] = []
+    worker = threading.Thread(target=lambda: results.extend(chat(model_dir).batch(siblings)))
+    for i, _ in enumerate(chat(model_dir, max_tokens=1500).stream("Hello")):
+        if i == 0:
+            worker.start()
+            wait_until(lambda: running(model_dir) == 4)
+        if i == 2:
+            break
+    wait_until(lambda: running(model_dir) <= 3)
+    worker.join(timeout=120)
+    assert [r.content for r in results] == expected
+    assert cancelled(model_dir) == 1
+
+
+def test_closing_a_stream_generator_evicts_its_row(model_dir: str) -> None:
+    stream = chat(model_dir, max_tokens=1500).stream("Hello")
+    next(stream)
+    stream.close()
+    wait_until(lambda: running(model_dir) == 0)
+    assert cancelled(model_dir) == 1
+
+
+@pytest.mark.parametrize("how", ["invoke", "stream", "ainvoke", "astream"])
+async def test_a_timeout_evicts_the_row_and_raises(model_dir: str, how: str) -> None:
+    siblings = PROMPTS[:2]
+    expected = alone(model_dir, siblings)
+    others = [asyncio.create_task(chat(model_dir).ainvoke(p)) for p in siblings]
+    slow = chat(model_dir, max_tokens=1500, timeout=0.2)
+    with pytest.raises(RequestTimeoutError):
+        if how == "invoke":
+            await asyncio.to_thread(slow.invoke, "Hello")
+        elif how == "stream":
+            await asyncio.to_thread(lambda: list(slow.stream("Hello")))
+        elif how == "ainvoke":
+            await slow.ainvoke("Hello")
+        else:
+            _ = [chunk async for chunk in slow.astream("Hello")]
+    assert [r.content for r in await asyncio.gather(*others)] == expected
+    wait_until(lambda: running(model_dir) == 0)
+    assert cancelled(model_dir) == 1
+
+
+
+# ----- LangGraph ----------------------------------------------------------------------------
+
+
+def langgraph_graph() -> Any:
+    """``langgraph.graph``, or a skip naming the missing dev dependency."""
+    return pytest.importorskip("langgraph.graph",
+                               reason="langgraph is not installed (a dev dependency)")
+
+
+class FanOut(TypedDict):
+    prompts: list[str]
+    answers: Annotated[list[str], operator.add]
+
+
+async def test_langgraph_send_fan_out_shares_one_batch(model_dir: str) -> None:
+    graph = langgraph_graph()
+    from langgraph.types import Send
+
+    model = chat(model_dir)
+
+    async def answer(state: dict[str, str]) -> dict[str, list[str]]:
+        return {"answers": [str((await model.ainvoke(state["prompt"])).content)]}
+
+    builder = graph.StateGraph(FanOut)
+    builder.add_node("answer", answer)
+    builder.add_conditional_edges(
+        graph.START, lambda s: [Send("answer", {"prompt": p}) for p in s["prompts"]], ["answer"])
+    builder.add_edge("answer", graph.END)
+    prompts = (PROMPTS * 2)[:16]
+    expected = alone(model_dir, prompts)
+    out = await builder.compile().ainvoke({"prompts": prompts, "answers": []})
+    assert sorted(out["answers"]) == sorted(expected)
+    assert model.engine.stats().peak_running >= 8
+
+
+async def test_langgraph_sibling_failure_evicts_the_other_branches(model_dir: str) -> None:
+    graph = langgraph_graph()
+    model = chat(model_dir, max_tokens=1500)
+
+    def branch(prompt: str) -> Any:
+        async def node(_: FanOut) -> dict[str, list[str]]:
+            return {"answers": [str((await model.ainvoke(prompt)).content)]}
+        return node
+
+    async def boom(_: FanOut) -> dict[str, list[str]]:
+        await asyncio.to_thread(wait_until, lambda: running(model_dir) == 3)
+        raise RuntimeError("branch failed")
+
+    builder = graph.StateGraph(FanOut)
+    for i, prompt in enumerate(LONG[:3]):
+        builder.add_node(f"ask{i}", branch(prompt))
+        builder.add_edge(graph.START, f"ask{i}")
+    builder.add_node("boom", boom)
+    builder.add_edge(graph.START, "boom")
+    with pytest.raises(RuntimeError, match="branch failed"):
+        await builder.compile().ainvoke({"prompts": [], "answers": []})
+    await asyncio.to_thread(wait_until, lambda: running(model_dir) == 0)
+    assert cancelled(model_dir) == 3
