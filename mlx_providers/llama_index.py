@@ -13,9 +13,9 @@ task, abandoning a stream, or cancelling an agent run evicts the row at the next
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -47,6 +47,7 @@ from engine import (
     Engine,
     RequestHandle,
     SamplingParams,
+    StreamEvent,
     get_engine,
 )
 from mlx_providers._llama_index_messages import (
@@ -211,38 +212,14 @@ class MLXBatchLLM(FunctionCallingLLM):
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         """Chunks with ``delta`` and the text so far; the request starts at first ``next``."""
         request = self._chat_request(messages, kwargs)
-        chunks = StreamChunks(self.model_name)
-
-        def gen() -> ChatResponseGen:
-            handle = self._submit(request)
-            try:
-                for event in handle:
-                    chunk = chunks.chat(event)
-                    if chunk is not None:
-                        yield chunk
-            finally:  # closing or dropping the generator evicts the row
-                handle.cancel()
-
-        return gen()
+        return _chunks(lambda: self._submit(request), StreamChunks(self.model_name).chat)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False,
                         **kwargs: Any) -> CompletionResponseGen:
         """Completion chunks; the request starts at first ``next``."""
         request = self._completion_request(prompt, formatted, kwargs)
-        chunks = StreamChunks(self.model_name)
-
-        def gen() -> CompletionResponseGen:
-            handle = self._submit(request)
-            try:
-                for event in handle:
-                    chunk = chunks.completion(event)
-                    if chunk is not None:
-                        yield chunk
-            finally:
-                handle.cancel()
-
-        return gen()
+        return _chunks(lambda: self._submit(request), StreamChunks(self.model_name).completion)
 
     # ----- chat and completion, async (native: the event loop never blocks) ------------
 
@@ -264,38 +241,14 @@ class MLXBatchLLM(FunctionCallingLLM):
                            **kwargs: Any) -> ChatResponseAsyncGen:
         """An async generator of chunks; the request starts at its first iteration."""
         request = self._chat_request(messages, kwargs)
-        chunks = StreamChunks(self.model_name)
-
-        async def gen() -> ChatResponseAsyncGen:
-            handle = self._submit(request)
-            try:
-                async for event in handle:
-                    chunk = chunks.chat(event)
-                    if chunk is not None:
-                        yield chunk
-            finally:  # task cancellation, aclose() or garbage collection evicts the row
-                handle.cancel()
-
-        return gen()
+        return _achunks(lambda: self._submit(request), StreamChunks(self.model_name).chat)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
         """An async generator of completion chunks; the request starts at first iteration."""
         request = self._completion_request(prompt, formatted, kwargs)
-        chunks = StreamChunks(self.model_name)
-
-        async def gen() -> CompletionResponseAsyncGen:
-            handle = self._submit(request)
-            try:
-                async for event in handle:
-                    chunk = chunks.completion(event)
-                    if chunk is not None:
-                        yield chunk
-            finally:
-                handle.cancel()
-
-        return gen()
+        return _achunks(lambda: self._submit(request), StreamChunks(self.model_name).completion)
 
     # ----- tools ----------------------------------------------------------------------
 
@@ -419,3 +372,33 @@ class MLXBatchLLM(FunctionCallingLLM):
 
         return gen()
 
+
+_Chunk = TypeVar("_Chunk")
+
+
+def _chunks(submit: Callable[[], RequestHandle],
+            to_chunk: Callable[[StreamEvent], _Chunk | None]) -> Generator[_Chunk, None, None]:
+    """Chunks of one request, submitted at the first ``next``; closing or dropping the
+    generator evicts the row."""
+    handle = submit()
+    try:
+        for event in handle:
+            chunk = to_chunk(event)
+            if chunk is not None:
+                yield chunk
+    finally:
+        handle.cancel()
+
+
+async def _achunks(
+    submit: Callable[[], RequestHandle], to_chunk: Callable[[StreamEvent], _Chunk | None]
+) -> AsyncGenerator[_Chunk, None]:
+    """The async twin: task cancellation, aclose() or garbage collection evicts the row."""
+    handle = submit()
+    try:
+        async for event in handle:
+            chunk = to_chunk(event)
+            if chunk is not None:
+                yield chunk
+    finally:
+        handle.cancel()
