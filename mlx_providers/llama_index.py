@@ -30,7 +30,6 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW, DEFAULT_NUM_OUTPUTS
-from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.llm import (
     LLMStructuredPredictEndEvent,
     LLMStructuredPredictStartEvent,
@@ -41,6 +40,9 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.program.utils import process_streaming_objects
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import PydanticProgramMode
+
+# The defining module: llama_index.core.instrumentation re-exports it only implicitly.
+from llama_index_instrumentation import get_dispatcher
 
 from engine import (
     Completion,
