@@ -1,10 +1,10 @@
 """mlx-providers' continuous-batching engine: the public API.
 
-On Linux a fast BLAS is loaded before mlx is first imported (see ``engine.blas``),
+On Linux a fast BLAS is loaded before mlx is first imported (see ``engine._platform.blas``),
 so import this package before ``mlx`` for full CPU speed.
 """
 
-from engine.blas import activate_fast_blas, blas_info
+from engine._platform.blas import activate_fast_blas, blas_info
 
 activate_fast_blas()
 
@@ -16,16 +16,15 @@ from engine.errors import (
     EngineClosedError,
     EngineDeadError,
     EngineError,
-    KVBudgetError,
-    RequestTimeoutError,
-)
-from engine.grammar import InvalidConstraintError
-from engine.models import (
+    InvalidConstraintError,
     InvalidModelError,
+    KVBudgetError,
     ModelDownloadError,
+    RequestError,
+    RequestTimeoutError,
     UnsupportedModelError,
-    resolve_model,
 )
+from engine.models import resolve_model
 from engine.registry import get_engine
 from engine.request import (
     Completion,
@@ -59,6 +58,7 @@ __all__ = [
     "LarkGrammar",
     "ModelDownloadError",
     "Regex",
+    "RequestError",
     "RequestHandle",
     "RequestTimeoutError",
     "SamplingParams",

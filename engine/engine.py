@@ -1,9 +1,12 @@
 """Engine: one thread that owns all MLX work, fed by a command queue.
 
 Callers on any thread or event loop only enqueue ``_Submit`` / ``_Cancel`` /
-``_Shutdown``. At every step boundary the engine thread drains the queue, applies
-cancellations first, admits, runs one step of the batch (and of the serial lane),
-and publishes each row's events without ever waiting on a consumer.
+``_Shutdown``. The engine thread runs one loop, one step at a time:
+
+    plan    = scheduler.plan()          # cancellations first, then admissions
+    step    = lane.step()               # the only device work (batch lane, serial lane)
+    outcome = update(rows, step, now)   # every way a row ends is decided there
+    publish                             # events to streams; the engine never waits on one
 """
 
 from __future__ import annotations
@@ -19,30 +22,25 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.channels import ChannelSplitter, RowChannels
 from engine.config import EngineConfig
+from engine.constraints import JsonSchema
 from engine.errors import EngineClosedError, EngineDeadError, EngineError, RequestTimeoutError
 from engine.grammar import validate_constraint
+from engine.lane import Lane, LaneRow
 from engine.models import config_context_limit
-from engine.request import (
-    FinishReason,
-    Prompt,
-    SamplingParams,
-    TokenCallback,
-    TokenLogprob,
-)
+from engine.prepare import Preparer, RequestSpec, is_chat
+from engine.request import FinishReason, Prompt, RequestStatus, SamplingParams, TokenCallback
 from engine.rows import Row
-from engine.scheduler import BatchMode, Scheduler, StepPlan, Ticket
+from engine.scheduler import BatchMode, LaneKind, Scheduler, StepPlan, Ticket
 from engine.stats import EngineStats
 from engine.streams import RequestHandle, RequestStream
-from engine.text import RowText
-from engine.tools import (
-    forced_call_grammar,
-    normalize_tool_choice,
-    normalize_tools,
-)
+from engine.tools import forced_call_schema, normalize_tool_choice, normalize_tools
+from engine.update import Ending, update
+
+if TYPE_CHECKING:
+    from engine.device.loader import Lanes, LoadedModel
 
 log = logging.getLogger("engine")
 ModelSpec = str | os.PathLike[str] | None
@@ -89,8 +87,11 @@ class Engine:
         self._model_path: Path | None = None
         self._stats = EngineStats()
         self._stats_lock = threading.Lock()
-        # Engine-thread state below: touched only by the engine thread once it runs.
-        self._runner: Any = None
+        # Engine-thread state below: touched only by the engine thread once it runs
+        # (the model and preparer are read-only for callers after loading).
+        self._model: LoadedModel | None = None
+        self._preparer: Preparer | None = None
+        self._lanes: Lanes | None = None
         self._scheduler: Scheduler | None = None
         self._rows: dict[int, Row] = {}
         self._consecutive_failures = 0
@@ -110,8 +111,7 @@ class Engine:
     @property
     def tokenizer(self) -> Any:
         """The model's mlx-lm ``TokenizerWrapper`` (loads the model if needed)."""
-        self.start()
-        return self._runner.tokenizer
+        return self._loaded_model().tokenizer
 
     def start(self, timeout: float | None = None) -> Engine:
         """Start the engine thread and wait until the model is loaded (or failed)."""
@@ -142,33 +142,17 @@ class Engine:
         is "auto", "none", "required"/"any" or a tool name, and the last two are enforced
         by a grammar. Invalid tools, tool choices or constraints raise here, at once.
         """
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        spec = _request_spec(prompt, params, tools, tool_choice, parallel_tool_calls,
+                             chat_template_kwargs)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        if isinstance(prompt, (bytes, bytearray)) or prompt is None:
-            raise TypeError("prompt must be text, a list of token ids, or chat messages")
-        specs = normalize_tools(tools)
-        choice = normalize_tool_choice(tool_choice, specs)
-        if specs and choice != "none" and not _is_chat(prompt):
-            raise ValueError("tools need a chat-messages prompt")
-        forced = bool(specs) and choice not in ("auto", "none")
-        if forced and params.constraint is not None:
-            raise ValueError("a forced tool_choice cannot be combined with a constraint")
-        if forced:  # checks the tools' schemas now; rebuilt for the tokenizer at admission
-            validate_constraint(forced_call_grammar(specs, choice, parallel_tool_calls))
-        elif params.constraint is not None:
-            validate_constraint(params.constraint)
         now = time.monotonic()
         stream = RequestStream()
         with self._lock:
             self._raise_if_unusable()
             request_id = next(self._ids)
-            row = Row(request_id, prompt, params, stream, on_token, now,
-                      None if timeout is None else now + timeout,
-                      tools=specs, tool_choice=choice, parallel_tool_calls=parallel_tool_calls,
-                      template_kwargs=dict(chat_template_kwargs or {}))
+            row = Row(request_id, spec, stream, on_token, now,
+                      None if timeout is None else now + timeout)
             self._commands.put(_Submit(row))
         self._ensure_thread()
         return RequestHandle(request_id, stream, lambda: self._commands.put(_Cancel(request_id)))
@@ -181,10 +165,10 @@ class Engine:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> int:
         """Prompt tokens ``submit`` would use for this prompt (loads the model if needed)."""
-        self.start()
-        encoded = self._runner.prompts.encode_request(
-            prompt, normalize_tools(tools), dict(chat_template_kwargs or {}))
-        return len(encoded.ids)
+        spec = _request_spec(prompt, None, tools, None, True, chat_template_kwargs)
+        self._loaded_model()
+        assert self._preparer is not None
+        return self._preparer.count_tokens(spec)
 
     @property
     def context_limit(self) -> int | None:
@@ -232,6 +216,13 @@ class Engine:
                 )
                 self._thread.start()
 
+    def _loaded_model(self) -> LoadedModel:
+        """The loaded model (loads it if needed); raises once the engine is closed."""
+        self.start()
+        if self._model is None or self._closed:
+            raise EngineClosedError("the engine is closed")
+        return self._model
+
     # ----- the engine thread ----------------------------------------------------------
 
     def _main(self) -> None:
@@ -244,30 +235,39 @@ class Engine:
             self._die(exc)
         finally:
             self._loaded.set()
-            self._release_mlx()
+            if self._model is not None:
+                from engine.device.loader import release_streams
+
+                release_streams()
 
     def _load(self) -> None:
-        from engine.runner import Runner
+        from engine.device.loader import build_lanes, load_model
 
         path = self.model_path
-        self._runner = Runner(path, self.config)
-        footprint = self._runner.load()
-        store = self._runner.reuse.store
+        model = load_model(path, self.config)
+        self._preparer = Preparer(model.tokenizer, path, model.vocab_size)
+        self._lanes = build_lanes(model, self.config, self._preparer.compiler)
+        store = self._lanes.store
         # Cached prefixes count against the KV budget and are the first thing to give way.
-        self._scheduler = Scheduler(footprint, self.config.max_batch, self.config.kv_budget_bytes,
+        self._scheduler = Scheduler(model.footprint, self.config.max_batch,
+                                    self.config.kv_budget_bytes,
                                     cache_bytes=lambda: store.nbytes, reclaim=store.shrink_to)
+        self._model = model
         with self._stats_lock:
             self._stats.loaded = True
             self._stats.batch_mode = self._scheduler.mode.value
-            self._stats.context_limit = footprint.context_limit
+            self._stats.context_limit = model.footprint.context_limit
         if self._scheduler.mode is BatchMode.SERIAL:
             log.warning("model caches (%s) cannot batch: requests run one at a time",
-                        ", ".join(footprint.non_batchable_kinds))
+                        ", ".join(model.footprint.non_batchable_kinds))
 
     def _serve_once(self) -> bool:
-        scheduler = self._scheduler
-        assert scheduler is not None
-        for command in self._take_commands(block=scheduler.is_idle()):
+        """One turn of the loop: commands, plan, step each lane, publish."""
+        scheduler, lanes = self._scheduler, self._lanes
+        assert scheduler is not None and lanes is not None
+        commands = self._take_commands(block=scheduler.is_idle())
+        started = time.perf_counter()
+        for command in commands:
             if isinstance(command, _Shutdown):
                 self._shutdown()
                 return False
@@ -277,12 +277,17 @@ class Engine:
                 scheduler.cancel(command.request_id)
         self._expire_deadlines()
         self._apply(scheduler.plan())
-        if self._runner.batch_rows:
-            self._step(self._runner.step, serial=False)
-        if self._runner.serial_request is not None:
-            self._step(self._runner.step_serial, serial=True)
-        self._publish_stats()
+        stepping = 0.0
+        for kind in LaneKind:
+            lane = self._lane(kind)
+            if len(lane):
+                stepping += self._step(lane)
+        self._publish_stats(time.perf_counter() - started - stepping)
         return True
+
+    def _lane(self, kind: LaneKind) -> Lane:
+        assert self._lanes is not None
+        return self._lanes.batch if kind is LaneKind.BATCH else self._lanes.serial
 
     def _take_commands(self, block: bool) -> list[_Command]:
         commands: list[_Command] = []
@@ -303,31 +308,22 @@ class Engine:
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _accept(self, row: Row) -> None:
-        assert self._scheduler is not None
-        try:
-            tools = row.tools if row.tool_choice != "none" else ()
-            encoded = self._runner.prompts.encode_request(row.prompt, tools, row.template_kwargs)
-            row.prompt_ids, row.head_len = encoded.ids, encoded.head_len
-            if tools and row.tool_choice != "auto":
-                row.params = replace(row.params, constraint=self._runner.forced_call_constraint(
-                    tools, row.tool_choice, row.parallel_tool_calls))
-            self._runner.check_constraint(row.params)
-            kv_bytes = self._scheduler.validate(len(row.prompt_ids), row.params.max_tokens)
-        except Exception as exc:  # a bad request fails alone
-            self._rows[row.request_id] = row
-            self._finish(row, FinishReason.ERROR, error=exc)
-            return
-        row.text = RowText(self._runner.new_detokenizer(), row.params.stop)
-        row.channels = RowChannels(ChannelSplitter(self._runner.prompts.channel_markers(),
-                                                   encoded.start_channel),
-                                   self._runner.prompts.tool_parser, row.tools)
-        row.stop_ids = self._runner.stop_token_ids(row.params)
+        """Prepare a submitted request once; a request that cannot run fails alone."""
+        scheduler, preparer = self._scheduler, self._preparer
+        assert scheduler is not None and preparer is not None
         self._rows[row.request_id] = row
-        lane = self._scheduler.lane_for(row.params.needs_serial_lane)
-        self._scheduler.enqueue(
-            Ticket(row.request_id, len(row.prompt_ids), row.params.max_tokens, kv_bytes, lane)
-        )
-        row.queued = True
+        try:
+            prepared = preparer.prepare(row.spec)
+            kv_bytes = scheduler.validate(len(prepared.prompt_ids), prepared.params.max_tokens)
+        except Exception as exc:
+            self._end(Ending(row, FinishReason.ERROR, exc))
+            return
+        row.prepared = prepared
+        row.text = preparer.row_text(prepared.params)
+        row.channels = preparer.row_channels(row.spec, prepared)
+        lane = scheduler.lane_for(prepared.params.needs_serial_lane)
+        scheduler.enqueue(Ticket(row.request_id, len(prepared.prompt_ids),
+                                 prepared.params.max_tokens, kv_bytes, lane))
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -341,152 +337,106 @@ class Engine:
                 self._scheduler.cancel(row.request_id)
 
     def _apply(self, plan: StepPlan) -> None:
+        """Carry out the plan: drop and evict cancelled rows, start admitted ones."""
         if not plan:
             return
-        for request_id in plan.dropped:
-            self._finish_cancelled(self._rows[request_id])
-        if plan.evict:
-            serial = self._runner.serial_request
-            if serial in plan.evict:
-                self._runner.stop_serial()
-            self._runner.remove([r for r in plan.evict if r != serial])
-            for request_id in plan.evict:
-                self._finish_cancelled(self._rows[request_id])
-        specs = [self._spec(ticket) for ticket in plan.admit]
-        self._runner.insert(specs)
-        self._note_cached_tokens()
-        if plan.serial is not None:
-            specs.append(self._spec(plan.serial))
-            self._runner.start_serial(specs[-1])
+        cancelled = [self._rows[i] for i in (*plan.dropped, *plan.evict)]
+        for kind in LaneKind:
+            evicted = [r.request_id for r in cancelled if r.holds_lane and r.lane is kind]
+            if evicted:
+                self._lane(kind).remove(evicted)
+        for row in cancelled:
+            self._end(Ending(row, FinishReason.CANCELLED, row.cancel_error))
+        admitted = 0
+        for kind in LaneKind:
+            rows = [self._rows[t.request_id] for t in plan.admitted(kind)]
+            for row in rows:
+                row.status, row.lane = RequestStatus.PREFILLING, kind
+            if rows:
+                self._lane(kind).insert([_lane_row(row) for row in rows])
+                admitted += sum(len(row.prepared.prompt_ids) for row in rows
+                                if row.prepared is not None)
         with self._stats_lock:
-            self._stats.prompt_tokens += sum(len(spec.prompt) for spec in specs)
+            self._stats.prompt_tokens += admitted
 
-    def _note_cached_tokens(self) -> None:
-        for request_id, cached in self._runner.take_cached_tokens().items():
-            row = self._rows.get(request_id)
-            if row is not None:
-                row.cached_tokens = cached
-
-    def _spec(self, ticket: Ticket) -> Any:
-        from engine.runner import RowSpec
-
-        row = self._rows[ticket.request_id]
-        row.admitted = True
-        return RowSpec(row.request_id, row.prompt_ids, row.params, row.head_len)
-
-    def _step(self, run: Any, serial: bool) -> None:
+    def _step(self, lane: Lane) -> float:
+        """Step one lane, decide what its tokens mean, publish; returns the step's seconds."""
+        started = time.perf_counter()
         try:
-            result = run()
+            step = lane.step()
         except Exception as exc:  # contained below, or fatal after retries
-            self._model_failure(exc, serial)
-            return
+            self._model_failure(lane, exc)
+            return time.perf_counter() - started
+        seconds = time.perf_counter() - started
         self._consecutive_failures = 0
-        self._note_cached_tokens()
+        outcome = update(self._rows, step, time.monotonic())
         with self._stats_lock:
             self._stats.steps += 1
-            self._stats.peak_running = max(self._stats.peak_running, result.decoding_rows)
-            self._stats.generated_tokens += len(result.tokens)
-        for request_id, error in result.failed.items():
-            self._evict(request_id)
-            self._finish(self._rows[request_id], FinishReason.ERROR, error=error)
-        for out in result.tokens:
-            row = self._rows.get(out.request_id)
-            if row is not None:
-                self._deliver(row, out.token, out.finish, out.logprob)
+            self._stats.step_seconds += seconds
+            self._stats.peak_running = max(self._stats.peak_running, step.width)
+            self._stats.generated_tokens += outcome.tokens
+        for row, event in outcome.events:
+            row.stream.publish(event)
+        if outcome.endings:
+            ended = [ending.row.request_id for ending in outcome.endings]
+            lane.remove(ended)
+            assert self._scheduler is not None
+            self._scheduler.finish(ended)
+            for ending in outcome.endings:
+                self._end(ending)
+        return seconds
 
-    def _deliver(
-        self, row: Row, token: int, finish: FinishReason | None, logprob: TokenLogprob | None
-    ) -> None:
-        runner_holds_row = finish is None  # stops decided here must evict it
-        delta, ids, finish = row.take_token(token, finish, time.monotonic())
-        if logprob is not None and ids:
-            row.logprobs.append(logprob)
-        if row.on_token is not None:
-            try:
-                if row.on_token(token, delta) is False and finish is None:
-                    finish = FinishReason.STOP
-            except Exception as exc:  # fails this row's consumer only
-                if runner_holds_row:
-                    self._evict(row.request_id)
-                self._finish(row, FinishReason.ERROR, error=exc)
-                return
-        lp = (logprob,) if logprob is not None else None
-        if finish is None:
-            row.stream.publish(row.event(delta, ids, lp))
-            return
-        if runner_holds_row:
-            self._evict(row.request_id)
-        self._finish(row, finish, delta=delta, token_ids=ids, logprobs=lp)
-
-    def _evict(self, request_id: int) -> None:
-        """Remove a row the runner still holds (stopped by text, callback or failure)."""
-        if self._runner.serial_request == request_id:
-            self._runner.stop_serial()
-        else:
-            self._runner.remove([request_id])
-        assert self._scheduler is not None
-        self._scheduler.release(request_id)
-
-    def _finish_cancelled(self, row: Row) -> None:
-        self._finish(row, FinishReason.CANCELLED, error=row.cancel_error)
-
-    def _finish(
-        self,
-        row: Row,
-        reason: FinishReason,
-        *,
-        error: BaseException | None = None,
-        delta: str = "",
-        token_ids: tuple[int, ...] = (),
-        logprobs: tuple[TokenLogprob, ...] | None = None,
-    ) -> None:
+    def _end(self, ending: Ending) -> None:
+        """A row's last event: the row leaves the engine, its consumer wakes last."""
+        row = ending.row
         self._rows.pop(row.request_id, None)
-        if self._scheduler is not None:
-            self._scheduler.release(row.request_id)
-        event, completion = row.final(reason, error, delta, token_ids, logprobs)
+        was = row.status
+        event, completion = row.final(ending.reason, ending.error, ending.delta,
+                                      ending.token_ids, ending.logprobs)
         with self._stats_lock:
-            if reason is FinishReason.ERROR:
+            if ending.reason is FinishReason.ERROR:
                 self._stats.failed += 1
-            elif reason is FinishReason.CANCELLED:
+            elif ending.reason is FinishReason.CANCELLED:
                 self._stats.cancelled += 1
             else:
                 self._stats.completed += 1
             # Before the consumer wakes, so whoever holds a result sees its row gone; one
             # row at a time, so the counts agree with completed/cancelled at every moment.
-            if row.admitted:
+            if was in (RequestStatus.PREFILLING, RequestStatus.DECODING):
                 self._stats.running = max(0, self._stats.running - 1)
-            elif row.queued:
+            elif was is RequestStatus.WAITING and row.prepared is not None:
                 self._stats.pending = max(0, self._stats.pending - 1)
         row.stream.publish(event, completion)
 
-    def _model_failure(self, exc: Exception, serial: bool) -> None:
-        """A model step failed: fail the rows in flight, then recover or die."""
+    def _model_failure(self, lane: Lane, exc: Exception) -> None:
+        """A model step failed: fail the lane's rows, then recover or die."""
         log.error("model step failed: %r", exc)
         self._consecutive_failures += 1
-        if serial:
-            failed = [self._runner.serial_request]
-            self._runner.stop_serial()
-        else:
-            failed = self._runner.reset_batch()
+        failed = lane.reset()
+        assert self._scheduler is not None
+        self._scheduler.finish(failed)
         for request_id in failed:
             row = self._rows.get(request_id)
             if row is not None:
                 error = EngineError(f"the model step failed: {exc!r}")
                 error.__cause__ = exc
-                self._finish(row, FinishReason.ERROR, error=error)
+                self._end(Ending(row, FinishReason.ERROR, error))
         if self._consecutive_failures >= self.config.max_consecutive_step_failures:
             raise EngineDeadError(
                 f"{self._consecutive_failures} model steps failed in a row; last: {exc!r}"
             ) from exc
 
-    def _publish_stats(self) -> None:
-        assert self._scheduler is not None
+    def _publish_stats(self, overhead: float = 0.0) -> None:
+        scheduler, lanes = self._scheduler, self._lanes
+        assert scheduler is not None and lanes is not None
+        store = lanes.store
         with self._stats_lock:
-            self._stats.running = self._scheduler.running
-            self._stats.pending = self._scheduler.pending
-            self._stats.kv_bytes_projected = self._scheduler.kv_bytes_projected
-            self._stats.live_matchers = self._runner.live_matchers
-            store = self._runner.reuse.store
+            self._stats.overhead_seconds += overhead
+            self._stats.running = scheduler.running
+            self._stats.pending = scheduler.pending
+            self._stats.kv_bytes_projected = scheduler.kv_bytes_projected
+            assert self._preparer is not None
+            self._stats.live_matchers = self._preparer.compiler.live_matchers
             self._stats.prefix_hits = store.stats.hits
             self._stats.prefix_misses = store.stats.misses
             self._stats.prefix_hit_tokens = store.stats.hit_tokens
@@ -496,7 +446,7 @@ class Engine:
 
     def _shutdown(self) -> None:
         error = EngineClosedError("the engine was closed while the request ran")
-        self._runner.close()
+        self._reset_lanes()
         self._fail_everything(error, FinishReason.CANCELLED)
         self._publish_stats()
 
@@ -509,55 +459,74 @@ class Engine:
         log.error("engine is dead: %r", exc)
         with self._lock:
             self._dead = dead
-        if self._runner is not None:
-            try:
-                self._runner.close()
-            except Exception:  # best effort on the way out
-                log.exception("releasing rows after the engine died failed")
+        try:
+            self._reset_lanes()
+        except Exception:  # best effort on the way out
+            log.exception("releasing rows after the engine died failed")
         self._fail_everything(dead, FinishReason.ERROR)
-        if self._scheduler is not None:
+        if self._scheduler is not None and self._lanes is not None:
             self._publish_stats()
+
+    def _reset_lanes(self) -> None:
+        """Release every row (and its grammar matcher): the engine is going away."""
+        if self._lanes is not None:
+            self._lanes.batch.reset()
+            self._lanes.serial.reset()
 
     def _fail_everything(self, error: BaseException, reason: FinishReason) -> None:
         # Rows known to the engine thread, then submits still sitting in the queue.
         if self._scheduler is not None:
             self._scheduler.drain()
         for row in list(self._rows.values()):
-            self._finish(row, reason, error=error)
+            self._end(Ending(row, reason, error))
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
             if isinstance(command, _Submit):
-                self._finish(command.row, reason, error=error)
-
-    def _release_mlx(self) -> None:
-        self._runner = _ReleasedRunner()
-        try:
-            import mlx.core as mx
-
-            mx.clear_streams()  # without it, processes aborted at exit (DESIGN.md)
-        except Exception:  # best effort on the way out
-            pass
+                self._end(Ending(command.row, reason, error))
 
 
-class _ReleasedRunner:
-    """Stands in after the thread ended so late attribute reads fail clearly."""
+def _lane_row(row: Row) -> LaneRow:
+    assert row.prepared is not None
+    prepared = row.prepared
+    return LaneRow(row.request_id, prepared.prompt_ids, prepared.params, prepared.head_len)
 
-    def __getattr__(self, name: str) -> Any:
-        raise EngineClosedError("the engine is closed")
 
-
-def _is_chat(prompt: Prompt) -> bool:
-    return not isinstance(prompt, str) and bool(prompt) and all(
-        isinstance(m, Mapping) for m in prompt)
+def _request_spec(
+    prompt: Prompt,
+    params: SamplingParams | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: str | Mapping[str, Any] | None,
+    parallel_tool_calls: bool,
+    chat_template_kwargs: Mapping[str, Any] | None,
+) -> RequestSpec:
+    """Everything ``submit`` can check without a tokenizer, checked once, at the door."""
+    params = params if params is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, (bytes, bytearray)) or prompt is None:
+        raise TypeError("prompt must be text, a list of token ids, or chat messages")
+    specs = normalize_tools(tools)
+    choice = normalize_tool_choice(tool_choice, specs)
+    if specs and choice != "none" and not is_chat(prompt):
+        raise ValueError("tools need a chat-messages prompt")
+    spec = RequestSpec(prompt, params, specs, choice, parallel_tool_calls,
+                       dict(chat_template_kwargs or {}))
+    if spec.forces_call and params.constraint is not None:
+        raise ValueError("a forced tool_choice cannot be combined with a constraint")
+    if spec.forces_call:  # the call schema now; its grammar is built once, when prepared
+        validate_constraint(JsonSchema(forced_call_schema(specs, choice)))
+    elif params.constraint is not None:
+        validate_constraint(params.constraint)
+    return spec
 
 
 def _resolve(spec: ModelSpec, config: EngineConfig) -> Path:
     if spec is not None and Path(spec).is_dir():
         return Path(spec)  # a local model directory needs no resolution
-    from engine.models import resolve_model
+    from engine.models.resolve import resolve_model
 
     return resolve_model(spec, quantized=config.quantized)
 

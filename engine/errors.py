@@ -1,6 +1,16 @@
-"""Errors the engine raises; each names what went wrong and what to do."""
+"""Every error the engine raises; each names what went wrong and what to do.
+
+Two families: ``RequestError`` belongs to one request (its consumer alone sees it and
+every other row goes on), ``EngineError`` to the engine itself or to a request the engine
+could not complete. Errors about bad input also subclass ``ValueError``/``TypeError`` so
+that callers may catch them the usual way.
+"""
 
 from __future__ import annotations
+
+
+class RequestError(Exception):
+    """A failure of one request only; the engine and every other row go on."""
 
 
 class EngineError(RuntimeError):
@@ -15,7 +25,7 @@ class EngineClosedError(EngineError):
     """The engine was closed before or while the request ran."""
 
 
-class ContextLengthError(ValueError):
+class ContextLengthError(RequestError, ValueError):
     """The prompt plus ``max_tokens`` does not fit in the model's context."""
 
     def __init__(self, prompt_tokens: int, max_tokens: int, limit: int) -> None:
@@ -29,7 +39,7 @@ class ContextLengthError(ValueError):
         self.limit = limit
 
 
-class KVBudgetError(ValueError):
+class KVBudgetError(RequestError, ValueError):
     """A request's worst-case KV cache would not fit in the budget even alone."""
 
     def __init__(self, needed_bytes: int, budget_bytes: int) -> None:
@@ -42,5 +52,21 @@ class KVBudgetError(ValueError):
         self.budget_bytes = budget_bytes
 
 
-class RequestTimeoutError(TimeoutError):
+class InvalidConstraintError(RequestError, ValueError):
+    """The schema or grammar cannot be compiled, or a token broke it; the message says why."""
+
+
+class RequestTimeoutError(RequestError, TimeoutError):
     """A request ran past its ``timeout``; its row was evicted."""
+
+
+class InvalidModelError(ValueError):
+    """A local path exists but is neither a model directory nor a ``.gguf`` file."""
+
+
+class ModelDownloadError(RuntimeError):
+    """The default model or a hub model could not be fetched; the message says what to do."""
+
+
+class UnsupportedModelError(ValueError):
+    """The GGUF file uses an architecture, tensor type or tokenizer this converter cannot map."""

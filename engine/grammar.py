@@ -15,13 +15,10 @@ from typing import Any
 import numpy as np
 
 from engine.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
+from engine.errors import InvalidConstraintError
 
 # Compact JSON: no free whitespace, so a model cannot wander in indentation forever.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-class InvalidConstraintError(ValueError):
-    """The schema or grammar cannot be compiled; the message says why."""
 
 
 def grammar_text(constraint: Constraint) -> str:

@@ -31,6 +31,15 @@ class FinishReason(str, Enum):
     ERROR = "error"
 
 
+class RequestStatus(str, Enum):
+    """Where a request is on the engine thread; FINISHED rows carry a ``FinishReason``."""
+
+    WAITING = "waiting"  # accepted, not admitted yet (no KV memory held)
+    PREFILLING = "prefilling"  # admitted to a lane, no token generated yet
+    DECODING = "decoding"  # generating tokens
+    FINISHED = "finished"
+
+
 def _check(condition: bool, name: str, message: str) -> None:
     if not condition:
         raise ValueError(f"SamplingParams.{name} {message}")

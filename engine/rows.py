@@ -1,29 +1,30 @@
 """A request as the engine thread tracks it, and how its tokens become events.
 
-``Row`` owns everything per request that is not device work: the text state (stop
-strings, channels), ids, logprobs, timings; it turns tokens into ``StreamEvent``s and
-builds the final ``Completion``. The engine decides when rows start, stop and leave.
+``Row`` owns everything per request that is not device work: its status, the text
+state (stop strings, channels), ids, logprobs, timings; it turns tokens into
+``StreamEvent``s and builds the final ``Completion``. ``engine.update`` decides when a
+row ends; the loop decides when it starts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.channels import RowChannels
+from engine.prepare import PreparedRequest, RequestSpec
 from engine.request import (
     Completion,
     FinishReason,
-    Prompt,
+    RequestStatus,
     SamplingParams,
     StreamEvent,
     TokenCallback,
     TokenLogprob,
     Usage,
 )
+from engine.scheduler import LaneKind
 from engine.streams import RequestStream
 from engine.text import RowText
-from engine.tools import ToolSpec
 
 
 @dataclass
@@ -31,46 +32,32 @@ class Row:
     """A request the engine thread knows about, from submit to its final event."""
 
     request_id: int
-    prompt: Prompt
-    params: SamplingParams
+    spec: RequestSpec
     stream: RequestStream
     on_token: TokenCallback | None
     submitted_at: float
     deadline: float | None
-    tools: tuple[ToolSpec, ...] = ()
-    tool_choice: str = "auto"
-    parallel_tool_calls: bool = True
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    prompt_ids: list[int] = field(default_factory=list)
-    head_len: int = 0
-    cached_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    lane: LaneKind | None = None  # set at admission
+    finish_reason: FinishReason | None = None
+    prepared: PreparedRequest | None = None
     text: RowText | None = None
     channels: RowChannels | None = None
-    stop_ids: frozenset[int] = frozenset()
+    cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     completion_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
-    cancel_error: BaseException | None = None
-    queued: bool = False  # waiting for admission
-    admitted: bool = False  # holds a row in the batch or the serial lane
+    cancel_error: BaseException | None = None  # why a cancel happened (a timeout)
 
-    def take_token(self, token: int, finish: FinishReason | None, now: float) -> tuple[
-            str, tuple[int, ...], FinishReason | None]:
-        """Record a generated token: (visible text delta, new ids, finish reason so far).
+    @property
+    def params(self) -> SamplingParams:
+        return self.prepared.params if self.prepared is not None else self.spec.params
 
-        A stop token ends the row without becoming text; a stop string ends it too.
-        """
-        assert self.text is not None
-        self.first_token_at = self.first_token_at or now
-        self.last_token_at = now
-        self.completion_tokens += 1
-        if finish is FinishReason.STOP and token in self.stop_ids:
-            return "", (), finish
-        self.token_ids.append(token)
-        delta = self.text.add_token(token)
-        return delta, (token,), FinishReason.STOP if self.text.stopped else finish
+    @property
+    def holds_lane(self) -> bool:
+        return self.status in (RequestStatus.PREFILLING, RequestStatus.DECODING)
 
     def event(self, delta: str, ids: tuple[int, ...],
               logprobs: tuple[TokenLogprob, ...] | None) -> StreamEvent:
@@ -83,6 +70,7 @@ class Row:
               ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] | None) -> tuple[
             StreamEvent, Completion]:
         """The last event and the whole completion; held-back text is released here."""
+        self.status, self.finish_reason = RequestStatus.FINISHED, reason
         if self.text is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
             delta += self.text.finish()
         channels = self.channels
@@ -113,4 +101,5 @@ class Row:
             span = self.last_token_at - self.first_token_at
             if self.completion_tokens > 1 and span > 0:
                 rate = (self.completion_tokens - 1) / span
-        return Usage(len(self.prompt_ids), self.completion_tokens, self.cached_tokens, ttft, rate)
+        prompt_tokens = len(self.prepared.prompt_ids) if self.prepared is not None else 0
+        return Usage(prompt_tokens, self.completion_tokens, self.cached_tokens, ttft, rate)

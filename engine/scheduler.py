@@ -9,7 +9,7 @@ marked for eviction), then waiting requests are admitted FIFO while they fit und
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -17,7 +17,7 @@ from engine.errors import ContextLengthError, KVBudgetError
 from engine.footprint import ModelFootprint
 
 
-class Lane(Enum):
+class LaneKind(Enum):
     """Where a request runs: in the shared batch, or alone between batch steps."""
 
     BATCH = "batch"
@@ -40,7 +40,7 @@ class Ticket:
     prompt_tokens: int
     max_tokens: int
     kv_bytes: int
-    lane: Lane = Lane.BATCH
+    lane: LaneKind = LaneKind.BATCH
 
 
 @dataclass
@@ -54,6 +54,12 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return bool(self.dropped or self.evict or self.admit or self.serial)
+
+    def admitted(self, lane: LaneKind) -> list[Ticket]:
+        """The tickets this plan starts on ``lane``."""
+        if lane is LaneKind.BATCH:
+            return list(self.admit)
+        return [self.serial] if self.serial is not None else []
 
 
 class Scheduler:
@@ -75,7 +81,7 @@ class Scheduler:
         self.kv_budget_bytes = kv_budget_bytes
         self._cache_bytes = cache_bytes
         self._reclaim = reclaim
-        self._pending: dict[Lane, deque[Ticket]] = {lane: deque() for lane in Lane}
+        self._pending: dict[LaneKind, deque[Ticket]] = {lane: deque() for lane in LaneKind}
         self._running: dict[int, Ticket] = {}
         self._serial: Ticket | None = None
         self._cancelled: set[int] = set()
@@ -86,8 +92,8 @@ class Scheduler:
             return BatchMode.SERIAL
         return BatchMode.OFF if self.max_batch == 1 else BatchMode.BATCH
 
-    def lane_for(self, wants_serial: bool) -> Lane:
-        return Lane.SERIAL if wants_serial or self.mode is BatchMode.SERIAL else Lane.BATCH
+    def lane_for(self, wants_serial: bool) -> LaneKind:
+        return LaneKind.SERIAL if wants_serial or self.mode is BatchMode.SERIAL else LaneKind.BATCH
 
     def validate(self, prompt_tokens: int, max_tokens: int) -> int:
         """Reject what can never run; return the request's worst-case KV bytes."""
@@ -106,12 +112,13 @@ class Scheduler:
         """Mark for removal at the next ``plan()``; unknown ids are ignored there."""
         self._cancelled.add(request_id)
 
-    def release(self, request_id: int) -> None:
-        """A running row finished on its own (stop, length, error)."""
-        self._running.pop(request_id, None)
-        if self._serial is not None and self._serial.request_id == request_id:
-            self._serial = None
-        self._cancelled.discard(request_id)
+    def finish(self, request_ids: Iterable[int]) -> None:
+        """Running rows ended on their own (stop, length, error): their room is free."""
+        for request_id in request_ids:
+            self._running.pop(request_id, None)
+            if self._serial is not None and self._serial.request_id == request_id:
+                self._serial = None
+            self._cancelled.discard(request_id)
 
     def plan(self) -> StepPlan:
         plan = StepPlan()
@@ -146,12 +153,12 @@ class Scheduler:
     def _admit(self, plan: StepPlan) -> None:
         # Strict FIFO per lane: a head that does not fit yet blocks those behind it,
         # so a large request cannot starve; it fits alone, so it runs once rows drain.
-        batch_queue = self._pending[Lane.BATCH]
+        batch_queue = self._pending[LaneKind.BATCH]
         while batch_queue and len(self._running) < self.max_batch and self._fits(batch_queue[0]):
             ticket = batch_queue.popleft()
             self._running[ticket.request_id] = ticket
             plan.admit.append(ticket)
-        serial_queue = self._pending[Lane.SERIAL]
+        serial_queue = self._pending[LaneKind.SERIAL]
         if self._serial is None and serial_queue and self._fits(serial_queue[0]):
             self._serial = serial_queue.popleft()
             plan.serial = self._serial

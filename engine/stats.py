@@ -19,6 +19,8 @@ class EngineStats:
     cancelled: int = 0
     failed: int = 0
     steps: int = 0
+    step_seconds: float = 0.0  # in lane steps: device work and waiting on it
+    overhead_seconds: float = 0.0  # the loop's own work around the steps (plan, update, publish)
     prompt_tokens: int = 0  # tokens of prompts admitted for prefill
     generated_tokens: int = 0
     kv_bytes_projected: int = 0  # worst-case KV bytes of the running rows

@@ -115,14 +115,7 @@ def forced_call_grammar(
     ``<tool_call>`` when the tokenizer has the marker as one special token (llguidance
     only matches special tokens written that way).
     """
-    chosen = [t for t in tools if choice == "required" or t.name == choice]
-    schema = {"anyOf": [{
-        "type": "object",
-        "properties": {"name": {"const": t.name}, "arguments": _closed(t.parameters)},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    } for t in chosen], "x-guidance": {"whitespace_flexible": False,
-                                       "item_separator": ", ", "key_separator": ": "}}
+    schema = forced_call_schema(tools, choice)
     # A newline may follow the last call: models write one, and it must not force another.
     repeat = ' ("\\n" call)* "\\n"?' if parallel else ' "\\n"?'
     lark = (
@@ -131,6 +124,18 @@ def forced_call_grammar(
         f"body: %json {json.dumps(schema)}\n"
     )
     return LarkGrammar(lark)
+
+
+def forced_call_schema(tools: Sequence[ToolSpec], choice: str) -> dict[str, Any]:
+    """The JSON schema of one call body: {"name": <a chosen tool>, "arguments": {...}}."""
+    chosen = [t for t in tools if choice == "required" or t.name == choice]
+    return {"anyOf": [{
+        "type": "object",
+        "properties": {"name": {"const": t.name}, "arguments": _closed(t.parameters)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    } for t in chosen], "x-guidance": {"whitespace_flexible": False,
+                                       "item_separator": ", ", "key_separator": ": "}}
 
 
 def _closed(schema: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
-"""engine/blas.py: the fast BLAS really binds into libmlx and changes no result.
+"""engine/_platform/blas.py: the fast BLAS really binds into libmlx and changes no result.
 
 mlx.core binds its BLAS once per process, so every check runs in a fresh subprocess that
-loads engine/blas.py by file path (module ``engine_blas``): no engine/__init__ needed.
+loads engine/_platform/blas.py by file path (module ``engine_blas``): no engine/__init__ needed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-BLAS_PY = Path(__file__).resolve().parents[1] / "engine" / "blas.py"
+ENGINE_DIR = Path(__file__).resolve().parents[1] / "engine"
+BLAS_PY = ENGINE_DIR / "_platform" / "blas.py"
 ENV_VAR = "MLX_PROVIDERS_FAST_BLAS"
 
 pytestmark = [
@@ -30,7 +31,7 @@ PRELUDE = f"""
 import importlib.util, json, sys, types
 # An empty 'engine' package: blas.py's sibling imports resolve, engine/__init__ never runs.
 package = types.ModuleType("engine")
-package.__path__ = [{str(BLAS_PY.parent)!r}]
+package.__path__ = [{str(ENGINE_DIR)!r}]
 sys.modules["engine"] = package
 spec = importlib.util.spec_from_file_location("engine_blas", {str(BLAS_PY)!r})
 blas = importlib.util.module_from_spec(spec)

@@ -9,7 +9,7 @@ import pytest
 
 from engine import Engine, FinishReason, SamplingParams
 from engine.constraints import JsonObject, JsonSchema, LarkGrammar, Regex
-from engine.grammar import InvalidConstraintError
+from engine.errors import InvalidConstraintError
 from tests.conftest import alone, greedy, prompts_of_lengths, wait_until
 
 TRIP = {
@@ -95,7 +95,7 @@ def test_matchers_are_released_on_every_exit_path(make_engine) -> None:  # type:
     long_schema = greedy(1000, constraint=Regex("[a-z ]{0,2000}"))
 
     def live() -> int:
-        return eng._runner.live_matchers
+        return eng._preparer.compiler.live_matchers
 
     # finished
     eng.submit("a", schema).result()
@@ -130,13 +130,13 @@ def test_matchers_are_released_on_every_exit_path(make_engine) -> None:  # type:
     seen.clear()
     eng.submit("s", long_schema, on_token=lambda t, _: seen.append(t))
     wait_until(lambda: len(seen) > 2)
-    runner = eng._runner
+    compiler = eng._preparer.compiler
     eng.close()
-    assert runner.live_matchers == 0
+    assert compiler.live_matchers == 0
 
 
 def test_compiled_grammars_are_cached_and_bounded(tiny_engine: Engine) -> None:
-    compiler = tiny_engine._runner.grammar_compiler()
+    compiler = tiny_engine._preparer.compiler
     first = compiler.compile(JsonSchema(TRIP))
     assert compiler.compile(JsonSchema(dict(TRIP))) is first
     for i in range(compiler._cache_size + 5):

@@ -149,4 +149,5 @@ def test_cancellation_storm_leaves_no_rows(make_engine) -> None:  # type: ignore
     assert stats.cancelled == sum(r.finish_reason is FinishReason.CANCELLED for r in results)
     finished = sum(r.finish_reason is not FinishReason.CANCELLED for r in results)
     assert stats.completed == finished + len(keep)  # + the reference runs
-    assert eng._runner.batch_rows == 0 and len(eng._runner.generator._generation_batch) == 0
+    lane = eng._lanes.batch
+    assert len(lane) == 0 and len(lane.generator._generation_batch) == 0

@@ -14,7 +14,7 @@ from engine import (
     FinishReason,
     SamplingParams,
 )
-from engine.runner import Runner
+from engine.device.batch_lane import BatchLane
 from tests.conftest import alone, greedy, prompts_of_lengths, wait_until
 
 
@@ -57,16 +57,16 @@ def test_step_failure_fails_rows_in_flight_then_recovers(tiny_engine: Engine,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     prompt = prompts_of_lengths(tiny_engine, [15])[0]
     expected = alone(tiny_engine, [prompt], greedy(20))[0]
-    real_step = Runner.step
+    real_step = BatchLane.step
     failures = [1]
 
-    def failing_step(self: Runner):  # type: ignore[no-untyped-def]
+    def failing_step(self: BatchLane):  # type: ignore[no-untyped-def]
         if failures[0]:
             failures[0] -= 1
             raise RuntimeError("simulated device fault")
         return real_step(self)
 
-    monkeypatch.setattr(Runner, "step", failing_step)
+    monkeypatch.setattr(BatchLane, "step", failing_step)
     in_flight = [tiny_engine.submit(prompt, greedy(20)) for _ in range(3)]
     for handle in in_flight:
         with pytest.raises(EngineError) as info:
@@ -80,10 +80,10 @@ def test_persistent_step_failure_kills_the_engine_and_nobody_hangs(
         make_engine, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     eng = make_engine(max_batch=1, max_consecutive_step_failures=2)
 
-    def always_fail(self: Runner):  # type: ignore[no-untyped-def]
+    def always_fail(self: BatchLane):  # type: ignore[no-untyped-def]
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(Runner, "step", always_fail)
+    monkeypatch.setattr(BatchLane, "step", always_fail)
     # max_batch=1: the first two fail in their own steps, the third is still pending.
     handles = [eng.submit(f"hello {i}", greedy(10)) for i in range(3)]
     for handle in handles[:2]:
@@ -201,13 +201,13 @@ def test_usage_and_stats_add_up(make_engine) -> None:  # type: ignore[no-untyped
 
 def test_engine_thread_is_the_only_one_touching_mlx(make_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     seen: set[str] = set()
-    real_step = Runner.step
+    real_step = BatchLane.step
 
-    def recording_step(self: Runner):  # type: ignore[no-untyped-def]
+    def recording_step(self: BatchLane):  # type: ignore[no-untyped-def]
         seen.add(threading.current_thread().name)
         return real_step(self)
 
-    monkeypatch.setattr(Runner, "step", recording_step)
+    monkeypatch.setattr(BatchLane, "step", recording_step)
     eng = make_engine()
     threads = [threading.Thread(target=lambda: eng.submit("hi", greedy(5)).result())
                for _ in range(4)]

@@ -33,12 +33,12 @@ def test_evicted_rows_release_their_kv_memory(make_engine) -> None:  # type: ign
     handles = [eng.submit(f"row {i} " * 50, greedy(1500), on_token=lambda t, _: tokens.append(t))
                for i in range(3)]
     wait_until(lambda: len(tokens) > 30)
-    assert eng._runner.generator.prompt_cache_nbytes > 0
+    assert eng._lanes.batch.generator.prompt_cache_nbytes > 0
     for h in handles:
         h.cancel()
     assert all(h.result().finish_reason is FinishReason.CANCELLED for h in handles)
     wait_until(lambda: eng.stats().running == 0)
-    assert eng._runner.generator.prompt_cache_nbytes == 0
+    assert eng._lanes.batch.generator.prompt_cache_nbytes == 0
 
 
 def test_process_exits_cleanly_with_an_engine_still_open(tiny_model_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""engine.gguf: GGUF header parsing, weight mapping, tokenizer rebuild and clear refusals.
+"""engine.models.gguf: GGUF header parsing, weight mapping, tokenizer rebuild and clear refusals.
 
 Tiny GGUFs are written here with the ``gguf`` package (llama.cpp's own writer), from weights
 in Hugging Face layout put through llama.cpp's q/k row permutation, so the converter is
@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.gguf import (
+from engine.errors import UnsupportedModelError
+from engine.models.gguf import (
     FloatDtype,
-    UnsupportedModelError,
     check_supported,
     convert_gguf,
     read_header,
@@ -376,7 +376,8 @@ DIGIT_AFTER_SPACES = [" 123 x  42", "a  7", "x\n 3"]
 
 @pytest.fixture(scope="module")
 def smollm2_gguf() -> Path:
-    from engine.models import ModelDownloadError, default_model_gguf
+    from engine.errors import ModelDownloadError
+    from engine.models.resolve import default_model_gguf
 
     try:
         return default_model_gguf()

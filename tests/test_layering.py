@@ -51,4 +51,4 @@ def test_adapters_use_only_the_engine_public_api(path: Path) -> None:
 def test_engine_init_loads_blas_before_anything_imports_mlx() -> None:
     tree = ast.parse((ROOT / "engine" / "__init__.py").read_text())
     first_import = next(n for n in tree.body if isinstance(n, ast.ImportFrom | ast.Import))
-    assert isinstance(first_import, ast.ImportFrom) and first_import.module == "engine.blas"
+    assert isinstance(first_import, ast.ImportFrom) and first_import.module == "engine._platform.blas"

@@ -1,4 +1,4 @@
-"""engine.models: spec resolution, the atomic conversion cache, the default model, real text.
+"""engine.models.resolve: spec resolution, the atomic conversion cache, the default model, real text.
 
 Cache logic is tested with a fake converter (counting calls) or tiny GGUFs; SmolLM2 is
 converted once per session (``smollm2_dirs``), in ``$MLX_PROVIDERS_CACHE`` when CI sets it so
@@ -20,13 +20,12 @@ from typing import Any
 
 import pytest
 
-import engine.gguf
-import engine.models as models
-from engine.models import (
+import engine.models.gguf
+import engine.models.resolve as models
+from engine.errors import InvalidModelError, ModelDownloadError
+from engine.models.resolve import (
     CACHE_ENV_VAR,
     DEFAULT_MODEL_FILE,
-    InvalidModelError,
-    ModelDownloadError,
     cache_dir,
     converted_gguf_dir,
     default_model_gguf,
@@ -217,11 +216,11 @@ def test_crash_mid_write_leaves_nothing_loadable_and_next_call_converts(
 ) -> None:
     written: list[str] = []
 
-    def crash(header: engine.gguf.GGUFHeader, out_dir: Path) -> None:
+    def crash(header: engine.models.gguf.GGUFHeader, out_dir: Path) -> None:
         written.extend(sorted(p.name for p in out_dir.iterdir()))
         raise RuntimeError("simulated crash while writing the tokenizer")
 
-    monkeypatch.setattr(engine.gguf, "write_tokenizer", crash)
+    monkeypatch.setattr(engine.models.gguf, "write_tokenizer", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         resolve_model(tiny_gguf, quantized=False)
     assert {"config.json", "model.safetensors"} <= set(written)  # a half model existed...
@@ -250,11 +249,11 @@ def _run_child(code: str, *args: str, env: dict[str, str]) -> subprocess.Popen[s
 
 _DIE_WHILE_WRITING = """
 import os, sys
-import engine.gguf, engine.models
+import engine.models.gguf, engine.models.resolve
 def die(header, out_dir):
     os._exit(17)  # a hard crash: no exception handler, no cleanup
-engine.gguf.write_tokenizer = die
-engine.models.converted_gguf_dir(sys.argv[1], quantized=False)
+engine.models.gguf.write_tokenizer = die
+engine.models.resolve.converted_gguf_dir(sys.argv[1], quantized=False)
 """
 
 
@@ -274,15 +273,15 @@ def test_hard_crash_leaves_only_a_hidden_temp_that_the_next_run_removes(
 
 _SLOW_CONVERT = """
 import sys, time
-import engine.models
-real = engine.models.convert_gguf
+import engine.models.resolve
+real = engine.models.resolve.convert_gguf
 def slow(src, out, **kwargs):
     with open(sys.argv[2], "a") as log:
         log.write("converted\\n")
     time.sleep(1.0)  # make the two processes overlap
     return real(src, out, **kwargs)
-engine.models.convert_gguf = slow
-print(engine.models.converted_gguf_dir(sys.argv[1], quantized=False))
+engine.models.resolve.convert_gguf = slow
+print(engine.models.resolve.converted_gguf_dir(sys.argv[1], quantized=False))
 """
 
 

@@ -117,7 +117,7 @@ def test_reuse_never_changes_greedy_output(tiny_model_dir: Path) -> None:
 def warm_head_len(model_dir: Path) -> int:
     with Engine(model_dir) as eng:
         eng.start()
-        return eng._runner.prompts.encode_request(conversation(0), (), {}).head_len
+        return eng._preparer.prompts.encode_request(conversation(0), (), {}).head_len
 
 
 def test_a_running_row_donates_its_prefix(make_engine) -> None:  # type: ignore[no-untyped-def]

@@ -8,12 +8,12 @@ from hypothesis import strategies as st
 
 from engine.errors import ContextLengthError, KVBudgetError
 from engine.footprint import LayerFootprint, ModelFootprint
-from engine.scheduler import BatchMode, Lane, Scheduler, Ticket
+from engine.scheduler import BatchMode, LaneKind, Scheduler, Ticket
 
 KV = ModelFootprint.of([LayerFootprint("KVCache", True, bytes_per_token=10)] * 2, 1000)
 
 
-def ticket(rid: int, tokens: int = 10, lane: Lane = Lane.BATCH) -> Ticket:
+def ticket(rid: int, tokens: int = 10, lane: LaneKind = LaneKind.BATCH) -> Ticket:
     kv = KV.bytes_for(tokens)
     return Ticket(rid, tokens // 2, tokens - tokens // 2, kv, lane)
 
@@ -25,7 +25,7 @@ def test_admits_fifo_up_to_max_batch() -> None:
     assert [t.request_id for t in s.plan().admit] == [1, 2]
     assert (s.running, s.pending) == (2, 2)
     assert s.plan().admit == []
-    s.release(1)
+    s.finish([1])
     assert [t.request_id for t in s.plan().admit] == [3]
 
 
@@ -37,7 +37,7 @@ def test_cancelled_pending_is_dropped_before_admission() -> None:
     s.cancel(2)
     plan = s.plan()
     assert plan.dropped == [2] and plan.evict == [] and plan.admit == []
-    s.release(1)
+    s.finish([1])
     assert [t.request_id for t in s.plan().admit] == [3]
 
 
@@ -64,9 +64,9 @@ def test_kv_budget_reject_alone_and_wait_beside_others() -> None:
     s = Scheduler(KV, 8, kv_budget_bytes=2000)  # 20 bytes/token -> 100 tokens
     with pytest.raises(KVBudgetError):
         s.validate(60, 60)
-    big = Ticket(1, 50, 40, s.validate(50, 40), Lane.BATCH)  # 1800 bytes
-    small = Ticket(2, 10, 10, s.validate(10, 10), Lane.BATCH)  # 400 bytes
-    late = Ticket(3, 10, 10, s.validate(10, 10), Lane.BATCH)
+    big = Ticket(1, 50, 40, s.validate(50, 40), LaneKind.BATCH)  # 1800 bytes
+    small = Ticket(2, 10, 10, s.validate(10, 10), LaneKind.BATCH)  # 400 bytes
+    late = Ticket(3, 10, 10, s.validate(10, 10), LaneKind.BATCH)
     s.enqueue(small)
     s.plan()
     s.enqueue(big)
@@ -74,9 +74,9 @@ def test_kv_budget_reject_alone_and_wait_beside_others() -> None:
     # big fits alone but not beside small: it waits, and FIFO keeps late behind it.
     assert s.plan().admit == []
     assert s.kv_bytes_projected == 400
-    s.release(2)
+    s.finish([2])
     assert [t.request_id for t in s.plan().admit] == [1]  # late does not fit beside big
-    s.release(1)
+    s.finish([1])
     assert [t.request_id for t in s.plan().admit] == [3]
 
 
@@ -95,10 +95,10 @@ def test_modes_and_serial_lane() -> None:
     quant = ModelFootprint.of([LayerFootprint("QuantizedKVCache", False, bytes_per_token=5)], None)
     serial = Scheduler(quant, 4, None)
     assert serial.mode is BatchMode.SERIAL
-    assert serial.lane_for(False) is Lane.SERIAL
+    assert serial.lane_for(False) is LaneKind.SERIAL
     s = Scheduler(KV, 4, None)
-    s.enqueue(ticket(1, lane=Lane.SERIAL))
-    s.enqueue(ticket(2, lane=Lane.SERIAL))
+    s.enqueue(ticket(1, lane=LaneKind.SERIAL))
+    s.enqueue(ticket(2, lane=LaneKind.SERIAL))
     s.enqueue(ticket(3))
     plan = s.plan()
     assert plan.serial is not None and plan.serial.request_id == 1
@@ -142,7 +142,7 @@ def test_invariants_under_random_operations(ops: list[tuple[str, int, int]], max
         elif op == "finish" and running:
             done = sorted(running)[pick % len(running)]
             running.discard(done)
-            s.release(done)
+            s.finish([done])
         plan = s.plan()
         running -= set(plan.evict)
         dropped += plan.dropped
@@ -152,11 +152,11 @@ def test_invariants_under_random_operations(ops: list[tuple[str, int, int]], max
         assert s.kv_bytes_projected <= budget
     assert admitted == sorted(admitted)  # FIFO admission order
     for rid in sorted(running):
-        s.release(rid)
+        s.finish([rid])
     while s.pending:
         plan = s.plan()
         assert plan.admit, "a request that fits alone must be admitted once rows drain"
         for t in plan.admit:
             admitted.append(t.request_id)
-            s.release(t.request_id)
+            s.finish([t.request_id])
     assert set(admitted) | set(dropped) == set(order)

@@ -77,7 +77,7 @@ def test_malformed_calls_are_reported_not_raised(tiny_engine: Engine) -> None:
 
 
 def test_tools_are_rendered_by_the_template_when_it_can(tiny_engine: Engine) -> None:
-    runner = tiny_engine._runner
+    runner = tiny_engine._preparer
     assert runner.prompts.template_renders_tools()
     ids = runner.prompts.encode_request(ASK, normalize_tools([WEATHER]), {}).ids
     text = tiny_engine.tokenizer.decode(ids)
@@ -85,7 +85,7 @@ def test_tools_are_rendered_by_the_template_when_it_can(tiny_engine: Engine) -> 
 
 
 def test_fallback_system_prompt_when_the_template_ignores_tools(tiny_engine: Engine) -> None:
-    runner = tiny_engine._runner
+    runner = tiny_engine._preparer
     runner.prompts._renders_tools = False
     try:
         messages = [{"role": "system", "content": "Be terse."}, *ASK]

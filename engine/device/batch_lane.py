@@ -1,0 +1,243 @@
+"""The batch lane: every batchable row in one mlx-lm ``BatchGenerator``.
+
+Rows are keyed by request id; the generator's own uids never leave this module. The
+generator is given no stop sequences and no length limit of its own, so it never ends
+a row: ``engine.update`` decides, and the loop calls ``remove``. Before a row is
+prefilled its prompt is looked up in the prefix cache (stored entries and running
+rows); the first row with a new shared head prefills it as its own segment, stores it,
+and the rows with the same head wait for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from engine.device.logprobs import token_logprob
+from engine.device.prefix_reuse import PrefixReuse, materialized, sliced
+from engine.device.sampling import (
+    GrammarMask,
+    SamplerCache,
+    grammar_processor,
+    guarded,
+    penalty_processors,
+)
+from engine.grammar import GrammarCompiler, RowGrammar
+from engine.lane import LaneRow, LaneStep, RowToken
+from engine.request import LogitsProcessor
+
+# The generator must never end a row by length itself (engine.update decides).
+_NO_LIMIT = 1 << 62
+HeadKey = tuple[int, ...]
+
+
+@dataclass
+class _BatchRow:
+    """A row the lane holds: its request, its grammar, a failure of its own code."""
+
+    row: LaneRow
+    grammar: RowGrammar | None = None
+    failure: BaseException | None = None
+    cached_tokens: int = 0
+
+    @property
+    def head(self) -> HeadKey | None:
+        return tuple(self.row.prompt[: self.row.head_len]) if self.row.head_len else None
+
+
+class BatchLane:
+    """Continuous batching on mlx-lm's BatchGenerator; implements ``Lane``."""
+
+    def __init__(self, model: Any, stream: Any, compiler: GrammarCompiler,
+                 samplers: SamplerCache, reuse: PrefixReuse, *, max_batch: int,
+                 prefill_batch: int, prefill_chunk: int, max_kv_size: int | None) -> None:
+        self._model = model
+        self._stream = stream
+        self._compiler = compiler
+        self._samplers = samplers
+        self.reuse = reuse
+        self._options = dict(completion_batch_size=max_batch,
+                             prefill_batch_size=min(prefill_batch, max_batch),
+                             prefill_step_size=prefill_chunk, max_kv_size=max_kv_size)
+        self._generator = self._new_generator()
+        self._no_stops = StopSequences(None)
+        self._rows: dict[int, _BatchRow] = {}
+        self._uid_to_request: dict[int, int] = {}
+        self._request_to_uid: dict[int, int] = {}
+        # A row prefilling a shared head ("leader") makes rows with the same head wait.
+        self._heads_in_flight: dict[HeadKey, int] = {}
+        self._head_of_leader: dict[int, HeadKey] = {}
+        self._deferred: dict[HeadKey, list[_BatchRow]] = {}
+        self._cached_report: dict[int, int] = {}
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(self._model, stream=self._stream, **self._options)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def generator(self) -> BatchGenerator:
+        """The mlx-lm generator (for inspection: the lane alone drives it)."""
+        return self._generator
+
+    # ----- insert ------------------------------------------------------------------------
+
+    def insert(self, rows: Sequence[LaneRow]) -> None:
+        held = [_BatchRow(row) for row in rows]
+        for held_row in held:
+            params = held_row.row.params
+            if params.constraint is not None:
+                held_row.grammar = self._compiler.row(params.constraint)
+            self._rows[held_row.row.request_id] = held_row
+        self._start(held)
+
+    def _start(self, rows: list[_BatchRow]) -> None:
+        ready: list[_BatchRow] = []
+        plans = []
+        for row in rows:  # in order: the first row with a new head becomes its leader
+            head = row.head
+            if head is not None and head in self._heads_in_flight:
+                self._deferred.setdefault(head, []).append(row)
+            else:
+                plans.append(self._prefill_plan(row))
+                ready.append(row)
+        if not ready:
+            return
+        uids = self._generator.insert_segments(
+            [plan[0] for plan in plans],
+            max_tokens=[_NO_LIMIT] * len(ready),
+            caches=[plan[1] for plan in plans],
+            all_tokens=[plan[2] for plan in plans],
+            samplers=[self._samplers.for_params(row.row.params) for row in ready],
+            logits_processors=[self._processors(row) for row in ready],
+            stop_sequences=[self._no_stops] * len(ready),
+        )
+        for uid, row in zip(uids, ready):
+            request_id = row.row.request_id
+            self._uid_to_request[uid] = request_id
+            self._request_to_uid[request_id] = uid
+            self._cached_report[request_id] = row.cached_tokens
+
+    def _processors(self, row: _BatchRow) -> list[LogitsProcessor]:
+        processors = [guarded(row, p) for p in penalty_processors(row.row.params)]
+        if row.grammar is not None:  # last: the mask applies to the final logits
+            mask = GrammarMask(row.grammar, self._compiler.words)
+            processors.append(guarded(row, grammar_processor(mask)))
+        return processors
+
+    def _prefill_plan(self, row: _BatchRow) -> tuple[list[list[int]], list[Any] | None,
+                                                     list[int]]:
+        """(prompt segments to prefill, starting cache, tokens that cache holds)."""
+        prompt, cache, reused = row.row.prompt, None, 0
+        running = {r: self._rows[r].row.prompt for r in self._request_to_uid}
+        found = self.reuse.lookup(prompt, running, self._extract)
+        if found is not None:
+            cache, reused = found
+        row.cached_tokens = reused
+        head, key = row.row.head_len, row.head
+        if key is not None and self.reuse.enabled and reused < head < len(prompt) - 1:
+            # Stop at the head boundary once, store it there, and let its twins wait.
+            self._heads_in_flight[key] = row.row.request_id
+            self._head_of_leader[row.row.request_id] = key
+            return [prompt[reused:head], prompt[head:]], cache, prompt[:reused]
+        return [prompt[reused:]], cache, prompt[:reused]
+
+    def _extract(self, request_id: int) -> tuple[list[Any], list[int]] | None:
+        uid = self._request_to_uid.get(request_id)
+        if uid is None:
+            return None
+        found = self._generator.extract_cache([uid]).get(uid)
+        if found is None:
+            return None
+        # Copied now, so the running batch's buffers are not pinned by a lazy slice.
+        return materialized(list(found[0])), list(found[1])
+
+    def _head_stored(self, key: HeadKey) -> None:
+        """The head's prefill ended (stored or abandoned): start the rows waiting on it."""
+        leader = self._heads_in_flight.pop(key, None)
+        if leader is not None:
+            self._head_of_leader.pop(leader, None)
+        waiting = self._deferred.pop(key, [])
+        if waiting:
+            self._start(waiting)
+
+    def take_cached_tokens(self) -> dict[int, int]:
+        report, self._cached_report = self._cached_report, {}
+        return report
+
+    # ----- remove ------------------------------------------------------------------------
+
+    def remove(self, request_ids: Sequence[int]) -> None:
+        uids = [self._request_to_uid[r] for r in request_ids if r in self._request_to_uid]
+        if uids:
+            keep = self.reuse.enabled
+            for cache, tokens in self._generator.remove(uids, return_prompt_caches=keep).values():
+                self.reuse.keep(tokens, cache)
+        for request_id in request_ids:
+            self._forget(request_id)
+
+    def _forget(self, request_id: int) -> None:
+        uid = self._request_to_uid.pop(request_id, None)
+        if uid is not None:
+            self._uid_to_request.pop(uid, None)
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            if row.grammar is not None:
+                row.grammar.close()
+            key = row.head
+            waiting = self._deferred.get(key) if key is not None else None
+            if waiting is not None and row in waiting:
+                waiting.remove(row)
+        self._cached_report.pop(request_id, None)
+        head = self._head_of_leader.get(request_id)
+        if head is not None:
+            self._head_stored(head)  # abandoned: a waiting twin becomes the leader
+
+    def reset(self) -> list[int]:
+        dropped = list(self._rows)
+        self._deferred.clear()
+        self._heads_in_flight.clear()
+        self._head_of_leader.clear()
+        for request_id in dropped:
+            self._forget(request_id)
+        self._generator = self._new_generator()
+        return dropped
+
+    # ----- step --------------------------------------------------------------------------
+
+    def step(self) -> LaneStep:
+        """One decode step for decoding rows plus one prefill chunk for prefilling rows."""
+        progress, responses = self._generator.next()
+        result = LaneStep(width=len(responses))
+        for prompt_response in progress:
+            if prompt_response.end_of_segment and not prompt_response.end_of_prompt:
+                self._maybe_store_head(prompt_response.uid)
+        for response in responses:
+            request_id = self._uid_to_request.get(response.uid)
+            row = self._rows.get(request_id) if request_id is not None else None
+            if row is None or row.failure is not None:
+                continue
+            token = int(response.token)
+            result.tokens.append(RowToken(
+                row.row.request_id, token,
+                token_logprob(row.row.params, token, response.logprobs),
+                grammar_done=row.grammar is not None and row.grammar.done))
+        for request_id, row in self._rows.items():
+            if row.failure is not None:
+                result.failed[request_id] = row.failure
+        result.cached_tokens = self.take_cached_tokens()
+        return result
+
+    def _maybe_store_head(self, uid: int) -> None:
+        request_id = self._uid_to_request.get(uid)
+        key = self._head_of_leader.get(request_id) if request_id is not None else None
+        if key is None or request_id is None:
+            return
+        found = self._extract(request_id)
+        if found is not None and len(found[1]) >= len(key):
+            self.reuse.keep(found[1][: len(key)], sliced(found[0], len(key)))
+        self._head_stored(key)

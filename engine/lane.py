@@ -1,0 +1,65 @@
+"""The lane protocol: where admitted rows run, as the step loop sees it.
+
+A lane holds rows keyed by request id and does the only device work: ``insert`` starts
+rows, ``step`` advances every row it holds by one unit (a prefill chunk or one token),
+``remove`` lets rows go at any stage. A lane never decides that a row has ended: it
+reports tokens, and ``engine.update`` decides. Two implementations: the shared batch
+(``BatchLane``) and one row at a time for what cannot batch (``SerialLane``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.request import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class LaneRow:
+    """A prepared request as a lane needs it."""
+
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    head_len: int = 0  # tokens of the shared head (system + tools); 0 = none
+
+
+@dataclass(frozen=True)
+class RowToken:
+    """One generated token of one row, and whether the row's grammar is now complete."""
+
+    request_id: int
+    token: int
+    logprob: TokenLogprob | None = None
+    grammar_done: bool = False
+
+
+@dataclass
+class LaneStep:
+    """What one step of a lane produced."""
+
+    tokens: list[RowToken] = field(default_factory=list)
+    failed: dict[int, BaseException] = field(default_factory=dict)  # the row's own code
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # reused prompt tokens
+    width: int = 0  # rows that decoded in this step
+
+
+class Lane(Protocol):
+    """One place rows run; every method is called on the engine thread only."""
+
+    def insert(self, rows: Sequence[LaneRow]) -> None:
+        """Start rows (each may reuse a cached KV prefix)."""
+
+    def remove(self, request_ids: Sequence[int]) -> None:
+        """Let rows go at any stage; their KV may be kept for prefix reuse."""
+
+    def step(self) -> LaneStep:
+        """Advance every row by one unit; raises only if the model itself failed."""
+
+    def reset(self) -> list[int]:
+        """Drop every row after a model failure; returns their request ids."""
+
+    def __len__(self) -> int:
+        """Rows held."""

@@ -1,0 +1,100 @@
+"""The one place that decides how a row ends, from what a lane step produced (no mlx).
+
+Every way a row can end is decided here, in this precedence: its own code failed
+(a processor or its grammar) -> error; a stop token -> stop; a stop string -> stop;
+``max_tokens`` reached -> length; its grammar complete -> stop; its ``on_token``
+callback returned False -> stop, or raised -> error. Cancellation and timeouts are the
+scheduler's; model failures the loop's. Pure: testable with hand-built rows and steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from engine.lane import LaneStep, RowToken
+from engine.request import FinishReason, RequestStatus, StreamEvent, TokenLogprob
+from engine.rows import Row
+
+
+@dataclass(frozen=True)
+class Ending:
+    """A row that ends at this step, with what its final event carries."""
+
+    row: Row
+    reason: FinishReason
+    error: BaseException | None = None
+    delta: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass
+class StepOutcome:
+    """What a step means for its rows: events to publish, rows that end."""
+
+    events: list[tuple[Row, StreamEvent]] = field(default_factory=list)
+    endings: list[Ending] = field(default_factory=list)
+    tokens: int = 0
+
+
+def update(rows: Mapping[int, Row], step: LaneStep, now: float) -> StepOutcome:
+    """Apply one lane step to the rows it names; rows already gone are skipped."""
+    outcome = StepOutcome()
+    for request_id, error in step.failed.items():
+        row = rows.get(request_id)
+        if row is not None:
+            outcome.endings.append(Ending(row, FinishReason.ERROR, error))
+    for request_id, cached in step.cached_tokens.items():
+        row = rows.get(request_id)
+        if row is not None:
+            row.cached_tokens = cached
+    for token in step.tokens:
+        row = rows.get(token.request_id)
+        if row is None or token.request_id in step.failed:
+            continue
+        outcome.tokens += 1
+        ending = take_token(row, token, now)
+        if ending is None:
+            continue
+        if isinstance(ending, Ending):
+            outcome.endings.append(ending)
+        else:
+            outcome.events.append((row, ending))
+    return outcome
+
+
+def take_token(row: Row, out: RowToken, now: float) -> Ending | StreamEvent | None:
+    """Record one token: an event to stream, the row's ending, or None (nothing to say)."""
+    assert row.text is not None and row.prepared is not None
+    row.status = RequestStatus.DECODING
+    row.first_token_at = row.first_token_at or now
+    row.last_token_at = now
+    row.completion_tokens += 1
+    token = out.token
+    reason: FinishReason | None = None
+    delta = ""
+    ids: tuple[int, ...] = ()
+    if token in row.prepared.stop_ids:
+        reason = FinishReason.STOP  # a stop token ends the row without becoming text
+    else:
+        row.token_ids.append(token)
+        delta, ids = row.text.add_token(token), (token,)
+        if out.logprob is not None:
+            row.logprobs.append(out.logprob)
+        if row.text.stopped:
+            reason = FinishReason.STOP
+        elif row.completion_tokens >= row.params.max_tokens:
+            reason = FinishReason.LENGTH
+        elif out.grammar_done:
+            reason = FinishReason.STOP  # the grammar is complete: nothing may follow
+    if row.on_token is not None:
+        try:
+            if row.on_token(token, delta) is False and reason is None:
+                reason = FinishReason.STOP
+        except Exception as exc:  # fails this row's consumer only
+            return Ending(row, FinishReason.ERROR, exc)
+    logprobs = (out.logprob,) if out.logprob is not None else None
+    if reason is None:
+        return row.event(delta, ids, logprobs)
+    return Ending(row, reason, None, delta, ids, logprobs)
