@@ -54,16 +54,3 @@ def test_held_text_is_released_when_the_row_ends_for_another_reason() -> None:
 def test_earliest_of_several_stops_wins() -> None:
     _, row = stream(["one two\n\nthree END"], ("END", "\n\n"))
     assert row.stopped and row.text == "one two"
-
-
-def test_multibyte_characters_with_a_real_tokenizer(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    tokenizer = load_tokenizer(tiny_model_dir)
-    text = "naïve café — 日本語 🎉 done"
-    ids = tokenizer.encode(text)
-    row = RowText(tokenizer.detokenizer, ())
-    deltas = [row.add_token(t) for t in ids]
-    deltas.append(row.finish())
-    assert "".join(deltas) == text
-    assert all("\ufffd" not in d for d in deltas)  # no half characters streamed

@@ -6,15 +6,11 @@ import jsonschema
 import pytest
 
 from engine import Engine, FinishReason, SamplingParams
-from engine.channels import ChannelSplitter, RowChannels
 from engine.constraints import LarkGrammar
-from engine.tools import forced_call_grammar, normalize_tool_choice, normalize_tools
+from engine.tools import normalize_tool_choice, normalize_tools
 from tests.conftest import greedy
+from tests.unit.test_tools import WEATHER
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather for a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
-                   "required": ["city"]}}}
 CLOCK = {"type": "function", "function": {
     "name": "get_time", "description": "Current time in a time zone.",
     "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET", "JST"]}},
@@ -115,11 +111,6 @@ def test_bad_tools_and_choices_raise_at_submit(tiny_engine: Engine) -> None:
         tiny_engine.submit(ASK, greedy(), tools=[bad_schema], tool_choice="required")
 
 
-def test_forced_grammar_closes_argument_objects() -> None:
-    grammar = forced_call_grammar(normalize_tools([WEATHER]), "required", False)
-    assert '"additionalProperties": false' in grammar.grammar
-
-
 def test_reasoning_is_returned_apart_from_content(thinking_model_dir) -> None:  # type: ignore[no-untyped-def]
     with Engine(thinking_model_dir) as eng:
         assert eng.tokenizer.has_thinking
@@ -130,16 +121,3 @@ def test_reasoning_is_returned_apart_from_content(thinking_model_dir) -> None:  
         assert result.reasoning == "let me see" and result.content == "It is sunny."
         assert "".join(e.reasoning for e in events) == "let me see"
         assert "".join(e.content for e in events) == "It is sunny."
-
-
-def test_channel_splitter_handles_markers_split_across_tokens() -> None:
-    channels = RowChannels(ChannelSplitter({"reasoning": ("<think>", "</think>"),
-                                            "tool": ("<tool_call>", "</tool_call>")}), None, ())
-    pieces = ["<thi", "nk>hmm</th", "ink>Hi <tool", '_call>{"name": "a", "arguments": {}}',
-              '</tool_call><tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call> bye',
-              " <tool_call>{bad"]
-    deltas = [channels.feed(p) for p in pieces] + [channels.finish()]
-    assert "".join(d[0] for d in deltas) == "Hi  bye "
-    assert "".join(d[1] for d in deltas) == "hmm"
-    assert [(c.name, c.arguments) for c in channels.calls] == [("a", {}), ("b", {"x": 1})]
-    assert len(channels.invalid) == 1 and channels.invalid[0].raw == "{bad"

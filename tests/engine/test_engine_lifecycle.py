@@ -52,6 +52,6 @@ def test_process_exits_cleanly_with_an_engine_still_open(tiny_model_dir: Path) -
     """)
     for _ in range(3):
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                              timeout=120, cwd=Path(__file__).parents[1])
+                              timeout=120, cwd=Path(__file__).parents[2])
         assert done.returncode == 0, done.stderr[-2000:]
         assert "exiting with rows in flight" in done.stdout

@@ -1,4 +1,5 @@
-"""engine.models.resolve: spec resolution, the atomic conversion cache, the default model, real text.
+"""engine.models.resolve: spec resolution, the atomic conversion cache, the default model,
+real text.
 
 Cache logic is tested with a fake converter (counting calls) or tiny GGUFs; SmolLM2 is
 converted once per session (``smollm2_dirs``), in ``$MLX_PROVIDERS_CACHE`` when CI sets it so
@@ -32,7 +33,7 @@ from engine.models.resolve import (
     resolve_model,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 Calls = list[tuple[Path, bool, str]]
 
 
@@ -70,7 +71,7 @@ def some_gguf(tmp_path: Path) -> Path:
 @pytest.fixture
 def tiny_gguf(tmp_path: Path) -> Path:
     """A real, tiny llama GGUF (needs the ``gguf`` dev dependency)."""
-    from tests.test_gguf import write_tiny_llama_gguf
+    from tests.engine.test_gguf import write_tiny_llama_gguf
 
     return write_tiny_llama_gguf(tmp_path / "tiny.gguf", tensor_type="Q4_1")
 

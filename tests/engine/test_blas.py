@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-ENGINE_DIR = Path(__file__).resolve().parents[1] / "engine"
+ENGINE_DIR = Path(__file__).resolve().parents[2] / "engine"
 BLAS_PY = ENGINE_DIR / "_platform" / "blas.py"
 ENV_VAR = "MLX_PROVIDERS_FAST_BLAS"
 

@@ -1,0 +1,218 @@
+"""The dependency direction of DESIGN.md, enforced by parsing imports (no module is run).
+
+Rules, one test each:
+(a) nothing under engine/ imports a framework (langchain*, llama_index*) or mlx_providers;
+(b) only engine/device/ imports mlx or mlx_lm, at module level or inside functions;
+(c) the pure modules import nothing from engine.device, directly or through other engine
+    modules, so they stay testable without a model;
+(d) mlx_providers uses only the engine's public API (``engine`` itself, names in its
+    ``__all__``), never ``engine.<submodule>``, mlx or mlx_lm;
+(e) engine/__init__.py imports engine._platform.blas first and activates it before
+    anything else is imported;
+(f) every name engine/__init__.py's ``__all__`` promises exists.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = ROOT / "engine"
+DEVICE = ENGINE / "device"
+FRAMEWORKS = ("langchain", "llama_index", "mlx_providers")  # langchain* covers langchain_core
+MLX = ("mlx", "mlx_lm")
+# The modules that must stay importable and testable without a model (engine/<name>.py).
+PURE = ("scheduler", "request", "streams", "update", "lane", "rows", "text", "footprint",
+        "errors", "stats", "config", "prefix_cache", "channels", "tools", "constraints")
+# No exception to (b): engine/_platform/blas.py must run before mlx.core is loaded, and it
+# only locates libmlx as a file (its GOT, ``"mlx.core" in sys.modules``); it has no
+# ``import mlx`` statement, so engine/_platform is held to the same rule as the rest.
+MLX_ALLOWED = (DEVICE,)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def imports_of(path: Path) -> frozenset[str]:
+    """Every module a file imports anywhere in it (ast.walk: functions and TYPE_CHECKING too).
+
+    Relative imports are resolved; ``from a import b`` gives ``a``, and ``a.b`` as well when
+    ``b`` is a submodule file of ``a`` (so ``from engine import device`` is seen).
+    ``importlib.import_module("x")`` and ``__import__("x")`` with a literal name count too.
+    """
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names
+                         if source_of(f"{module}.{alias.name}") is not None)
+        elif isinstance(node, ast.Call) and node.args and _is_dynamic_import(node.func):
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                names.add(first.value)
+    return frozenset(names)
+
+
+def _is_dynamic_import(func: ast.expr) -> bool:
+    if isinstance(func, ast.Name):
+        return func.id in ("__import__", "import_module")
+    return isinstance(func, ast.Attribute) and func.attr == "import_module"
+
+
+def source_of(module: str) -> Path | None:
+    """The file of a first-party module (engine.*, mlx_providers.*), or None."""
+    base = ROOT.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def top_levels(names: frozenset[str], roots: tuple[str, ...]) -> set[str]:
+    return {n for n in names if n.split(".")[0].startswith(roots)}
+
+
+def python_files(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+ENGINE_FILES = python_files("engine")
+ADAPTER_FILES = python_files("mlx_providers")
+
+
+def test_the_walk_finds_every_layer() -> None:
+    """Guard against an empty parametrization passing silently after a move."""
+    found = {rel(p) for p in ENGINE_FILES}
+    for expected in ("engine/__init__.py", "engine/engine.py", "engine/device/batch_lane.py",
+                     "engine/models/resolve.py", "engine/_platform/blas.py"):
+        assert expected in found
+    assert any(p.name == "langchain.py" for p in ADAPTER_FILES)
+
+
+@pytest.mark.parametrize("path", ENGINE_FILES, ids=rel)
+def test_a_engine_knows_nothing_of_the_frameworks(path: Path) -> None:
+    bad = top_levels(imports_of(path), FRAMEWORKS)
+    assert not bad, f"{rel(path)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", ENGINE_FILES, ids=rel)
+def test_b_only_engine_device_imports_mlx(path: Path) -> None:
+    if any(path.is_relative_to(allowed) for allowed in MLX_ALLOWED):
+        return
+    bad = {n for n in imports_of(path) if n.split(".")[0] in MLX}
+    assert not bad, f"{rel(path)} imports {sorted(bad)}: only engine/device/ may import mlx"
+
+
+def test_b_engine_device_is_where_mlx_lives() -> None:
+    """The exception above covers real code: some device module does import mlx."""
+    assert any(n.split(".")[0] in MLX
+               for p in DEVICE.rglob("*.py") for n in imports_of(p))
+
+
+def _imports_device(names: frozenset[str]) -> set[str]:
+    return {n for n in names if n == "engine.device" or n.startswith("engine.device.")}
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_c_pure_modules_import_nothing_from_engine_device(name: str) -> None:
+    path = ENGINE / f"{name}.py"
+    assert path.is_file(), f"pure module engine/{name}.py is gone: update PURE"
+    bad = _imports_device(imports_of(path))
+    assert not bad, f"engine/{name}.py imports {sorted(bad)}; it must stay testable without mlx"
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_c_pure_modules_reach_no_engine_device_through_other_modules(name: str) -> None:
+    """The engine modules a pure module imports, transitively, import no engine.device."""
+    start = f"engine.{name}"
+    via: dict[str, str] = {start: start}
+    todo = [start]
+    while todo:
+        current = todo.pop()
+        source = source_of(current)
+        assert source is not None, current
+        bad = _imports_device(imports_of(source))
+        chain = [current]
+        while chain[-1] != start:
+            chain.append(via[chain[-1]])
+        assert not bad, f"engine/{name}.py reaches {sorted(bad)} via {' <- '.join(chain)}"
+        for imported in sorted(imports_of(source)):
+            if imported.split(".")[0] == "engine" and imported not in via:
+                via[imported] = current
+                todo.append(imported)
+
+
+@pytest.mark.parametrize("path", ADAPTER_FILES, ids=rel)
+def test_d_adapters_use_only_the_engine_public_api(path: Path) -> None:
+    names = imports_of(path)
+    private = {n for n in names if n.startswith("engine.")}
+    direct = {n for n in names if n.split(".")[0] in MLX}
+    assert not private and not direct, f"{rel(path)} imports {sorted(private | direct)}"
+
+
+@pytest.mark.parametrize("path", ADAPTER_FILES, ids=rel)
+def test_d_adapters_import_only_names_engine_exports(path: Path) -> None:
+    public = set(engine_all())
+    tree = ast.parse(path.read_text(), str(path))
+    used = {alias.name for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "engine"
+            for alias in node.names}
+    assert used <= public, f"{rel(path)} imports {sorted(used - public)}, not in engine.__all__"
+
+
+def test_e_engine_init_loads_blas_before_anything_imports_mlx() -> None:
+    tree = ast.parse((ENGINE / "__init__.py").read_text())
+    imports = [n for n in tree.body if isinstance(n, ast.ImportFrom | ast.Import)]
+    first_import = imports[0]
+    assert isinstance(first_import, ast.ImportFrom)
+    assert first_import.module == "engine._platform.blas"
+    # ... and the fast BLAS is activated before the next import can bring mlx in.
+    after = tree.body[tree.body.index(first_import) + 1]
+    assert isinstance(after, ast.Expr) and isinstance(after.value, ast.Call)
+    assert isinstance(after.value.func, ast.Name)
+    assert after.value.func.id == "activate_fast_blas"
+    assert "activate_fast_blas" in {alias.asname or alias.name for alias in first_import.names}
+
+
+@cache
+def engine_all() -> tuple[str, ...]:
+    tree = ast.parse((ENGINE / "__init__.py").read_text())
+    for node in tree.body:
+        if (isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)):
+            value = ast.literal_eval(node.value)
+            return tuple(value)
+    raise AssertionError("engine/__init__.py has no literal __all__")
+
+
+def test_f_engine_all_lists_each_name_once() -> None:
+    names = engine_all()
+    assert names and len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("name", engine_all())
+def test_f_every_name_in_engine_all_exists(name: str) -> None:
+    engine = importlib.import_module("engine")
+    assert hasattr(engine, name), f"engine.__all__ names {name!r}, which engine does not define"
