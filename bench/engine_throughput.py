@@ -1,7 +1,9 @@
 """Aggregate decode tokens/s through Engine vs driving mlx-lm's BatchGenerator directly.
 
 Same model, same prompts, same run. Decode rate = generated tokens / (last token time -
-first token time), measured the same way on both sides.
+first token time), measured the same way on both sides. Beside it, from ``Engine.stats()``:
+the mean time of a lane step (device work and waiting on it) and the engine loop's own
+work per step outside it (commands, plan, update, publishing).
 
     python bench/engine_throughput.py [--model PATH_OR_GGUF] [--tokens 64]
 """
@@ -54,6 +56,7 @@ def raw_batch_generator(eng: Engine, prompts: list[list[int]], tokens: int) -> t
 
 
 def through_engine(eng: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
+    """Decode rate through the engine; the engine's own step timings land in ``eng.stats()``."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     stamps: list[float] = []
     lock = threading.Lock()
@@ -72,7 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="model dir or .gguf (default: SmolLM2)")
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--concurrency", default="1,4,8,16")
+    parser.add_argument("--concurrency", default="1,4,8,16,32")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     # Prefill all rows together on both sides, so decoding starts for all at once.
@@ -80,13 +83,21 @@ def main() -> None:
     eng = Engine(args.model, EngineConfig(max_batch=width, prefill_batch=width)).start()
     print(f"model: {eng.model_path}\nBLAS: {blas_info().name}\n")
     through_engine(eng, prompts_for(eng, 2), 8)  # warm-up
-    print("| rows | BatchGenerator tok/s | Engine tok/s | ratio |")
-    print("|-----:|---------------------:|-------------:|------:|")
+    print("| rows | BatchGenerator tok/s | Engine tok/s | ratio | engine step ms "
+          "| engine overhead ms/step |")
+    print("|-----:|---------------------:|-------------:|------:|---------------:"
+          "|------------------------:|")
     for n in levels:
         prompts = prompts_for(eng, n)
         raw, _ = raw_batch_generator(eng, prompts, args.tokens)
+        before = eng.stats()
         ours, _ = through_engine(eng, prompts, args.tokens)
-        print(f"| {n} | {raw:.1f} | {ours:.1f} | {ours / raw:.3f} |", flush=True)
+        after = eng.stats()
+        steps = max(1, after.steps - before.steps)
+        step_ms = 1000 * (after.step_seconds - before.step_seconds) / steps
+        overhead_ms = 1000 * (after.overhead_seconds - before.overhead_seconds) / steps
+        print(f"| {n} | {raw:.1f} | {ours:.1f} | {ours / raw:.3f} | {step_ms:.1f} "
+              f"| {overhead_ms:.2f} |", flush=True)
     eng.close()
 
 

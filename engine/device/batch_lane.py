@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from engine.device.logprobs import token_logprob
@@ -27,6 +28,7 @@ from engine.device.sampling import (
 )
 from engine.grammar import GrammarCompiler, RowGrammar
 from engine.lane import LaneRow, LaneStep, RowToken
+from engine.prefix_cache import common_prefix
 from engine.request import LogitsProcessor
 
 # The generator must never end a row by length itself (engine.update decides).
@@ -42,10 +44,11 @@ class _BatchRow:
     grammar: RowGrammar | None = None
     failure: BaseException | None = None
     cached_tokens: int = 0
+    head_len: int = 0  # the row's shared head: its chat head, or a prefix it shares
 
     @property
     def head(self) -> HeadKey | None:
-        return tuple(self.row.prompt[: self.row.head_len]) if self.row.head_len else None
+        return tuple(self.row.prompt[: self.head_len]) if self.head_len else None
 
 
 class BatchLane:
@@ -87,13 +90,42 @@ class BatchLane:
     # ----- insert ------------------------------------------------------------------------
 
     def insert(self, rows: Sequence[LaneRow]) -> None:
-        held = [_BatchRow(row) for row in rows]
+        held = [_BatchRow(row, head_len=row.head_len) for row in rows]
+        self._share_heads(held)
         for held_row in held:
             params = held_row.row.params
             if params.constraint is not None:
                 held_row.grammar = self._compiler.row(params.constraint)
             self._rows[held_row.row.request_id] = held_row
         self._start(held)
+
+    def _share_heads(self, rows: list[_BatchRow]) -> None:
+        """Rows admitted together that share a prompt prefix prefill it once.
+
+        Greedy clustering in arrival order: a row joins the first group whose common prefix
+        with it is long enough to store, which shortens that group's key to what they all
+        share. A group of two or more gets that prefix as its head: its first row prefills
+        and stores it, the others wait for it (as for a chat head) and reuse it.
+        """
+        if not self.reuse.enabled or len(rows) < 2:
+            return
+        least = self.reuse.store.min_tokens
+        groups: list[tuple[np.ndarray[Any, Any], list[_BatchRow]]] = []
+        for row in rows:
+            if row.head_len:
+                continue  # a chat head of its own (system + tools) already groups it
+            prompt = np.asarray(row.row.prompt)
+            for i, (key, members) in enumerate(groups):
+                shared = common_prefix(key, prompt)
+                if shared >= least:
+                    groups[i] = (key[:shared], [*members, row])
+                    break
+            else:
+                groups.append((prompt[:-1], [row]))
+        for key, members in groups:
+            if len(members) > 1:
+                for member in members:
+                    member.head_len = int(key.shape[0])
 
     def _start(self, rows: list[_BatchRow]) -> None:
         ready: list[_BatchRow] = []
@@ -138,7 +170,7 @@ class BatchLane:
         if found is not None:
             cache, reused = found
         row.cached_tokens = reused
-        head, key = row.row.head_len, row.head
+        head, key = row.head_len, row.head
         if key is not None and self.reuse.enabled and reused < head < len(prompt) - 1:
             # Stop at the head boundary once, store it there, and let its twins wait.
             self._heads_in_flight[key] = row.row.request_id

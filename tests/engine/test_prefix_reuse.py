@@ -98,3 +98,23 @@ def test_cancelled_rows_do_not_disturb_later_reuse(make_engine, max_batch: int) 
     victim.cancel()
     again = eng.submit(prompt, greedy(20)).result()
     assert again.token_ids == expected and again.usage.cached_tokens > 0
+
+
+def test_rows_admitted_together_prefill_their_shared_prefix_once(tiny_model_dir: Path) -> None:
+    # No system message (so no chat head): only the prompts' common text is shared.
+    shared = "Please answer briefly. " + " ".join(f"fact{i}" for i in range(60))
+    prompts = [[{"role": "user", "content": f"{shared} Which is number {i}?"}] for i in range(6)]
+    with Engine(tiny_model_dir, EngineConfig(max_batch=8, prefix_cache_bytes=0)) as cold:
+        expected = [cold.submit(p, greedy(10)).result(timeout=120).token_ids for p in prompts]
+    with Engine(tiny_model_dir, EngineConfig(max_batch=8, prefill_batch=8)) as warm:
+        warm.start()
+        common = len(warm.tokenizer.encode(shared, add_special_tokens=False))
+        handles = [warm.submit(p, greedy(10)) for p in prompts]
+        results = [h.result(timeout=120) for h in handles]
+        stats = warm.stats()
+    assert [r.token_ids for r in results] == expected
+    cached = [r.usage.cached_tokens for r in results]
+    # The first row prefills the shared prefix; the other five start from its stored copy.
+    assert cached[0] == 0 and all(c >= common for c in cached[1:])
+    assert stats.prefix_hits >= 5
+    assert stats.prompt_tokens == sum(r.usage.prompt_tokens for r in results)
