@@ -25,18 +25,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.constraints import JsonSchema
 from engine.errors import EngineClosedError, EngineDeadError, EngineError, RequestTimeoutError
-from engine.grammar import validate_constraint
 from engine.lane import Lane, LaneRow
 from engine.models import config_context_limit
-from engine.prepare import Preparer, RequestSpec, is_chat
+from engine.prepare import Preparer, request_spec
 from engine.request import FinishReason, Prompt, RequestStatus, SamplingParams, TokenCallback
 from engine.rows import Row
 from engine.scheduler import BatchMode, LaneKind, Scheduler, StepPlan, Ticket
 from engine.stats import EngineStats
 from engine.streams import RequestHandle, RequestStream
-from engine.tools import forced_call_schema, normalize_tool_choice, normalize_tools
 from engine.update import Ending, update
 
 if TYPE_CHECKING:
@@ -142,7 +139,7 @@ class Engine:
         is "auto", "none", "required"/"any" or a tool name, and the last two are enforced
         by a grammar. Invalid tools, tool choices or constraints raise here, at once.
         """
-        spec = _request_spec(prompt, params, tools, tool_choice, parallel_tool_calls,
+        spec = request_spec(prompt, params, tools, tool_choice, parallel_tool_calls,
                              chat_template_kwargs)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
@@ -165,7 +162,7 @@ class Engine:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> int:
         """Prompt tokens ``submit`` would use for this prompt (loads the model if needed)."""
-        spec = _request_spec(prompt, None, tools, None, True, chat_template_kwargs)
+        spec = request_spec(prompt, None, tools, None, True, chat_template_kwargs)
         self._loaded_model()
         assert self._preparer is not None
         return self._preparer.count_tokens(spec)
@@ -492,35 +489,6 @@ def _lane_row(row: Row) -> LaneRow:
     assert row.prepared is not None
     prepared = row.prepared
     return LaneRow(row.request_id, prepared.prompt_ids, prepared.params, prepared.head_len)
-
-
-def _request_spec(
-    prompt: Prompt,
-    params: SamplingParams | None,
-    tools: Sequence[Mapping[str, Any]] | None,
-    tool_choice: str | Mapping[str, Any] | None,
-    parallel_tool_calls: bool,
-    chat_template_kwargs: Mapping[str, Any] | None,
-) -> RequestSpec:
-    """Everything ``submit`` can check without a tokenizer, checked once, at the door."""
-    params = params if params is not None else SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-    if isinstance(prompt, (bytes, bytearray)) or prompt is None:
-        raise TypeError("prompt must be text, a list of token ids, or chat messages")
-    specs = normalize_tools(tools)
-    choice = normalize_tool_choice(tool_choice, specs)
-    if specs and choice != "none" and not is_chat(prompt):
-        raise ValueError("tools need a chat-messages prompt")
-    spec = RequestSpec(prompt, params, specs, choice, parallel_tool_calls,
-                       dict(chat_template_kwargs or {}))
-    if spec.forces_call and params.constraint is not None:
-        raise ValueError("a forced tool_choice cannot be combined with a constraint")
-    if spec.forces_call:  # the call schema now; its grammar is built once, when prepared
-        validate_constraint(JsonSchema(forced_call_schema(specs, choice)))
-    elif params.constraint is not None:
-        validate_constraint(params.constraint)
-    return spec
 
 
 def _resolve(spec: ModelSpec, config: EngineConfig) -> Path:

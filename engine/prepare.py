@@ -15,12 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from engine.channels import TOOL, ChannelSplitter, RowChannels
-from engine.constraints import Constraint
-from engine.grammar import GrammarCompiler
+from engine.constraints import Constraint, JsonSchema
+from engine.grammar import GrammarCompiler, validate_constraint
 from engine.prompts import PromptRenderer
 from engine.request import Prompt, SamplingParams
 from engine.text import RowText
-from engine.tools import ToolSpec, forced_call_grammar
+from engine.tools import (
+    ToolSpec,
+    forced_call_grammar,
+    forced_call_schema,
+    normalize_tool_choice,
+    normalize_tools,
+)
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,35 @@ class Preparer:
         return forced_call_grammar(spec.tools, spec.tool_choice, spec.parallel_tool_calls,
                                    self.compiler.lark_literal(start),
                                    self.compiler.lark_literal(end))
+
+
+def request_spec(
+    prompt: Prompt,
+    params: SamplingParams | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: str | Mapping[str, Any] | None,
+    parallel_tool_calls: bool,
+    chat_template_kwargs: Mapping[str, Any] | None,
+) -> RequestSpec:
+    """Everything ``submit`` can check without a tokenizer, checked once, at the door."""
+    params = params if params is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, (bytes, bytearray)) or prompt is None:
+        raise TypeError("prompt must be text, a list of token ids, or chat messages")
+    specs = normalize_tools(tools)
+    choice = normalize_tool_choice(tool_choice, specs)
+    if specs and choice != "none" and not is_chat(prompt):
+        raise ValueError("tools need a chat-messages prompt")
+    spec = RequestSpec(prompt, params, specs, choice, parallel_tool_calls,
+                       dict(chat_template_kwargs or {}))
+    if spec.forces_call and params.constraint is not None:
+        raise ValueError("a forced tool_choice cannot be combined with a constraint")
+    if spec.forces_call:  # the call schema now; its grammar is built once, when prepared
+        validate_constraint(JsonSchema(forced_call_schema(specs, choice)))
+    elif params.constraint is not None:
+        validate_constraint(params.constraint)
+    return spec
 
 
 def is_chat(prompt: Prompt | Sequence[Any]) -> bool:
