@@ -92,6 +92,7 @@ class Engine:
         self._scheduler: Scheduler | None = None
         self._rows: dict[int, Row] = {}
         self._consecutive_failures = 0
+        self._touched_mlx = False
         _live_engines.add(self)
 
     # ----- public API ---------------------------------------------------------------
@@ -232,7 +233,7 @@ class Engine:
             self._die(exc)
         finally:
             self._loaded.set()
-            if self._model is not None:
+            if self._touched_mlx:
                 from engine.device.loader import release_streams
 
                 release_streams()
@@ -241,6 +242,7 @@ class Engine:
         from engine.device.loader import build_lanes, load_model
 
         path = self.model_path
+        self._touched_mlx = True  # from here on this thread owns an MLX stream
         model = load_model(path, self.config)
         self._preparer = Preparer(model.tokenizer, path, model.vocab_size)
         self._lanes = build_lanes(model, self.config, self._preparer.compiler)
