@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-real lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -ra
+
+test-real: $(STAMP)
+	$(BIN)/python -m pytest -ra -m real tests/real
 
 lint: $(STAMP)
 	$(BIN)/ruff check engine mlx_providers tests bench examples

@@ -288,7 +288,13 @@ async def run_server_side(name: str, model_path: str, prompts: list[str], tokens
                     f"warm-up request to mlx_lm.server failed ({exc!r}); its log ends:\n"
                     + _log_tail(server.log)
                 ) from exc
-            side = await fan_out(name, chat(tokens), prompts)
+            try:
+                side = await fan_out(name, chat(tokens), prompts)
+            except Exception as exc:
+                raise ServerError(
+                    f"the streams to mlx_lm.server failed ({exc!r}); its log ends:\n"
+                    + _log_tail(server.log)
+                ) from exc
     return side, blas
 
 
