@@ -7,6 +7,8 @@ is held back until it is known. Markers themselves are never emitted.
 
 from __future__ import annotations
 
+import json
+
 from engine.tools import InvalidToolCall, ToolCall, ToolParser, ToolSpec, new_call_id, parse_call
 
 CONTENT = "content"
@@ -79,7 +81,14 @@ class ChannelSplitter:
 
 
 class RowChannels:
-    """One row's text sorted into content, reasoning and tool calls as it streams."""
+    """One row's text sorted into content, reasoning and tool calls as it streams.
+
+    A call is parsed the moment its closing marker arrives. A call identical to one the
+    row already made (same name, same arguments as parsed JSON) is not kept: it counts in
+    ``repeated_calls``, which ``engine.update`` reads to end the row there. Whitespace
+    around calls is not an answer: whitespace-only content before the first call, between
+    calls and after the last one is held back and dropped (released if text follows).
+    """
 
     def __init__(self, splitter: ChannelSplitter, parser: ToolParser | None,
                  tools: tuple[ToolSpec, ...]) -> None:
@@ -89,9 +98,14 @@ class RowChannels:
         self.content = ""
         self.reasoning = ""
         self.saw_reasoning = splitter.channel == REASONING
+        self.saw_call = False  # call markup was seen (a call parsed, invalid or left open)
         self.calls: list[ToolCall] = []
         self.invalid: list[InvalidToolCall] = []
+        self.repeated_calls = 0  # calls dropped because the row had made them already
         self._call_text: str | None = None
+        self._keys: set[str] = set()
+        self._loose = True  # no answer text yet since the start or the last call
+        self._spaces = ""  # whitespace content held back while loose
 
     def feed(self, text: str) -> tuple[str, str]:
         """New text -> (content delta, reasoning delta); tool markup is collected apart."""
@@ -99,32 +113,63 @@ class RowChannels:
 
     def finish(self) -> tuple[str, str]:
         """Flush held text; a call left open (cut by max_tokens) is reported invalid."""
-        deltas = self._route(self._splitter.flush())
+        content, reasoning = self._route(self._splitter.flush())
         if self._call_text is not None:
             self.invalid.append(InvalidToolCall(new_call_id(), None, self._call_text,
                                                 "the tool call was not closed"))
             self._call_text = None
-        return deltas
+        spaces, self._spaces = self._spaces, ""
+        if spaces and not self.saw_call:  # a plain answer keeps its whitespace as written
+            self.content += spaces
+            content += spaces
+        return content, reasoning
 
     def _route(self, pieces: list[tuple[str, str]]) -> tuple[str, str]:
         content = reasoning = ""
         for channel, text in pieces:
             if channel == TOOL:
-                self._call_text = (self._call_text or "") + text
+                if self._call_text is None:  # a call opens: the whitespace before it goes
+                    self._call_text, self._spaces, self.saw_call = "", "", True
+                self._call_text += text
                 continue
             self._close_call()
             if channel == REASONING:
                 reasoning += text
                 self.saw_reasoning = True
             else:
-                content += text
+                content += self._answer_text(text)
         self.content += content
         self.reasoning += reasoning
         return content, reasoning
+
+    def _answer_text(self, text: str) -> str:
+        """Content to emit now; whitespace after the start or a call waits for text."""
+        if not self._loose:
+            return text
+        if not text.strip():
+            self._spaces += text
+            return ""
+        out, self._spaces, self._loose = self._spaces + text, "", False
+        return out
 
     def _close_call(self) -> None:
         if self._call_text is None:
             return
         parsed = parse_call(self._call_text, self._parser, self._tools)
-        (self.calls if isinstance(parsed, ToolCall) else self.invalid).append(parsed)  # type: ignore[arg-type]
         self._call_text = None
+        self._loose = True
+        if isinstance(parsed, InvalidToolCall):
+            self.invalid.append(parsed)
+            return
+        key = call_key(parsed)
+        if key in self._keys:
+            self.repeated_calls += 1
+            return
+        self._keys.add(key)
+        self.calls.append(parsed)
+
+
+def call_key(call: ToolCall) -> str:
+    """Identity of a call for spotting repeats: its name and its arguments as parsed JSON."""
+    return json.dumps([call.name, call.arguments], sort_keys=True, ensure_ascii=False,
+                      default=repr)

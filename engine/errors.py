@@ -70,3 +70,20 @@ class ModelDownloadError(RuntimeError):
 
 class UnsupportedModelError(ValueError):
     """The GGUF file uses an architecture, tensor type or tokenizer this converter cannot map."""
+
+
+class OutputTruncatedError(ValueError):
+    """``max_tokens`` cut an output that had to be complete: structured JSON, a forced call.
+
+    Raised by the adapters (LangChain, LlamaIndex) in place of a parse error, so that the
+    cause is said plainly: ``max_tokens``, the tokens generated, and what to raise.
+    """
+
+    def __init__(self, max_tokens: int, completion_tokens: int | None = None,
+                 what: str = "the output") -> None:
+        after = f" after {completion_tokens} tokens" if completion_tokens is not None else ""
+        super().__init__(f"{what} was cut at max_tokens={max_tokens}{after} before it was "
+                         "complete; raise max_tokens")
+        self.max_tokens = max_tokens
+        self.completion_tokens = completion_tokens
+        self.what = what

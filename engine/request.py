@@ -23,12 +23,17 @@ TokenCallback = Callable[[int, str], bool | None]
 
 
 class FinishReason(str, Enum):
-    """Why a request's stream ended."""
+    """Why a request's stream ended.
+
+    ``TOOL_CALLS`` is a ``STOP`` whose answer holds tool calls (as OpenAI reports it); both
+    are normal completions. ``LENGTH`` stays ``LENGTH`` even with calls: the cut is the news.
+    """
 
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
+    TOOL_CALLS = "tool_calls"
 
 
 class RequestStatus(str, Enum):

@@ -50,6 +50,9 @@ class Row:
     first_token_at: float | None = None
     last_token_at: float | None = None
     cancel_error: BaseException | None = None  # why a cancel happened (a timeout)
+    # Characters of the channels' content and reasoning already sent in events.
+    _sent_content: int = field(default=0, init=False, repr=False)
+    _sent_reasoning: int = field(default=0, init=False, repr=False)
 
     @property
     def params(self) -> SamplingParams:
@@ -59,25 +62,40 @@ class Row:
     def holds_lane(self) -> bool:
         return self.status in (RequestStatus.PREFILLING, RequestStatus.DECODING)
 
+    @property
+    def repeated_calls(self) -> int:
+        """Tool calls dropped so far because this row had made each one already."""
+        return self.channels.repeated_calls if self.channels is not None else 0
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.channels is not None and self.channels.calls)
+
+    def take_text(self, delta: str) -> None:
+        """Sort new text into the row's channels (``engine.update`` feeds every delta)."""
+        if self.channels is not None and delta:
+            self.channels.feed(delta)
+
     def event(self, delta: str, ids: tuple[int, ...],
               logprobs: tuple[TokenLogprob, ...] | None) -> StreamEvent:
-        """A non-final event, with the delta split into content and reasoning."""
-        assert self.channels is not None
-        content, reasoning = self.channels.feed(delta)
+        """A non-final event: the raw delta, and the content and reasoning not yet sent."""
+        content, reasoning = self._unsent()
         return StreamEvent(delta, ids, logprobs, content=content, reasoning=reasoning)
 
     def final(self, reason: FinishReason, error: BaseException | None, delta: str,
               ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] | None) -> tuple[
             StreamEvent, Completion]:
-        """The last event and the whole completion; held-back text is released here."""
+        """The last event and the whole completion; held-back channel text is released.
+
+        ``delta`` has been through ``take_text`` already (``engine.update`` releases the
+        text held back for stop strings when it ends a row); endings made elsewhere
+        (errors, cancellation) carry no text.
+        """
         self.status, self.finish_reason = RequestStatus.FINISHED, reason
-        if self.text is not None and reason in (FinishReason.STOP, FinishReason.LENGTH):
-            delta += self.text.finish()
         channels = self.channels
-        content = reasoning = ""
         if channels is not None:
-            fed, flushed = channels.feed(delta), channels.finish()
-            content, reasoning = fed[0] + flushed[0], fed[1] + flushed[1]
+            channels.finish()
+        content, reasoning = self._unsent()
         usage = self.usage()
         completion = Completion(
             text=self.text.text if self.text is not None else "",
@@ -93,6 +111,16 @@ class Row:
         event = StreamEvent(delta, ids, logprobs, reason, usage, error, content, reasoning,
                             completion)
         return event, completion
+
+    def _unsent(self) -> tuple[str, str]:
+        """Content and reasoning the channels produced since the last event."""
+        if self.channels is None:
+            return "", ""
+        content = self.channels.content[self._sent_content:]
+        reasoning = self.channels.reasoning[self._sent_reasoning:]
+        self._sent_content += len(content)
+        self._sent_reasoning += len(reasoning)
+        return content, reasoning
 
     def usage(self) -> Usage:
         ttft = None if self.first_token_at is None else self.first_token_at - self.submitted_at

@@ -2,9 +2,12 @@
 
 Every way a row can end is decided here, in this precedence: its own code failed
 (a processor or its grammar) -> error; a stop token -> stop; a stop string -> stop;
-``max_tokens`` reached -> length; its grammar complete -> stop; its ``on_token``
-callback returned False -> stop, or raised -> error. Cancellation and timeouts are the
-scheduler's; model failures the loop's. Pure: testable with hand-built rows and steps.
+``max_tokens`` reached -> length; its grammar complete -> stop; it closed a tool call
+identical to one it already made -> stop (the repeat is dropped: greedy models loop on a
+forced call); its ``on_token`` callback returned False -> stop, or raised -> error. A stop
+whose answer holds tool calls is reported as ``tool_calls``. Cancellation and timeouts
+are the scheduler's; model failures the loop's. Pure: testable with hand-built rows and
+steps.
 """
 
 from __future__ import annotations
@@ -88,6 +91,10 @@ def take_token(row: Row, out: RowToken, now: float) -> Ending | StreamEvent | No
             reason = FinishReason.LENGTH
         elif out.grammar_done:
             reason = FinishReason.STOP  # the grammar is complete: nothing may follow
+    repeats = row.repeated_calls
+    row.take_text(delta)  # calls are parsed as their closing markers arrive
+    if reason is None and row.repeated_calls > repeats:
+        reason = FinishReason.STOP  # the call just closed repeats an earlier one
     if row.on_token is not None:
         try:
             if row.on_token(token, delta) is False and reason is None:
@@ -97,4 +104,8 @@ def take_token(row: Row, out: RowToken, now: float) -> Ending | StreamEvent | No
     logprobs = (out.logprob,) if out.logprob is not None else None
     if reason is None:
         return row.event(delta, ids, logprobs)
-    return Ending(row, reason, None, delta, ids, logprobs)
+    tail = row.text.finish()  # text held back for stop strings is real output now
+    row.take_text(tail)
+    if reason is FinishReason.STOP and row.has_calls:
+        reason = FinishReason.TOOL_CALLS
+    return Ending(row, reason, None, delta + tail, ids, logprobs)

@@ -4,6 +4,9 @@ Adapters turn their framework's messages into plain dicts; ``normalize_messages`
 makes any history an agent can produce safe for chat templates: text-only content,
 canonical roles, tool calls with dict arguments, tool results as strings, one leading
 system message, and no two plain messages of the same role in a row.
+
+It also says, once for both adapters, when ``max_tokens`` cut an output that had to be
+complete (``OutputTruncatedError``): structured JSON, or a call the caller forced.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+from engine import Completion, FinishReason, OutputTruncatedError
 
 _ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assistant",
           "system": "system", "developer": "system", "tool": "tool", "function": "tool",
@@ -94,3 +99,51 @@ def _mergeable(previous: Mapping[str, Any], item: Mapping[str, Any]) -> bool:
     plain = ("tool_calls", "tool_call_id", "name")
     return (previous["role"] == item["role"] and item["role"] in ("user", "system")
             and not any(k in previous or k in item for k in plain))
+
+
+# ----- outputs cut at max_tokens ------------------------------------------------------
+
+
+def forces_call(tools: Any, tool_choice: Any) -> bool:
+    """Whether a request forces a tool call: tools, and a choice other than auto/none."""
+    if not tools or tool_choice is None or tool_choice is False:
+        return False
+    return not (isinstance(tool_choice, str) and tool_choice in ("auto", "none"))
+
+
+def _is_length(finish_reason: Any) -> bool:
+    """A finish reason (the enum or its value, as adapters' metadata hold it) is "length"."""
+    return bool(getattr(finish_reason, "value", finish_reason) == FinishReason.LENGTH.value)
+
+
+def json_complete(text: str) -> bool:
+    """Whether ``text`` is one whole JSON value (a cut one never is)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def cut_json(finish_reason: Any, text: str, completion_tokens: int,
+             what: str = "the structured output (JSON)") -> OutputTruncatedError | None:
+    """The error for JSON that ``max_tokens`` cut before it was whole, else None."""
+    if not _is_length(finish_reason) or json_complete(text):
+        return None
+    return OutputTruncatedError(completion_tokens, completion_tokens, what)
+
+
+def cut_call(finish_reason: Any, complete_calls: int, open_calls: int,
+             completion_tokens: int) -> OutputTruncatedError | None:
+    """The error for a forced call that ``max_tokens`` cut: a call was left open, or none
+    was made. A forced call's grammar makes every closed call valid, so any invalid call
+    of a forced answer is one that was cut."""
+    if not _is_length(finish_reason) or (complete_calls and not open_calls):
+        return None
+    return OutputTruncatedError(completion_tokens, completion_tokens, "the forced tool call")
+
+
+def cut_forced_call(completion: Completion) -> OutputTruncatedError | None:
+    """``cut_call`` for an engine completion."""
+    return cut_call(completion.finish_reason.value, len(completion.tool_calls),
+                    len(completion.invalid_tool_calls), completion.usage.completion_tokens)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -25,12 +26,13 @@ from langchain_core.messages import (
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.output_parsers import (
+    BaseCumulativeTransformOutputParser,
     JsonOutputKeyToolsParser,
     JsonOutputParser,
     PydanticOutputParser,
     PydanticToolsParser,
 )
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, Generation
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
@@ -38,8 +40,8 @@ from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel
 
-from engine import Completion, JsonObject, JsonSchema, StreamEvent, Usage
-from mlx_providers._chat import normalize_messages
+from engine import Completion, JsonObject, JsonSchema, OutputTruncatedError, StreamEvent, Usage
+from mlx_providers._chat import content_text, cut_call, cut_json, normalize_messages
 
 REASONING_KEY = "reasoning_content"
 PROVIDER = "mlx"
@@ -247,20 +249,79 @@ def event_chunk(event: StreamEvent, model_name: str) -> ChatGenerationChunk | No
 # ----- structured output ----------------------------------------------------------------------
 
 
+class TruncatedOutputError(OutputTruncatedError, OutputParserException):
+    """``OutputTruncatedError`` as LangChain's parsers raise errors: an
+    ``OutputParserException``, so ``include_raw`` and agents' parsing-error handling see it."""
+
+    def __init__(self, cut: OutputTruncatedError, llm_output: str) -> None:
+        super().__init__(cut.max_tokens, cut.completion_tokens, cut.what)
+        self.llm_output = llm_output
+
+
+def truncation_error(result: Sequence[Generation], *,
+                     tool_output: bool) -> TruncatedOutputError | None:
+    """The error for a structured reply that ``max_tokens`` cut, else None.
+
+    Read from the (possibly merged, streamed) message: its ``finish_reason`` is "length"
+    and the JSON is not whole, or (``tool_output``) the forced call was not closed.
+    Before the last streamed chunk there is no finish reason, so partial output passes.
+    """
+    message = getattr(result[0], "message", None) if result else None
+    if not isinstance(message, AIMessage):
+        return None
+    finish = message.response_metadata.get("finish_reason")
+    tokens = message.usage_metadata["output_tokens"] if message.usage_metadata else 0
+    text = content_text(message.content)
+    if tool_output:
+        cut = cut_call(finish, len(message.tool_calls), len(message.invalid_tool_calls), tokens)
+    else:
+        cut = cut_json(finish, text, tokens)
+    if cut is None:
+        return None
+    raw = text or json.dumps([dict(c) for c in message.invalid_tool_calls], default=str)
+    return TruncatedOutputError(cut, raw)
+
+
+class TruncationCheckedParser(BaseCumulativeTransformOutputParser[Any]):
+    """``inner``, but a reply cut at ``max_tokens`` raises ``TruncatedOutputError`` instead of
+    a field-level parse error (or, for a cut call, a silent None). Streams like ``inner``."""
+
+    inner: Any
+    tool_output: bool = False
+
+    def parse_result(self, result: list[Generation], *, partial: bool = False) -> Any:
+        error = truncation_error(result, tool_output=self.tool_output)
+        if error is not None:
+            raise error
+        return self.inner.parse_result(result, partial=partial)
+
+    def parse(self, text: str) -> Any:
+        return self.inner.parse(text)
+
+    @property
+    def _type(self) -> str:
+        return "mlx_truncation_checked"
+
+
 def structured_parser(schema: Mapping[str, Any] | type | None, *,
                       tool_output: bool) -> Runnable[Any, Any]:
     """What turns a structured-output reply into ``schema``: a pydantic instance for
     pydantic schemas (v1 or v2), else a dict; read from the forced tool call when
-    ``tool_output``, else from the JSON text."""
+    ``tool_output``, else from the JSON text. A reply cut at ``max_tokens`` raises
+    ``TruncatedOutputError`` (an ``OutputTruncatedError`` and ``OutputParserException``)."""
     is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+    inner: Runnable[Any, Any]
     if tool_output:
         if is_pydantic:
-            return PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
-        name = convert_to_openai_tool(schema)["function"]["name"]  # type: ignore[arg-type]
-        return JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
-    if is_pydantic:
-        return PydanticOutputParser(pydantic_object=schema)  # type: ignore[arg-type]
-    return JsonOutputParser()
+            inner = PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
+        else:
+            name = convert_to_openai_tool(schema)["function"]["name"]  # type: ignore[arg-type]
+            inner = JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+    elif is_pydantic:
+        inner = PydanticOutputParser(pydantic_object=schema)  # type: ignore[arg-type]
+    else:
+        inner = JsonOutputParser()
+    return TruncationCheckedParser(inner=inner, tool_output=tool_output)
 
 
 def with_raw(llm: Runnable[Any, Any], parser: Runnable[Any, Any]) -> Runnable[Any, Any]:

@@ -8,7 +8,7 @@ and tool selections.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -30,7 +30,7 @@ from llama_index.core.bridge.pydantic import BaseModel
 from llama_index.core.llms.llm import ToolSelection
 
 from engine import Completion, InvalidToolCall, JsonSchema, StreamEvent, ToolCall, Usage
-from mlx_providers._chat import arguments_dict, normalize_messages, tool_call_dict
+from mlx_providers._chat import arguments_dict, cut_json, normalize_messages, tool_call_dict
 
 _MEDIA = (ImageBlock, AudioBlock, VideoBlock, DocumentBlock)
 
@@ -199,9 +199,12 @@ def keep_first_call(response: ChatResponse) -> ChatResponse:
 class StreamChunks:
     """Turns a request's stream events into LlamaIndex chunks with delta and accumulation."""
 
-    def __init__(self, model_name: str) -> None:
-        """Start with nothing accumulated; ``model_name`` goes into the last chunk's raw."""
+    def __init__(self, model_name: str,
+                 check: Callable[[Completion], Completion] | None = None) -> None:
+        """Start with nothing accumulated; ``model_name`` goes into the last chunk's raw;
+        ``check`` sees the finished completion first (it raises for a cut forced call)."""
         self.model_name = model_name
+        self.check = check
         self.content = ""
         self.reasoning = ""
 
@@ -209,7 +212,8 @@ class StreamChunks:
         """The chat chunk for ``event``; None for events with nothing to show (call markup)."""
         extra = {"thinking_delta": event.reasoning} if event.reasoning else {}
         if event.completion is not None:  # the last event: the whole turn, calls and usage
-            return chat_response(event.completion, self.model_name, event.content, extra)
+            completion = self.check(event.completion) if self.check else event.completion
+            return chat_response(completion, self.model_name, event.content, extra)
         if not self._feed(event):
             return None
         message = assistant_message(self.content, self.reasoning or None)
@@ -247,14 +251,31 @@ def json_kwargs(output_cls: type[BaseModel],
     return {**(llm_kwargs or {}), "constraint": JsonSchema(output_cls.model_json_schema())}
 
 
+def _cut_structured(output_cls: type[Any], response: ChatResponse) -> None:
+    """Raise ``OutputTruncatedError`` when max_tokens cut the response's JSON."""
+    raw = response.raw if isinstance(response.raw, Mapping) else {}
+    usage = raw.get("usage")
+    usage = usage if isinstance(usage, Mapping) else {}
+    error = cut_json(raw.get("finish_reason"), response.message.content or "",
+                     int(usage.get("completion_tokens") or 0),
+                     f"the JSON for {getattr(output_cls, '__name__', 'the output')}")
+    if error is not None:
+        raise error
+
+
 def parse_structured(output_cls: type[Any], response: ChatResponse) -> Any:
-    """``output_cls`` from a constrained response; says so when max_tokens cut the JSON."""
+    """``output_cls`` from a constrained response; ``OutputTruncatedError`` (naming
+    max_tokens) when max_tokens cut the JSON, instead of a field-level error."""
+    _cut_structured(output_cls, response)
     text = response.message.content or ""
     try:
         return output_cls.model_validate_json(text)
     except ValueError as exc:
-        raw = response.raw if isinstance(response.raw, Mapping) else {}
-        hint = (" (the output was cut at max_tokens; raise it, e.g. "
-                "llm_kwargs={'max_tokens': ...})" if raw.get("finish_reason") == "length" else "")
-        raise ValueError(f"the model's JSON for {output_cls.__name__} did not validate"
-                         f"{hint}: {text[:200]!r}") from exc
+        raise ValueError(f"the model's JSON for {output_cls.__name__} did not validate: "
+                         f"{text[:200]!r}") from exc
+
+
+def check_structured_chunk(output_cls: type[Any], response: ChatResponse) -> None:
+    """A streamed structured response: its last chunk raises if max_tokens cut the JSON
+    (earlier chunks carry no finish reason and pass as partial objects)."""
+    _cut_structured(output_cls, response)

@@ -35,6 +35,7 @@ from engine import (
     StreamEvent,
     get_engine,
 )
+from mlx_providers._chat import cut_forced_call, forces_call
 from mlx_providers._langchain_messages import (
     ToolLike,
     chat_generation,
@@ -55,7 +56,8 @@ _SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition
              "seed")
 _REQUEST_KWARGS = frozenset({*_SAMPLING, "model", "timeout", "tools", "tool_choice",
                              "parallel_tool_calls", "response_format", "constraint",
-                             "reasoning", "chat_template_kwargs", "stream"})
+                             "reasoning", "chat_template_kwargs", "raise_on_truncated_call",
+                             "stream"})
 StructuredMethod = Literal["function_calling", "json_schema", "json_mode"]
 
 
@@ -73,6 +75,11 @@ class _Request:
     tool_choice: str | None
     parallel_tool_calls: bool
     template_kwargs: dict[str, Any]
+    raise_on_truncated_call: bool = True
+
+    @property
+    def forces_call(self) -> bool:
+        return forces_call(self.tools, self.tool_choice)
 
     def submit(self) -> RequestHandle:
         return self.engine.submit(
@@ -310,7 +317,9 @@ class ChatMLXBatch(BaseChatModel):
 
         ``tool_choice``: "auto" (default), "none", "any"/"required"/True (some tool), or a
         tool name; the forcing ones are enforced by the engine's grammar, so the calls
-        are always well-formed and match the tool's argument schema.
+        are always well-formed and match the tool's argument schema. A forced call that
+        ``max_tokens`` cuts raises ``engine.OutputTruncatedError`` naming the limit (bind
+        ``raise_on_truncated_call=False`` to get it in ``invalid_tool_calls`` instead).
         """
         formatted = openai_tools(tools, strict=strict)
         choice = tool_choice_name(tool_choice, formatted)
@@ -333,7 +342,9 @@ class ChatMLXBatch(BaseChatModel):
 
         ``json_schema`` (default) constrains decoding with the schema's grammar,
         ``function_calling`` forces a call to a tool built from the schema, and
-        ``json_mode`` constrains the output to any JSON object. ``include_raw`` returns
+        ``json_mode`` constrains the output to any JSON object. An output cut at
+        ``max_tokens`` raises ``engine.OutputTruncatedError`` (also an
+        ``OutputParserException``) naming the limit. ``include_raw`` returns
         ``{"raw", "parsed", "parsing_error"}`` instead of raising on a parsing error.
         """
         if kwargs:
@@ -344,8 +355,10 @@ class ChatMLXBatch(BaseChatModel):
         if method == "function_calling":
             assert schema is not None
             name = openai_tools([schema], strict=strict)[0]["function"]["name"]
+            # A cut call is the parser's to report, so include_raw keeps the raw message.
             llm = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False,
-                                  strict=strict, ls_structured_output_format=trace)
+                                  strict=strict, ls_structured_output_format=trace,
+                                  raise_on_truncated_call=False)
         elif method in ("json_schema", "json_mode"):
             constraint = (JsonSchema(json_schema_of(schema)) if schema is not None
                           and method == "json_schema" else JsonObject())
@@ -384,6 +397,7 @@ class ChatMLXBatch(BaseChatModel):
             parallel_tool_calls=kwargs.get("parallel_tool_calls", True),
             template_kwargs=self._template_kwargs(kwargs.get("reasoning"),
                                                   kwargs.get("chat_template_kwargs")),
+            raise_on_truncated_call=bool(kwargs.get("raise_on_truncated_call", True)),
         )
 
     def _template_kwargs(self, reasoning: bool | None,
@@ -397,10 +411,12 @@ class ChatMLXBatch(BaseChatModel):
             raise event.error
         if event.completion is not None:
             self._note_loaded(request)
+            _check_forced_call(request, event.completion)
         return event_chunk(event, request.model_name)
 
     def _result(self, request: _Request, completion: Completion) -> ChatResult:
         self._note_loaded(request)
+        _check_forced_call(request, completion)
         return ChatResult(generations=[chat_generation(completion, request.model_name)])
 
     def _note_loaded(self, request: _Request) -> None:
@@ -410,6 +426,15 @@ class ChatMLXBatch(BaseChatModel):
         limit = request.engine.stats().context_limit
         if self.profile is not None and limit and "max_input_tokens" not in self.profile:
             self.profile["max_input_tokens"] = limit
+
+
+def _check_forced_call(request: _Request, completion: Completion) -> None:
+    """A forced call that max_tokens cut raises ``OutputTruncatedError`` (unless the caller,
+    e.g. ``with_structured_output``, reports it itself)."""
+    if request.forces_call and request.raise_on_truncated_call:
+        error = cut_forced_call(completion)
+        if error is not None:
+            raise error
 
 
 def _one_thread_each(config: RunnableConfig | Sequence[RunnableConfig] | None,

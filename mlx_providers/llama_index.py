@@ -52,9 +52,11 @@ from engine import (
     StreamEvent,
     get_engine,
 )
+from mlx_providers._chat import cut_forced_call, forces_call
 from mlx_providers._llama_index_messages import (
     StreamChunks,
     chat_response,
+    check_structured_chunk,
     completion_response,
     json_kwargs,
     keep_first_call,
@@ -83,6 +85,19 @@ class _Request:
     params: SamplingParams
     options: dict[str, Any]
 
+    @property
+    def forces_call(self) -> bool:
+        """A required or named tool: a call cut by max_tokens raises, naming the limit."""
+        return forces_call(self.options.get("tools"), self.options.get("tool_choice"))
+
+    def checked(self, completion: Completion) -> Completion:
+        """The completion, unless it is a forced call that max_tokens cut."""
+        if self.forces_call:
+            error = cut_forced_call(completion)
+            if error is not None:
+                raise error
+        return completion
+
 
 def _wait(handle: RequestHandle) -> Completion:
     """Block for the result; an interrupt (Ctrl-C) while waiting evicts the row."""
@@ -101,7 +116,10 @@ class MLXBatchLLM(FunctionCallingLLM):
     ``ChatMLXBatch``). Sampling fields are defaults; every call may override them, and
     may also pass ``constraint`` (an engine ``JsonSchema``/``JsonObject``/``Regex``/
     ``LarkGrammar``), ``timeout``, ``tools``, ``tool_choice``, ``parallel_tool_calls`` and
-    ``chat_template_kwargs``.
+    ``chat_template_kwargs``. Structured output (``structured_predict``,
+    ``as_structured_llm``) or a forced tool call (``tool_required``, a named
+    ``tool_choice``) that ``max_tokens`` cuts raises ``engine.OutputTruncatedError``
+    naming the limit; ``raw["finish_reason"]`` is "tool_calls" when the answer holds calls.
     """
 
     model: str | None = Field(
@@ -201,7 +219,8 @@ class MLXBatchLLM(FunctionCallingLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """One assistant turn (answer, reasoning as a ThinkingBlock, tool calls as blocks)."""
-        completion = _wait(self._submit(self._chat_request(messages, kwargs)))
+        request = self._chat_request(messages, kwargs)
+        completion = request.checked(_wait(self._submit(request)))
         return chat_response(completion, self.model_name)
 
     @llm_completion_callback()
@@ -214,7 +233,8 @@ class MLXBatchLLM(FunctionCallingLLM):
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         """Chunks with ``delta`` and the text so far; the request starts at first ``next``."""
         request = self._chat_request(messages, kwargs)
-        return _chunks(lambda: self._submit(request), StreamChunks(self.model_name).chat)
+        chunks = StreamChunks(self.model_name, request.checked)
+        return _chunks(lambda: self._submit(request), chunks.chat)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False,
@@ -228,8 +248,9 @@ class MLXBatchLLM(FunctionCallingLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Await one assistant turn; cancelling the awaiting task evicts the row."""
-        handle = self._submit(self._chat_request(messages, kwargs))
-        return chat_response(await handle.aresult(), self.model_name)
+        request = self._chat_request(messages, kwargs)
+        completion = request.checked(await self._submit(request).aresult())
+        return chat_response(completion, self.model_name)
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False,
@@ -243,7 +264,8 @@ class MLXBatchLLM(FunctionCallingLLM):
                            **kwargs: Any) -> ChatResponseAsyncGen:
         """An async generator of chunks; the request starts at its first iteration."""
         request = self._chat_request(messages, kwargs)
-        return _achunks(lambda: self._submit(request), StreamChunks(self.model_name).chat)
+        chunks = StreamChunks(self.model_name, request.checked)
+        return _achunks(lambda: self._submit(request), chunks.chat)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
@@ -347,6 +369,7 @@ class MLXBatchLLM(FunctionCallingLLM):
         def gen() -> Any:
             current: list[Any] | None = None
             for response in stream:
+                check_structured_chunk(output_cls, response)
                 objects = process_streaming_objects(response, output_cls, cur_objects=current,
                                                     flexible_mode=True, llm=self)
                 current = objects if isinstance(objects, list) else [objects]
@@ -367,6 +390,7 @@ class MLXBatchLLM(FunctionCallingLLM):
         async def gen() -> Any:
             current: list[Any] | None = None
             async for response in stream:
+                check_structured_chunk(output_cls, response)
                 objects = process_streaming_objects(response, output_cls, cur_objects=current,
                                                     flexible_mode=True, llm=self)
                 current = objects if isinstance(objects, list) else [objects]

@@ -4,6 +4,7 @@ transparent batching and cancellation, checked through the engine's own statisti
 from __future__ import annotations
 
 import asyncio
+import json
 import operator
 import shutil
 import threading
@@ -14,6 +15,7 @@ from typing import Annotated, Any, Literal
 import jsonschema
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -22,12 +24,12 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
-from langchain_core.runnables import RunnableParallel
+from langchain_core.runnables import Runnable, RunnableParallel
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
-from engine import LarkGrammar, RequestTimeoutError
+from engine import LarkGrammar, OutputTruncatedError, RequestTimeoutError
 from mlx_providers import ChatMLXBatch
 from tests.conftest import wait_until
 
@@ -518,3 +520,109 @@ async def test_langgraph_sibling_failure_evicts_the_other_branches(model_dir: st
         await builder.compile().ainvoke({"prompts": [], "answers": []})
     await asyncio.to_thread(wait_until, lambda: running(model_dir) == 0)
     assert cancelled(model_dir) == 3
+
+
+# ----- tool_calls as the finish reason, repeated calls, whitespace between calls -----------------
+
+
+def weather_call(city: str) -> str:
+    """One get_weather call as a Lark sequence (the markers are special tokens)."""
+    body = json.dumps({"name": "get_weather", "arguments": {"city": city}})
+    return f"<tool_call> {json.dumps(chr(10) + body + chr(10))} </tool_call>"
+
+
+# Newlines before, between and after the calls, as models write them.
+TWO_CITIES = LarkGrammar(
+    f'start: "\\n" {weather_call("Oslo")} "\\n" {weather_call("Rome")} "\\n"\n')
+SAME_CALL_THRICE = LarkGrammar(
+    f'start: {weather_call("Oslo")} "\\n" {weather_call("Oslo")} "\\n" {weather_call("Oslo")}\n')
+
+
+def streamed(model: Runnable[Any, Any], prompt: str, **kw: Any) -> tuple[Any, list[Any]]:
+    chunks = list(model.stream(prompt, **kw))
+    full: Any = None
+    for chunk in chunks:
+        full = chunk if full is None else full + chunk
+    return full, chunks
+
+
+def test_answers_with_calls_finish_as_tool_calls_with_no_content(model_dir: str) -> None:
+    model = chat(model_dir, max_tokens=200).bind_tools([WEATHER_TOOL])
+    message = model.invoke("Weather?", constraint=TWO_CITIES)
+    assert [c["args"] for c in message.tool_calls] == [{"city": "Oslo"}, {"city": "Rome"}]
+    assert message.content == ""
+    assert message.response_metadata["finish_reason"] == "tool_calls"
+    full, chunks = streamed(model, "Weather?", constraint=TWO_CITIES)
+    assert [c["args"] for c in full.tool_calls] == [{"city": "Oslo"}, {"city": "Rome"}]
+    assert full.content == "" and all(c.content == "" for c in chunks)
+    assert full.response_metadata["finish_reason"] == "tool_calls"
+    forced = chat(model_dir, max_tokens=60).bind_tools(
+        [WEATHER_TOOL], tool_choice="any", parallel_tool_calls=False)
+    one = forced.invoke("Weather in Paris?")
+    assert len(one.tool_calls) == 1 and one.content == ""
+    assert one.response_metadata["finish_reason"] == "tool_calls"
+    plain = chat(model_dir, max_tokens=20).invoke("Hi", constraint=LarkGrammar('start: "Hi!"'))
+    assert plain.response_metadata["finish_reason"] == "stop"
+
+
+def test_a_repeated_call_ends_the_answer_and_is_dropped(model_dir: str) -> None:
+    model = chat(model_dir, max_tokens=300).bind_tools([WEATHER_TOOL])
+    message = model.invoke("Weather?", constraint=SAME_CALL_THRICE)
+    assert [c["args"] for c in message.tool_calls] == [{"city": "Oslo"}]
+    assert message.invalid_tool_calls == [] and message.content == ""
+    assert message.response_metadata["finish_reason"] == "tool_calls"
+    usage = message.usage_metadata
+    assert usage is not None and usage["output_tokens"] < 300  # it ended at the repeat
+    full, _ = streamed(model, "Weather?", constraint=SAME_CALL_THRICE)
+    assert [c["args"] for c in full.tool_calls] == [{"city": "Oslo"}]
+
+
+# ----- outputs cut at max_tokens are said plainly ------------------------------------------
+
+
+@pytest.mark.parametrize("tool_choice", ["any", "get_weather"])
+async def test_a_forced_call_cut_at_max_tokens_raises_naming_the_limit(
+        model_dir: str, tool_choice: str) -> None:
+    model = chat(model_dir, max_tokens=3).bind_tools([WEATHER_TOOL], tool_choice=tool_choice)
+    cut = r"forced tool call was cut at max_tokens=3 after 3 tokens"
+    with pytest.raises(OutputTruncatedError, match=cut):
+        model.invoke("Weather in Paris?")
+    with pytest.raises(OutputTruncatedError, match=cut):
+        await model.ainvoke("Weather in Paris?")
+    with pytest.raises(OutputTruncatedError, match=cut):
+        list(model.stream("Weather in Paris?"))
+    kept = chat(model_dir, max_tokens=3).bind_tools(
+        [WEATHER_TOOL], tool_choice=tool_choice, raise_on_truncated_call=False)
+    message = kept.invoke("Weather in Paris?")
+    assert message.tool_calls == [] and len(message.invalid_tool_calls) == 1
+    assert message.response_metadata["finish_reason"] == "length"
+
+
+def test_an_auto_call_cut_at_max_tokens_stays_an_invalid_call(model_dir: str) -> None:
+    model = chat(model_dir, max_tokens=4).bind_tools([WEATHER_TOOL])
+    message = model.invoke("Weather?", constraint=TWO_CITIES)
+    assert message.tool_calls == [] and len(message.invalid_tool_calls) == 1
+    assert message.response_metadata["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+async def test_structured_output_cut_at_max_tokens_raises_naming_the_limit(
+        model_dir: str, method: str) -> None:
+    schema = None if method == "json_mode" else Forecast
+    model = chat(model_dir, max_tokens=3)
+    structured = model.with_structured_output(schema, method=method)  # type: ignore[arg-type]
+    cut = r"cut at max_tokens=3 after 3 tokens before it was complete; raise max_tokens"
+    with pytest.raises(OutputTruncatedError, match=cut) as caught:
+        structured.invoke("Forecast for Oslo?")
+    assert isinstance(caught.value, OutputParserException)  # LangChain's parse-error type
+    with pytest.raises(OutputTruncatedError, match=cut):
+        await structured.ainvoke("Forecast for Oslo?")
+    with pytest.raises(OutputTruncatedError, match=cut):
+        list(structured.stream("Forecast for Oslo?"))
+    raw = model.with_structured_output(schema, method=method, include_raw=True)  # type: ignore[arg-type]
+    result = raw.invoke("Forecast for Oslo?")
+    assert isinstance(result["raw"], AIMessage)  # type: ignore[index]
+    assert result["raw"].response_metadata["finish_reason"] == "length"  # type: ignore[index]
+    assert result["parsed"] is None  # type: ignore[index]
+    assert isinstance(result["parsing_error"], OutputTruncatedError)  # type: ignore[index]
+    assert "max_tokens=3" in str(result["parsing_error"])  # type: ignore[index]

@@ -35,17 +35,24 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
 from pydantic import BaseModel, Field
 
-from engine import LarkGrammar, SamplingParams
+from engine import LarkGrammar, OutputTruncatedError, SamplingParams
 from mlx_providers import MLXBatchLLM
 from mlx_providers._chat import normalize_messages
 
 ASK = [ChatMessage(role=MessageRole.USER, content="What is the weather in Paris?")]
 PLAIN_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-TWO_ADDS = LarkGrammar(
-    'start: call "\\n" call\n'
-    'call: <tool_call> "\\n{\\"name\\": \\"add\\", \\"arguments\\": {\\"a\\": 1, \\"b\\": 2}}\\n"'
-    " </tool_call>\n"
-)
+
+
+def add_call(a: int, b: int) -> str:
+    """One add call as a Lark sequence (the call markers are special tokens)."""
+    body = json.dumps({"name": "add", "arguments": {"a": a, "b": b}})
+    return f"<tool_call> {json.dumps(chr(10) + body + chr(10))} </tool_call>"
+
+
+# Two different calls, with the newlines models write before, between and after them.
+TWO_ADDS = LarkGrammar(f'start: "\\n" {add_call(1, 2)} "\\n" {add_call(3, 4)} "\\n"\n')
+SAME_ADD_THRICE = LarkGrammar(
+    f'start: {add_call(1, 2)} "\\n" {add_call(1, 2)} "\\n" {add_call(1, 2)}\n')
 
 
 def own_copy(source: Path, target: Path) -> Path:
@@ -245,9 +252,11 @@ def test_parallel_calls_to_one_tool_get_distinct_ids(llm: MLXBatchLLM) -> None:
     response = llm.chat_with_tools(tools, user_msg="Add 1 and 2, twice.", max_tokens=64,
                                    allow_parallel_tool_calls=True, constraint=TWO_ADDS)
     calls = llm.get_tool_calls_from_response(response)
-    assert [(c.tool_name, c.tool_kwargs) for c in calls] == [("add", {"a": 1, "b": 2})] * 2
+    assert [(c.tool_name, c.tool_kwargs) for c in calls] == [("add", {"a": 1, "b": 2}),
+                                                             ("add", {"a": 3, "b": 4})]
     assert len({c.tool_id for c in calls}) == 2
     assert response.message.content == ""
+    assert response.raw["finish_reason"] == "tool_calls"
     single = llm.chat_with_tools(tools, user_msg="Add 1 and 2.", max_tokens=64,
                                  allow_parallel_tool_calls=False, constraint=TWO_ADDS)
     assert len(llm.get_tool_calls_from_response(single)) == 1
@@ -255,8 +264,23 @@ def test_parallel_calls_to_one_tool_get_distinct_ids(llm: MLXBatchLLM) -> None:
                                              max_tokens=64, allow_parallel_tool_calls=True,
                                              constraint=TWO_ADDS))
     streamed = llm.get_tool_calls_from_response(chunks[-1])
-    assert [c.tool_kwargs for c in streamed] == [{"a": 1, "b": 2}] * 2
+    assert [c.tool_kwargs for c in streamed] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
     assert len({c.tool_id for c in streamed} | {c.tool_id for c in calls}) == 4
+    assert all(c.delta == "" for c in chunks) and chunks[-1].message.content == ""
+    assert chunks[-1].raw["finish_reason"] == "tool_calls"
+
+
+async def test_a_repeated_call_ends_the_answer_and_is_dropped(llm: MLXBatchLLM) -> None:
+    tools = [FunctionTool.from_defaults(add)]
+    response = await llm.achat_with_tools(tools, user_msg="Add 1 and 2.", max_tokens=300,
+                                          allow_parallel_tool_calls=True,
+                                          constraint=SAME_ADD_THRICE)
+    calls = llm.get_tool_calls_from_response(response)
+    assert [c.tool_kwargs for c in calls] == [{"a": 1, "b": 2}]
+    assert response.raw["finish_reason"] == "tool_calls"
+    assert response.raw["usage"]["completion_tokens"] < 300 and not response.raw[
+        "invalid_tool_calls"]
+    assert response.message.content == ""
 
 
 async def test_tool_required_and_named_choice_are_enforced(llm: MLXBatchLLM) -> None:
@@ -268,6 +292,7 @@ async def test_tool_required_and_named_choice_are_enforced(llm: MLXBatchLLM) -> 
     clock = [clock_tool()]
     required = llm.chat_with_tools(clock, user_msg="Time?", tool_required=True, max_tokens=64)
     assert [c.tool_name for c in llm.get_tool_calls_from_response(required)] == ["get_time"]
+    assert required.raw["finish_reason"] == named.raw["finish_reason"] == "tool_calls"
     free = llm.chat_with_tools(clock, user_msg="Time?", max_tokens=8)
     assert llm.get_tool_calls_from_response(free, error_on_no_tool_call=False) == []
     with pytest.raises(ValueError, match="0 tool calls"):
@@ -343,9 +368,46 @@ async def test_as_structured_llm_answers_in_the_schema(llm: MLXBatchLLM) -> None
     assert aresponse.raw == response.raw
 
 
-def test_structured_output_cut_by_max_tokens_says_so(llm: MLXBatchLLM) -> None:
-    with pytest.raises(ValueError, match="max_tokens"):
-        llm.structured_predict(Forecast, PROMPT, llm_kwargs={"max_tokens": 3}, city="Paris")
+CUT = r"cut at max_tokens=3 after 3 tokens before it was complete; raise max_tokens"
+
+
+async def test_structured_output_cut_by_max_tokens_says_so(llm: MLXBatchLLM) -> None:
+    short = {"max_tokens": 3}
+    with pytest.raises(OutputTruncatedError, match="the JSON for Forecast was " + CUT):
+        llm.structured_predict(Forecast, PROMPT, llm_kwargs=short, city="Paris")
+    with pytest.raises(OutputTruncatedError, match=CUT):
+        await llm.astructured_predict(Forecast, PROMPT, llm_kwargs=short, city="Paris")
+    with pytest.raises(OutputTruncatedError, match=CUT):
+        list(llm.stream_structured_predict(Forecast, PROMPT, llm_kwargs=short, city="Paris"))
+    with pytest.raises(OutputTruncatedError, match=CUT):
+        [p async for p in await llm.astream_structured_predict(
+            Forecast, PROMPT, llm_kwargs=short, city="Paris")]
+    structured = llm.as_structured_llm(Forecast)
+    with pytest.raises(OutputTruncatedError, match=CUT):
+        structured.chat(ASK, max_tokens=3)
+    with pytest.raises(OutputTruncatedError, match=CUT):
+        await structured.achat(ASK, max_tokens=3)
+
+
+async def test_a_forced_call_cut_by_max_tokens_says_so(llm: MLXBatchLLM) -> None:
+    clock = [clock_tool()]
+    cut = "the forced tool call was " + CUT
+    with pytest.raises(OutputTruncatedError, match=cut):
+        llm.chat_with_tools(clock, user_msg="Time?", tool_required=True, max_tokens=3)
+    with pytest.raises(OutputTruncatedError, match=cut):
+        await llm.achat_with_tools(clock, user_msg="Time?", tool_choice="get_time",
+                                   max_tokens=3)
+    with pytest.raises(OutputTruncatedError, match=cut):
+        list(llm.stream_chat_with_tools(clock, user_msg="Time?", tool_required=True,
+                                        max_tokens=3))
+    with pytest.raises(OutputTruncatedError, match=cut):
+        [c async for c in await llm.astream_chat_with_tools(
+            clock, user_msg="Time?", tool_required=True, max_tokens=3)]
+    # Not forced: a call cut mid-arguments stays an invalid call in raw, as before.
+    tools = [FunctionTool.from_defaults(add)]
+    auto = llm.chat_with_tools(tools, user_msg="Add.", max_tokens=4, constraint=TWO_ADDS)
+    assert auto.raw["finish_reason"] == "length" and len(auto.raw["invalid_tool_calls"]) == 1
+    assert llm.get_tool_calls_from_response(auto, error_on_no_tool_call=False) == []
 
 
 # ----- reasoning ----------------------------------------------------------------------

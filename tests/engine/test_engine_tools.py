@@ -25,7 +25,7 @@ def params_of(tool: dict) -> dict:  # type: ignore[type-arg]
 def test_required_tool_choice_produces_a_valid_call(tiny_engine: Engine) -> None:
     result = tiny_engine.submit(ASK, greedy(80), tools=[WEATHER, CLOCK],
                                 tool_choice="required", parallel_tool_calls=False).result()
-    assert result.finish_reason is FinishReason.STOP, result.text
+    assert result.finish_reason is FinishReason.TOOL_CALLS, result.text
     assert len(result.tool_calls) == 1 and not result.invalid_tool_calls
     call = result.tool_calls[0]
     tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.name]
@@ -52,14 +52,15 @@ def test_any_is_required_and_none_omits_tools(tiny_engine: Engine) -> None:
 
 
 def test_parallel_calls_parse_into_separate_calls_with_distinct_ids(tiny_engine: Engine) -> None:
-    two_calls = LarkGrammar(
-        'start: call "\\n" call\n'
-        'call: <tool_call> "\\n{\\"name\\": \\"get_time\\", \\"arguments\\": '
-        '{\\"tz\\": \\"" ("UTC" | "CET") "\\"}}\\n" </tool_call>\n'
-    )
+    # Two different calls: a call repeating an earlier one would end the row instead.
+    two_calls = LarkGrammar("start: " + ' "\\n" '.join(
+        '<tool_call> "\\n{\\"name\\": \\"get_time\\", \\"arguments\\": '
+        f'{{\\"tz\\": \\"{tz}\\"}}}}\\n" </tool_call>' for tz in ("UTC", "CET")))
     result = tiny_engine.submit(ASK, greedy(80, constraint=two_calls), tools=[CLOCK]).result()
     assert [c.name for c in result.tool_calls] == ["get_time", "get_time"]
+    assert [c.arguments for c in result.tool_calls] == [{"tz": "UTC"}, {"tz": "CET"}]
     assert len({c.id for c in result.tool_calls}) == 2
+    assert result.finish_reason is FinishReason.TOOL_CALLS and result.content == ""
 
 
 def test_malformed_calls_are_reported_not_raised(tiny_engine: Engine) -> None:

@@ -2,7 +2,8 @@
 
 The precedence under test is the one engine/update.py documents: the row's own failure ->
 error; a stop token -> stop; a stop string -> stop; ``max_tokens`` -> length; grammar
-complete -> stop; ``on_token`` returned False -> stop, or raised -> error.
+complete -> stop; a tool call repeating an earlier one -> stop (the repeat dropped);
+``on_token`` returned False -> stop, or raised -> error; a stop with calls -> tool_calls.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from engine.channels import ChannelSplitter, RowChannels
 from engine.lane import LaneStep, RowToken
 from engine.prepare import PreparedRequest, RequestSpec
 from engine.request import (
+    Completion,
     FinishReason,
     RequestStatus,
     SamplingParams,
@@ -38,7 +40,16 @@ VOCAB = {
     8: "<think>",
     9: "hmm",
     10: "</think>",
+    11: "<tool_call>",
+    12: '{"name": "f", "arguments": {"x": 1, "y": [1, 2]}}',
+    13: "</tool_call>",
+    14: "\n",
+    15: '{"name": "f", "arguments": {"x": 2, "y": [1, 2]}}',
+    16: '{"arguments": {"y": [1, 2], "x": 1}, "name": "f"}',  # 12 with its keys reordered
+    17: "Done",
+    18: '{"name": "g", "arguments": {"x": 1, "y": [1, 2]}}',
 }
+OPEN, CALL, CLOSE, NL, OTHER, REORDERED, DONE, OTHER_TOOL = range(11, 19)
 
 
 class FakeDetokenizer:
@@ -69,7 +80,8 @@ def make_row(request_id: int = 1, *, max_tokens: int = 10, stop: tuple[str, ...]
               submitted_at=0.0, deadline=None, status=RequestStatus.PREFILLING)
     row.prepared = PreparedRequest([100, 101, 102], params, stop_ids)
     row.text = RowText(FakeDetokenizer(), params.stop)
-    row.channels = RowChannels(ChannelSplitter({"reasoning": ("<think>", "</think>")}),
+    row.channels = RowChannels(ChannelSplitter({"reasoning": ("<think>", "</think>"),
+                                                "tool": ("<tool_call>", "</tool_call>")}),
                                None, ())
     return row
 
@@ -335,3 +347,143 @@ def test_the_first_ending_is_final(tokens: tuple[int, ...], max_tokens: int,
     assert all(o.events and not o.endings for o in outcomes[:-1])
     assert only_ending(outcomes[-1]).reason is expected
 
+
+
+# ----- tool calls: a repeated call ends the row; a stop with calls is tool_calls -----------
+
+
+def finished(row: Row, ending: Ending) -> tuple[StreamEvent, Completion]:
+    """The row's last event and completion, as the engine loop builds them."""
+    return row.final(ending.reason, ending.error, ending.delta, ending.token_ids,
+                     ending.logprobs)
+
+
+def streamed_content(outcomes: list[StepOutcome]) -> str:
+    return "".join(event.content for o in outcomes for _, event in o.events)
+
+
+def test_a_call_repeating_an_earlier_one_ends_the_row_and_is_dropped() -> None:
+    row = make_row(max_tokens=100)
+    outcomes = feed(row, OPEN, CALL, CLOSE, NL, OPEN, CALL, CLOSE)
+    ending = only_ending(outcomes[-1])  # the token that closed the repeat
+    assert all(o.events and not o.endings for o in outcomes[:-1])
+    assert ending.reason is FinishReason.TOOL_CALLS and ending.token_ids == (CLOSE,)
+    event, completion = finished(row, ending)
+    assert completion.finish_reason is FinishReason.TOOL_CALLS
+    assert [(c.name, c.arguments) for c in completion.tool_calls] == [
+        ("f", {"x": 1, "y": [1, 2]})]
+    assert completion.invalid_tool_calls == () and completion.content == ""
+    assert streamed_content(outcomes[:6]) == "" and event.content == ""
+    assert row.repeated_calls == 1
+
+
+def test_repeats_are_compared_as_parsed_json() -> None:
+    row = make_row(max_tokens=100)
+    outcomes = feed(row, OPEN, CALL, CLOSE, OPEN, REORDERED, CLOSE)
+    assert only_ending(outcomes[-1]).reason is FinishReason.TOOL_CALLS
+
+
+@pytest.mark.parametrize("second", [OTHER, OTHER_TOOL], ids=["other-arguments", "other-tool"])
+def test_a_different_call_goes_on(second: int) -> None:
+    row = make_row(max_tokens=100)
+    outcomes = feed(row, OPEN, CALL, CLOSE, NL, OPEN, second, CLOSE, NL, EOS)
+    assert all(o.events and not o.endings for o in outcomes[:-1])
+    ending = only_ending(outcomes[-1])
+    assert ending.reason is FinishReason.TOOL_CALLS
+    _, completion = finished(row, ending)
+    assert len(completion.tool_calls) == 2 and completion.content == ""
+
+
+def test_max_tokens_at_the_repeat_is_length() -> None:
+    row = make_row(max_tokens=6)
+    ending = only_ending(feed(row, OPEN, CALL, CLOSE, OPEN, CALL, CLOSE)[-1])
+    assert ending.reason is FinishReason.LENGTH  # length keeps its precedence
+    _, completion = finished(row, ending)
+    assert completion.finish_reason is FinishReason.LENGTH and len(completion.tool_calls) == 1
+
+
+def test_a_stop_string_at_the_repeat_is_still_a_stop_with_calls() -> None:
+    row = make_row(max_tokens=100, stop=("\n<tool_call>",))
+    outcomes = feed(row, OPEN, CALL, CLOSE, NL, OPEN)
+    ending = only_ending(outcomes[-1])
+    assert ending.reason is FinishReason.TOOL_CALLS
+
+
+def test_grammar_done_and_stop_tokens_with_calls_are_tool_calls() -> None:
+    row = make_row(max_tokens=100)
+    feed(row, OPEN, CALL)
+    outcome = update({1: row}, step(RowToken(1, CLOSE, grammar_done=True)), now=9.0)
+    assert only_ending(outcome).reason is FinishReason.TOOL_CALLS
+    plain = make_row(max_tokens=100)
+    assert only_ending(update({1: plain}, step(RowToken(1, 1, grammar_done=True)),
+                              now=1.0)).reason is FinishReason.STOP
+
+
+def test_an_invalid_call_alone_is_a_plain_stop() -> None:
+    row = make_row(max_tokens=100)
+    feed(row, OPEN, 1)
+    ending = only_ending(feed(row, CLOSE, EOS)[-1])
+    assert ending.reason is FinishReason.STOP
+    _, completion = finished(row, ending)
+    assert completion.tool_calls == () and len(completion.invalid_tool_calls) == 1
+
+
+def test_on_token_raising_at_the_repeat_is_an_error() -> None:
+    def on_token(token: int, delta: str) -> None:
+        if token == CLOSE and row.repeated_calls:
+            raise RuntimeError("consumer bug")
+
+    row = make_row(max_tokens=100, on_token=on_token)
+    ending = only_ending(feed(row, OPEN, CALL, CLOSE, OPEN, CALL, CLOSE)[-1])
+    assert ending.reason is FinishReason.ERROR
+
+
+def test_on_token_sees_the_text_of_the_repeat_before_the_row_ends() -> None:
+    seen: list[str] = []
+    row = make_row(max_tokens=100, on_token=lambda token, delta: seen.append(delta))
+    ending = only_ending(feed(row, OPEN, CALL, CLOSE, OPEN, CALL, CLOSE)[-1])
+    assert ending.reason is FinishReason.TOOL_CALLS
+    assert "".join(seen) == "".join(VOCAB[t] for t in (OPEN, CALL, CLOSE) * 2)
+
+
+# ----- whitespace around calls is not content -------------------------------------------------
+
+
+def test_whitespace_before_between_and_after_calls_is_not_content() -> None:
+    row = make_row(max_tokens=100)
+    outcomes = feed(row, NL, OPEN, CALL, CLOSE, NL, NL, OPEN, OTHER, CLOSE, NL, EOS)
+    event, completion = finished(row, only_ending(outcomes[-1]))
+    assert streamed_content(outcomes) == "" and event.content == ""
+    assert completion.content == "" and len(completion.tool_calls) == 2
+    assert row.text is not None and row.text.text.count("\n") == 4  # raw text keeps it all
+
+
+def test_text_after_a_call_keeps_its_separator() -> None:
+    row = make_row(max_tokens=100)
+    outcomes = feed(row, 1, 2, NL, OPEN, CALL, CLOSE, NL, DONE, NL, EOS)
+    event, completion = finished(row, only_ending(outcomes[-1]))
+    # Whitespace next to text is the answer's own: "Hello\n" before the call, "\nDone\n"
+    # after it.
+    assert completion.content == "Hello\n\nDone\n"
+    assert streamed_content(outcomes) + event.content == completion.content
+
+
+def test_a_plain_answer_keeps_its_leading_and_trailing_whitespace() -> None:
+    row = make_row(max_tokens=100)
+    outcomes = feed(row, NL, 1, NL, EOS)
+    event, completion = finished(row, only_ending(outcomes[-1]))
+    assert completion.content == "\nHel\n" and completion.finish_reason is FinishReason.STOP
+    assert streamed_content(outcomes) + event.content == "\nHel\n"
+    only_spaces = make_row(max_tokens=2)
+    event, completion = finished(only_spaces, only_ending(feed(only_spaces, NL, NL)[-1]))
+    assert completion.content == "\n\n" and event.content == "\n\n"
+
+
+def test_text_held_for_a_stop_string_is_released_when_the_row_ends() -> None:
+    row = make_row(stop=("STOP",))
+    outcomes = feed(row, 1, 5, EOS)
+    assert streamed_content(outcomes[:2]) == "Hel "  # "ST" could start "STOP"
+    ending = only_ending(outcomes[-1])
+    assert ending.reason is FinishReason.STOP and ending.delta == "ST"
+    event, completion = finished(row, ending)
+    assert event.text == "ST" and event.content == "ST" and completion.content == "Hel ST"
