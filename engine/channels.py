@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+from engine.tool_formats import split_call_list
 from engine.tools import InvalidToolCall, ToolCall, ToolParser, ToolSpec, new_call_id, parse_call
 
 CONTENT = "content"
@@ -155,9 +156,14 @@ class RowChannels:
     def _close_call(self) -> None:
         if self._call_text is None:
             return
-        parsed = parse_call(self._call_text, self._parser, self._tools)
-        self._call_text = None
+        raw, self._call_text = self._call_text, None
         self._loose = True
+        # A JSON list of calls in one block (SmolLM2's format) is one call per element.
+        bodies = split_call_list(raw) if self._parser is None else None
+        for body in [raw] if bodies is None else bodies:
+            self._add_call(parse_call(body, self._parser, self._tools))
+
+    def _add_call(self, parsed: ToolCall | InvalidToolCall) -> None:
         if isinstance(parsed, InvalidToolCall):
             self.invalid.append(parsed)
             return

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.channels import CONTENT, REASONING, TOOL
 from engine.request import ChatMessage, Prompt
+from engine.tool_formats import ToolFormat, detect_tool_format
 from engine.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec, with_fallback_tool_prompt
 
 
@@ -57,7 +58,8 @@ class PromptRenderer:
         """Token ids for a request, the channel its output starts in, and its shared head.
 
         Tools are rendered by the chat template when it knows how; otherwise they are
-        described in the system message (``engine.tools.fallback_tool_prompt``). The head
+        described in the system message: in the family's trained format where it is known
+        (``engine.tool_formats``), else ``engine.tools.fallback_tool_prompt``. The head
         is the leading system message(s) with the tools: what parallel agent branches
         share, and what the prefix cache stores on its own.
         """
@@ -69,6 +71,8 @@ class PromptRenderer:
         if tools:
             if self.template_renders_tools():
                 kwargs["tools"] = [t.as_openai() for t in tools]
+            elif (family := self.tool_format()) is not None:
+                messages = family.rewrite(messages, tools)
             else:
                 messages = with_fallback_tool_prompt(messages, tools)
         text = self.chat_text(messages, **kwargs)
@@ -108,6 +112,11 @@ class PromptRenderer:
             except Exception:  # a template that chokes on tools cannot render them
                 self._renders_tools = False
         return self._renders_tools
+
+    def tool_format(self) -> ToolFormat | None:
+        """The model family's known tool format, for templates that render no tools."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return detect_tool_format(template if isinstance(template, str) else None)
 
     def channel_markers(self) -> dict[str, tuple[str, str]]:
         """Text markers of reasoning and tool calls for this tokenizer."""

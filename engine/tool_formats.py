@@ -1,0 +1,139 @@
+"""Tool-use prompt formats of known model families, for chat templates that render no tools.
+
+When a chat template ignores ``tools=``, the engine describes the tools in the system
+message. For families whose published tool format is known, that description is the
+one the family was trained with, detected from text the chat template carries; other
+families get ``engine.tools.fallback_tool_prompt``. Assistant tool calls and tool
+results in the history are rewritten to plain text in the family's format, since such a
+template cannot render them. No model, no mlx.
+
+Known: SmolLM2 (HuggingFaceTB's 135M/360M/1.7B Instruct models). Its template carries
+the default system prompt "You are a helpful AI assistant named SmolLM, trained by
+Hugging Face"; its tool format is the one in Ollama's smollm2 template: the calls as a
+JSON list inside one ``<tool_call>...</tool_call>``, results as a user turn in
+``<tool_response>``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one model family was trained to see tools, tool calls and tool results."""
+
+    name: str
+    marker: str  # text in the chat template that identifies the family
+    system_prompt: Callable[[Sequence[ToolSpec]], str]
+    render_calls: Callable[[Sequence[Mapping[str, Any]]], str]
+    render_result: Callable[[str], str]
+
+    def rewrite(self, messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:
+        """Messages with the family's tool system prompt and plain-text tool history."""
+        prompt = self.system_prompt(tools)
+        out: list[dict[str, Any]] = []
+        rest = list(messages)
+        if rest and rest[0].get("role") == "system":
+            user_system = str(rest.pop(0).get("content") or "").strip()
+            if user_system:
+                prompt = f"{prompt}\n\n{user_system}"
+        out.append({"role": "system", "content": prompt})
+        for message in rest:
+            role = message.get("role")
+            if role == "assistant" and message.get("tool_calls"):
+                text = str(message.get("content") or "").strip()
+                calls = self.render_calls(message["tool_calls"])
+                out.append({"role": "assistant",
+                            "content": f"{text}\n{calls}" if text else calls})
+            elif role == "tool":
+                out.append({"role": "user",
+                            "content": self.render_result(str(message.get("content") or ""))})
+            else:
+                out.append(dict(message))
+        return out
+
+
+def _call_object(call: Mapping[str, Any]) -> dict[str, Any]:
+    """A call in OpenAI shape (``function``: name, arguments) or flat -> name/arguments."""
+    function = call.get("function", call)
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            pass
+    return {"name": function.get("name"), "arguments": arguments}
+
+
+def _smollm2_system(tools: Sequence[ToolSpec]) -> str:
+    listing = json.dumps([t.as_openai() for t in tools])
+    return (
+        "You are an expert in composing functions. You are given a question and a set of "
+        "possible functions.\n"
+        "Based on the question, you will need to make one or more function/tool calls to "
+        "achieve the purpose.\n"
+        "If none of the functions can be used, point it out and refuse to answer.\n"
+        "If the given question lacks the parameters required by the function, also point "
+        "it out.\n"
+        "You have access to the following tools:\n"
+        f"<tools>{listing}</tools>\n"
+        "The output MUST strictly adhere to the following format, and NO other text MUST "
+        "be included.\n"
+        "The example format is as follows. Please make sure the parameter type is correct. "
+        "If no function call is needed, please make the tool calls an empty list '[]'.\n"
+        f"{TOOL_CALL_START}[\n"
+        '{"name": "func_name1", "arguments": {"argument1": "value1", "argument2": "value2"}},\n'
+        "(more tool calls as required)\n"
+        f"]{TOOL_CALL_END}"
+    )
+
+
+def _smollm2_calls(calls: Sequence[Mapping[str, Any]]) -> str:
+    body = ",\n".join(json.dumps(_call_object(c)) for c in calls)
+    return f"{TOOL_CALL_START}[\n{body}\n]{TOOL_CALL_END}"
+
+
+def _smollm2_result(content: str) -> str:
+    return f"<tool_response>\n{content}\n</tool_response>"
+
+
+SMOLLM2 = ToolFormat(
+    name="smollm2",
+    marker="You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+    system_prompt=_smollm2_system,
+    render_calls=_smollm2_calls,
+    render_result=_smollm2_result,
+)
+
+KNOWN_FORMATS: tuple[ToolFormat, ...] = (SMOLLM2,)
+
+
+def detect_tool_format(chat_template: str | None) -> ToolFormat | None:
+    """The known family format whose marker the chat template carries, if any."""
+    if not chat_template:
+        return None
+    for fmt in KNOWN_FORMATS:
+        if fmt.marker in chat_template:
+            return fmt
+    return None
+
+
+def split_call_list(raw: str) -> list[str] | None:
+    """A call body holding a JSON list of several calls -> one JSON text per call.
+
+    None when the body is not such a list (one call, or not JSON): it is parsed as is.
+    """
+    try:
+        value = json.loads(raw.strip())
+    except ValueError:
+        return None
+    if isinstance(value, list) and len(value) != 1:
+        return [json.dumps(item) for item in value]
+    return None

@@ -1,0 +1,124 @@
+"""Known model-family tool formats: detection, rendering, list parsing (no model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from engine.channels import TOOL, ChannelSplitter, RowChannels
+from engine.prompts import PromptRenderer
+from engine.tool_formats import SMOLLM2, detect_tool_format, split_call_list
+from engine.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec
+
+WEATHER = ToolSpec("get_weather", "Get the weather.",
+                   {"type": "object", "properties": {"location": {"type": "string"}},
+                    "required": ["location"]})
+SMOL_TEMPLATE = ("{% for message in messages %}{% if loop.first and message['role'] != "
+                 "'system' %}You are a helpful AI assistant named SmolLM, trained by "
+                 "Hugging Face{% endif %}{{ message['content'] }}{% endfor %}")
+
+
+def test_detects_smollm2_from_its_default_system_prompt() -> None:
+    assert detect_tool_format(SMOL_TEMPLATE) is SMOLLM2
+    assert detect_tool_format("{{ messages }}") is None
+    assert detect_tool_format(None) is None
+
+
+def test_system_prompt_is_the_trained_one_and_user_system_is_kept() -> None:
+    messages = SMOLLM2.rewrite([{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "weather?"}], [WEATHER])
+    system = messages[0]["content"]
+    assert messages[0]["role"] == "system"
+    assert system.startswith("You are an expert in composing functions.")
+    assert f"<tools>{json.dumps([WEATHER.as_openai()])}</tools>" in system
+    assert system.endswith("Be brief.")
+    assert messages[1] == {"role": "user", "content": "weather?"}
+    assert len(messages) == 2
+
+
+def test_history_calls_and_results_become_plain_text() -> None:
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"location": "SF"}'}},
+            {"id": "c2", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"location": "LA"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    out = SMOLLM2.rewrite(history, [WEATHER])
+    assert out[2] == {"role": "assistant", "content": (
+        '<tool_call>[\n{"name": "get_weather", "arguments": {"location": "SF"}},\n'
+        '{"name": "get_weather", "arguments": {"location": "LA"}}\n]</tool_call>')}
+    assert out[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
+
+
+def test_split_call_list() -> None:
+    assert split_call_list('[{"name": "a", "arguments": {}}]') is None  # one call: as is
+    assert split_call_list('{"name": "a", "arguments": {}}') is None
+    assert split_call_list("not json") is None
+    assert split_call_list("[]") == []
+    two = split_call_list('[\n{"name": "a", "arguments": {}},\n{"name": "b", "arguments": {}}\n]')
+    assert two is not None and [json.loads(b)["name"] for b in two] == ["a", "b"]
+
+
+def _row() -> RowChannels:
+    splitter = ChannelSplitter({TOOL: (TOOL_CALL_START, TOOL_CALL_END)})
+    return RowChannels(splitter, None, (WEATHER,))
+
+
+def test_a_list_of_calls_in_one_block_is_one_call_per_element() -> None:
+    row = _row()
+    row.feed('<tool_call>[\n{"name": "get_weather", "arguments": {"location": "SF"}},\n'
+             '{"name": "get_weather", "arguments": {"location": "LA"}}\n]</tool_call>')
+    row.finish()
+    assert [c.arguments["location"] for c in row.calls] == ["SF", "LA"]
+    assert not row.invalid
+
+
+def test_a_one_element_list_and_an_empty_list() -> None:
+    row = _row()
+    row.feed('<tool_call>[{"name": "get_weather", "arguments": {"location": "SF"}}]</tool_call>')
+    row.finish()
+    assert len(row.calls) == 1 and not row.invalid
+    empty = _row()
+    empty.feed("<tool_call>[]</tool_call>")
+    empty.finish()
+    assert not empty.calls and not empty.invalid
+
+
+class FakeTokenizer:
+    """Enough of mlx-lm's TokenizerWrapper for PromptRenderer.encode_request."""
+
+    has_thinking = False
+    has_tool_calling = False
+
+    def __init__(self, template: str) -> None:
+        self.chat_template = template
+        self.rendered: list[list[dict[str, Any]]] = []
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        self.rendered.append(messages)
+        return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def test_encode_request_uses_the_family_format_when_the_template_renders_no_tools() -> None:
+    tok = FakeTokenizer(SMOL_TEMPLATE)
+    renderer = PromptRenderer(tok, Path("."), 200_000)
+    encoded = renderer.encode_request([{"role": "user", "content": "weather?"}], [WEATHER], {})
+    text = "".join(chr(i) for i in encoded.ids)
+    assert "You are an expert in composing functions." in text
+    assert "get_weather" in text
+
+
+def test_encode_request_keeps_the_generic_fallback_for_unknown_families() -> None:
+    tok = FakeTokenizer("{{ messages }}")
+    renderer = PromptRenderer(tok, Path("."), 200_000)
+    encoded = renderer.encode_request([{"role": "user", "content": "weather?"}], [WEATHER], {})
+    text = "".join(chr(i) for i in encoded.ids)
+    assert "composing functions" not in text
+    assert "You have access to the following tools:" in text
