@@ -11,30 +11,60 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine.errors import InvalidConstraintError
+
 
 @dataclass(frozen=True)
 class JsonSchema:
-    """Output must be JSON valid against ``schema`` (a dict or its JSON text)."""
+    """Output must be JSON valid against ``schema`` (a dict or the JSON text of one).
+
+    Strict by default: every object level refuses keys it does not declare (the grammar
+    adds ``"additionalProperties": false`` wherever the schema leaves it unsaid, as in
+    OpenAI's strict mode; see ``engine.schemas.strict_schema``). To let an object take any
+    keys, write ``"additionalProperties": true`` (or a schema for the values) at its level.
+    """
 
     schema: str
 
     def __init__(self, schema: Mapping[str, Any] | str) -> None:
         if isinstance(schema, Mapping):
-            text = json.dumps(schema)  # key order matters: fields are generated in it
+            try:
+                text = json.dumps(schema, default=_mapping_as_dict)  # key order is kept
+            except (TypeError, ValueError) as exc:
+                raise InvalidConstraintError(f"JsonSchema: schema is not JSON: {exc}") from exc
         elif isinstance(schema, str):
             try:
-                json.loads(schema)
+                loaded = json.loads(schema)
             except ValueError as exc:
-                raise ValueError(f"JsonSchema: schema is not valid JSON: {exc}") from exc
+                raise InvalidConstraintError(
+                    f"JsonSchema: schema is not valid JSON: {exc}") from exc
+            if not isinstance(loaded, dict):
+                kind = _JSON_TYPES.get(type(loaded), "value")
+                raise InvalidConstraintError(
+                    "JsonSchema: schema must be a JSON object (a dict or the JSON text of "
+                    f"one), got a JSON {kind}: {schema.strip()[:40]!r}")
             text = schema
         else:
-            raise TypeError(f"JsonSchema: schema must be a dict or JSON text, got {schema!r}")
+            raise InvalidConstraintError(
+                "JsonSchema: schema must be a dict or the JSON text of an object, got "
+                f"{type(schema).__name__} {schema!r:.40}")
         object.__setattr__(self, "schema", text)
 
     @property
     def schema_dict(self) -> dict[str, Any]:
         loaded: dict[str, Any] = json.loads(self.schema)
         return loaded
+
+
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
+
+
+def _mapping_as_dict(value: object) -> dict[str, Any]:
+    # json.dumps writes only dicts; any other Mapping (nested too) is a dict in JSON.
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
 from engine.errors import InvalidConstraintError
+from engine.schemas import strict_schema
 
 # Compact JSON: no free whitespace, so a model cannot wander in indentation forever.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -27,7 +28,7 @@ def grammar_text(constraint: Constraint) -> str:
 
     matcher = llguidance.LLMatcher
     if isinstance(constraint, JsonSchema):
-        schema = constraint.schema_dict
+        schema = strict_schema(constraint.schema_dict)  # undeclared keys refused at every level
         schema.setdefault("x-guidance", _JSON_OPTIONS)
         return str(matcher.grammar_from_json_schema(json.dumps(schema)))
     if isinstance(constraint, JsonObject):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.constraints import LarkGrammar
+from engine.schemas import rebase_refs, strict_schema
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -131,19 +132,19 @@ def forced_call_schema(tools: Sequence[ToolSpec], choice: str) -> dict[str, Any]
     chosen = [t for t in tools if choice == "required" or t.name == choice]
     return {"anyOf": [{
         "type": "object",
-        "properties": {"name": {"const": t.name}, "arguments": _closed(t.parameters)},
+        "properties": {"name": {"const": t.name},
+                       "arguments": _closed(t.parameters, f"#/anyOf/{i}/properties/arguments")},
         "required": ["name", "arguments"],
         "additionalProperties": False,
-    } for t in chosen], "x-guidance": {"whitespace_flexible": False,
-                                       "item_separator": ", ", "key_separator": ": "}}
+    } for i, t in enumerate(chosen)], "x-guidance": {"whitespace_flexible": False,
+                                                     "item_separator": ", ", "key_separator": ": "}}
 
 
-def _closed(schema: dict[str, Any]) -> dict[str, Any]:
-    # Forced calls name only declared arguments unless the schema says otherwise, as in
-    # OpenAI's strict mode; otherwise a small model can invent keys forever.
-    if schema.get("type") == "object" and "additionalProperties" not in schema:
-        return {**schema, "additionalProperties": False}
-    return schema
+def _closed(schema: dict[str, Any], at: str) -> dict[str, Any]:
+    # Forced calls name only declared arguments, at every level, unless the schema says
+    # otherwise, as in OpenAI's strict mode; otherwise a small model can invent keys forever.
+    # The schema now sits at ``at`` in the call schema: its local $refs must point there.
+    return rebase_refs(strict_schema(schema), at)
 
 
 def fallback_tool_prompt(tools: Sequence[ToolSpec]) -> str:
