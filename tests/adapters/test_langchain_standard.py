@@ -73,7 +73,27 @@ class TestChatMLXBatchUnit(ChatModelUnitTests):
         return True
 
 
-class TestChatMLXBatchIntegration(ChatModelIntegrationTests):
+class CacheReadUsage:
+    """Usage details ChatMLXBatch reports, and a prompt long enough to hit the prefix cache."""
+
+    chat_model_params: dict[str, Any]
+
+    @property
+    def supported_usage_metadata_details(self) -> dict[Any, list[Any]]:
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False) -> Any:
+        chat = ChatMLXBatch(**self.chat_model_params)
+        prompt = "Read this twice. " * 20
+        if stream:
+            full = None
+            for chunk in chat.stream(prompt):
+                full = chunk if full is None else full + chunk
+            return full
+        return chat.invoke(prompt)
+
+
+class TestChatMLXBatchIntegration(CacheReadUsage, ChatModelIntegrationTests):
     """The whole integration suite on the tiny tool-capable model."""
 
     model_dir: Path
@@ -109,20 +129,6 @@ class TestChatMLXBatchIntegration(ChatModelIntegrationTests):
     @property
     def supports_json_mode(self) -> bool:
         return True
-
-    @property
-    def supported_usage_metadata_details(self) -> dict[Any, list[Any]]:
-        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
-
-    def invoke_with_cache_read_input(self, *, stream: bool = False) -> Any:
-        chat = ChatMLXBatch(**self.chat_model_params)
-        prompt = "Read this twice. " * 20
-        if stream:
-            full = None
-            for chunk in chat.stream(prompt):
-                full = chunk if full is None else full + chunk
-            return full
-        return chat.invoke(prompt)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from langchain_core.language_models import BaseChatModel
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from mlx_providers import ChatMLXBatch
+from tests.adapters.test_langchain_standard import CacheReadUsage
 
 pytestmark = pytest.mark.real
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.real
 MODEL_XFAILS: dict[str, str] = {}
 
 
-class TestChatMLXBatchDefaultModel(ChatModelIntegrationTests):
+class TestChatMLXBatchDefaultModel(CacheReadUsage, ChatModelIntegrationTests):
     """The integration suite against ``ChatMLXBatch()`` on the default model."""
 
     @pytest.fixture
@@ -45,17 +46,3 @@ class TestChatMLXBatchDefaultModel(ChatModelIntegrationTests):
     @property
     def supports_json_mode(self) -> bool:
         return True
-
-    @property
-    def supported_usage_metadata_details(self) -> dict[Any, list[Any]]:
-        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
-
-    def invoke_with_cache_read_input(self, *, stream: bool = False) -> Any:
-        chat = ChatMLXBatch(**self.chat_model_params)
-        prompt = "Read this twice. " * 20
-        if stream:
-            full = None
-            for chunk in chat.stream(prompt):
-                full = chunk if full is None else full + chunk
-            return full
-        return chat.invoke(prompt)
