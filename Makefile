@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-dev
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,langchain,llama-index]'
+	$(BIN)/pip install --quiet -e '.[dev,langchain,llama-index,server]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,84 @@
+"""``mlx-providers serve --model M``: load a model on the shared engine and serve it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from engine import EngineConfig, get_engine
+
+# EngineConfig fields offered on the command line (the rest keep their defaults).
+_ENGINE_OPTIONS: dict[str, type] = {
+    "max_batch": int, "prefill_batch": int, "prefill_chunk": int, "kv_budget_bytes": int,
+    "max_kv_size": int, "prefix_cache_bytes": int, "prefix_cache_ttl": float,
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="mlx-providers",
+                                  description="mlx-providers command line")
+    commands = top.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="an OpenAI-compatible server on the engine")
+    serve.add_argument("--model", default=None,
+                       help="model directory, .gguf file or hub id (default: SmolLM2-135M)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name clients send as 'model' (default: --model as given)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="interface to bind (default loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every path but /health")
+    serve.add_argument("--max-tokens", type=int, default=512,
+                       help="max tokens when a request sets none")
+    serve.add_argument("--temperature", type=float, default=0.0,
+                       help="temperature when a request sets none (0 = greedy)")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="requests per model beyond max_batch before answering 429")
+    serve.add_argument("--store-ttl", type=float, default=3600.0,
+                       help="seconds a stored response can be continued")
+    serve.add_argument("--store-max-bytes", type=int, default=64 << 20)
+    serve.add_argument("--log-level", default="info")
+    engine = serve.add_argument_group("engine options (EngineConfig)")
+    for name, kind in _ENGINE_OPTIONS.items():
+        field = EngineConfig.model_fields[name]
+        engine.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
+                            help=field.description)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0].startswith("-") and args_list[0] not in ("-h", "--help"):
+        args_list.insert(0, "serve")  # `python -m mlx_providers.server --model M`
+    args = parser().parse_args(args_list)
+    return serve(args)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from mlx_providers.server.app import create_app, served_name
+    from mlx_providers.server.context import ServerSettings
+
+    config: dict[str, Any] = {name: getattr(args, name) for name in _ENGINE_OPTIONS
+                              if getattr(args, name) is not None}
+    engine = get_engine(args.model, **config)
+    settings = ServerSettings(api_key=args.api_key, default_max_tokens=args.max_tokens,
+                              default_temperature=args.temperature,
+                              max_queue=args.max_queue, store_ttl_seconds=args.store_ttl,
+                              store_max_bytes=args.store_max_bytes)
+    models = {args.served_model_name: engine} if args.served_model_name else engine
+    app = create_app(models, settings=settings)
+    name = args.served_model_name or served_name(engine)
+    print(f"mlx-providers: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""What every endpoint shares: settings, served models, metrics, the store, body parsing."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from mlx_providers.server.errors import APIError, from_validation
+from mlx_providers.server.metrics import ServerMetrics
+from mlx_providers.server.responses_store import ResponseStore
+from mlx_providers.server.served import ServedModels
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Server-side limits and defaults (the engine's own live in ``EngineConfig``)."""
+
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    default_max_tokens: int = 512
+    default_temperature: float = 0.0  # greedy unless asked: rows then share one sampler
+    max_queue: int = 64  # requests per model beyond max_batch before 429
+    store_ttl_seconds: float | None = 3600.0
+    store_max_bytes: int = 64 << 20
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    settings: ServerSettings
+    models: ServedModels
+    metrics: ServerMetrics
+    store: ResponseStore
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object; 413 past ``max_bytes`` (read no further)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > max_bytes:
+            raise _too_large(max_bytes)
+    try:
+        value = json.loads(body)
+    except ValueError as exc:
+        raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(value, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    return value
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"the request body exceeds {max_bytes} bytes",
+                    code="request_too_large")
+
+
+def validate(model: type[M], body: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation(exc) from exc

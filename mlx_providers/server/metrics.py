@@ -1,0 +1,88 @@
+"""``/metrics``: request outcomes and latencies counted here, engine state read at scrape.
+
+Each app has its own ``CollectorRegistry``, so several apps (tests, mounted twice) never
+collide. Engine numbers (running and pending rows, batch width, tokens, prefix-cache hits,
+KV bytes) are read from ``Engine.stats()`` when Prometheus scrapes, never copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine import Engine, Usage
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector(Collector):
+    """Engine counters and gauges, labelled by served model, read at scrape time."""
+
+    def __init__(self, engines: Callable[[], Mapping[str, Engine]]) -> None:
+        self._engines = engines
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        gauges = {
+            "running": ("mlx_engine_running_rows", "Rows admitted (prefilling or decoding)."),
+            "pending": ("mlx_engine_pending_rows", "Requests waiting for admission."),
+            "peak_running": ("mlx_engine_peak_batch_width", "Most rows decoded in one step."),
+            "kv_bytes_projected": ("mlx_engine_kv_bytes",
+                                   "Worst-case KV bytes of the running rows."),
+            "prefix_bytes": ("mlx_engine_prefix_cache_bytes", "KV bytes the prefix cache holds."),
+        }
+        counters = {
+            "generated_tokens": ("mlx_engine_generated_tokens", "Tokens generated."),
+            "prompt_tokens": ("mlx_engine_prompt_tokens", "Prompt tokens admitted for prefill."),
+            "prefix_hit_tokens": ("mlx_engine_prefix_cache_hit_tokens",
+                                  "Prompt tokens not prefilled thanks to the prefix cache."),
+            "steps": ("mlx_engine_steps", "Engine steps."),
+        }
+        families: list[GaugeMetricFamily | CounterMetricFamily] = []
+        snapshots = {name: engine.stats() for name, engine in self._engines().items()}
+        for field, (name, doc) in gauges.items():
+            gauge = GaugeMetricFamily(name, doc, labels=["model"])
+            for model, stats in snapshots.items():
+                gauge.add_metric([model], float(getattr(stats, field)))
+            families.append(gauge)
+        for field, (name, doc) in counters.items():
+            counter = CounterMetricFamily(name, doc, labels=["model"])
+            for model, stats in snapshots.items():
+                counter.add_metric([model], float(getattr(stats, field)))
+            families.append(counter)
+        yield from families
+
+
+class ServerMetrics:
+    """The app's metrics: one registry, request counters, latency histograms."""
+
+    def __init__(self, engines: Callable[[], Mapping[str, Engine]]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("mlx_server_requests", "HTTP requests by endpoint and outcome.",
+                                ["endpoint", "outcome"], registry=self.registry)
+        self.ttft = Histogram("mlx_server_time_to_first_token_seconds",
+                              "Seconds from submit to the first token.", ["model"],
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.token_latency = Histogram("mlx_server_time_per_output_token_seconds",
+                                       "Mean seconds per generated token after the first.",
+                                       ["model"], buckets=_LATENCY_BUCKETS,
+                                       registry=self.registry)
+        self.registry.register(_EngineCollector(engines))
+
+    def count(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+    def observe(self, model: str, usage: Usage | None) -> None:
+        """Latencies of one finished request, as the engine measured them."""
+        if usage is None:
+            return
+        if usage.time_to_first_token is not None:
+            self.ttft.labels(model).observe(usage.time_to_first_token)
+        if usage.decode_tokens_per_second:
+            self.token_latency.labels(model).observe(1.0 / usage.decode_tokens_per_second)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

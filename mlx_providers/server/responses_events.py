@@ -1,0 +1,195 @@
+"""Responses objects and events, translated from chat-completion chunks.
+
+``ResponseTranslator`` reads the ``chat.completion.chunk``s of one generation (built by
+``ChatCompletionShaper`` with usage on) and produces the Responses event sequence, each
+event with its ``sequence_number``: ``response.created``, ``response.in_progress``, then
+per output item ``response.output_item.added``, its deltas (``response.output_text.delta``,
+``response.reasoning_text.delta``, ``response.function_call_arguments.delta``), their
+``….done`` events and ``response.output_item.done``, and last ``response.completed`` or
+``response.incomplete``. The non-streaming endpoint runs the same translator and returns
+its final response, so both paths produce the same output items.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mlx_providers.server.chat_completions import new_id
+
+Event = dict[str, Any]
+
+
+def usage_of(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Responses usage from chat-completions usage."""
+    if chat_usage is None:
+        return None
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+class ResponseTranslator:
+    """One response's state: its output items so far, and the events that built them."""
+
+    def __init__(self, model: str, echo: dict[str, Any], response_id: str | None = None) -> None:
+        self.id = response_id or new_id("resp_")
+        self.created_at = int(time.time())
+        self.model = model
+        self.echo = echo  # request fields a response repeats (instructions, tools, ...)
+        self.output: list[dict[str, Any]] = []
+        self.status = "in_progress"
+        self.usage: dict[str, Any] | None = None
+        self.error: dict[str, Any] | None = None
+        self.incomplete_details: dict[str, Any] | None = None
+        self._sequence = 0
+        self._open: dict[str, Any] | None = None  # the item receiving deltas
+        self._finish: str | None = None
+
+    # ----- the response object -------------------------------------------------------
+
+    def response(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "response", "created_at": self.created_at,
+                "status": self.status, "error": self.error,
+                "incomplete_details": self.incomplete_details, "model": self.model,
+                "output": [dict(item) for item in self.output], "usage": self.usage,
+                **self.echo}
+
+    @property
+    def done(self) -> bool:
+        return self.status != "in_progress"
+
+    # ----- events ----------------------------------------------------------------------
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def start(self) -> list[Event]:
+        return [self._event("response.created", response=self.response()),
+                self._event("response.in_progress", response=self.response())]
+
+    def feed(self, chunk: dict[str, Any]) -> list[Event]:
+        """The events one chat-completion chunk becomes."""
+        events: list[Event] = []
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._text_delta("reasoning", delta["reasoning_content"])
+            if delta.get("content"):
+                events += self._text_delta("message", delta["content"])
+            for call in delta.get("tool_calls") or ():
+                events += self._call(call)
+            if choice.get("finish_reason"):
+                self._finish = choice["finish_reason"]
+        if chunk.get("usage"):
+            events += self._end(chunk["usage"])
+        return events
+
+    def fail(self, message: str) -> list[Event]:
+        """Generation failed: the ``error`` event (the stream then closes)."""
+        self.status = "failed"
+        self.error = {"code": "server_error", "message": message}
+        return [self._event("error", code="server_error", message=message, param=None)]
+
+    def cancel(self) -> None:
+        """The reader went away: what was generated so far, marked cancelled."""
+        self._close_open()
+        self.status = "cancelled"
+
+    # ----- items -------------------------------------------------------------------------
+
+    def _text_delta(self, kind: str, text: str) -> list[Event]:
+        events: list[Event] = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._close_open()
+            events += self._open_item(kind)
+        assert self._open is not None
+        index = len(self.output) - 1
+        self._open["_text"] += text
+        name = "response.output_text.delta" if kind == "message" else (
+            "response.reasoning_text.delta")
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        events.append(self._event(name, item_id=self._open["id"], output_index=index,
+                                  content_index=0, delta=text, **extra))
+        return events
+
+    def _open_item(self, kind: str) -> list[Event]:
+        if kind == "message":
+            item = {"id": new_id("msg_"), "type": "message", "status": "in_progress",
+                    "role": "assistant", "content": []}
+        else:
+            item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": []}
+        self.output.append(item)
+        self._open = {"type": kind, "id": item["id"], "_text": ""}
+        index = len(self.output) - 1
+        events = [self._event("response.output_item.added", output_index=index,
+                              item=dict(item))]
+        if kind == "message":
+            events.append(self._event("response.content_part.added", item_id=item["id"],
+                                      output_index=index, content_index=0,
+                                      part=_output_text("")))
+        return events
+
+    def _close_open(self) -> list[Event]:
+        if self._open is None:
+            return []
+        opened, self._open = self._open, None
+        index = len(self.output) - 1
+        item, text = self.output[index], opened["_text"]
+        if opened["type"] == "message":
+            part = _output_text(text)
+            item.update(status="completed", content=[part])
+            events = [
+                self._event("response.output_text.done", item_id=item["id"],
+                            output_index=index, content_index=0, text=text, logprobs=[]),
+                self._event("response.content_part.done", item_id=item["id"],
+                            output_index=index, content_index=0, part=part)]
+        else:
+            item.update(content=[{"type": "reasoning_text", "text": text}])
+            events = [self._event("response.reasoning_text.done", item_id=item["id"],
+                                  output_index=index, content_index=0, text=text)]
+        events.append(self._event("response.output_item.done", output_index=index,
+                                  item=dict(item)))
+        return events
+
+    def _call(self, call: dict[str, Any]) -> list[Event]:
+        """One whole tool call (the engine parses calls when the row ends)."""
+        events = self._close_open()
+        function = call["function"]
+        item = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
+                "call_id": call["id"], "name": function["name"], "arguments": ""}
+        self.output.append(item)
+        index = len(self.output) - 1
+        events.append(self._event("response.output_item.added", output_index=index,
+                                  item=dict(item)))
+        arguments = function["arguments"]
+        events.append(self._event("response.function_call_arguments.delta",
+                                  item_id=item["id"], output_index=index, delta=arguments))
+        events.append(self._event("response.function_call_arguments.done",
+                                  item_id=item["id"], output_index=index,
+                                  name=item["name"], arguments=arguments))
+        item.update(status="completed", arguments=arguments)
+        events.append(self._event("response.output_item.done", output_index=index,
+                                  item=dict(item)))
+        return events
+
+    def _end(self, chat_usage: dict[str, Any]) -> list[Event]:
+        events = self._close_open()
+        self.usage = usage_of(chat_usage)
+        if self._finish == "length":
+            self.status = "incomplete"
+            self.incomplete_details = {"reason": "max_output_tokens"}
+            events.append(self._event("response.incomplete", response=self.response()))
+        else:
+            self.status = "completed"
+            events.append(self._event("response.completed", response=self.response()))
+        return events
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

@@ -1,0 +1,167 @@
+"""``POST /v1/responses`` requests: validation, input items -> chat messages.
+
+Input is a string or a list of items: messages (``role`` + text or text parts),
+``function_call`` and ``function_call_output``; ``reasoning`` items are accepted and not
+fed back (the chat templates here drop past thinking too). Items are kept as plain dicts
+in the store, so a continuation replays exactly what was said.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from engine import Constraint, JsonObject, JsonSchema
+from mlx_providers._chat import normalize_messages
+from mlx_providers.server.chat_request import _Open
+from mlx_providers.server.errors import APIError
+
+
+class InputText(_Open):
+    type: Literal["input_text", "output_text", "text", "refusal"]
+    text: str = ""
+
+
+class MessageItem(_Open):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+
+class FunctionCallItem(_Open):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = "{}"
+
+
+class FunctionCallOutputItem(_Open):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+
+
+class ReasoningItem(_Open):
+    type: Literal["reasoning"]
+
+
+InputItem = FunctionCallItem | FunctionCallOutputItem | ReasoningItem | MessageItem
+
+
+class FunctionTool(_Open):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(_Open):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(_Open):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Open):
+    """The parameters this server honours; the rest are accepted and ignored."""
+
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextOptions | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The new input as plain item dicts (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return [item.model_dump(by_alias=True, exclude_none=True) for item in self.input]
+
+    def engine_tools(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        return [{"type": "function", "function": {
+            "name": t.name, "description": t.description or "",
+            "parameters": t.parameters or {"type": "object", "properties": {}}}}
+            for t in self.tools]
+
+    def engine_tool_choice(self) -> str | None:
+        choice = self.tool_choice
+        return choice.name if isinstance(choice, NamedFunctionChoice) else choice
+
+    def constraint(self) -> Constraint | None:
+        fmt = self.text.format if self.text else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return JsonObject()
+        if fmt.schema_ is None:
+            raise APIError(400, "text.format of type json_schema needs a schema",
+                           param="text.format.schema", code="missing_required_parameter")
+        try:
+            return JsonSchema(fmt.schema_)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="text.format.schema",
+                           code="invalid_value") from exc
+
+
+def messages_of(items: list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
+    """Chat messages for a history of items; consecutive calls join one assistant turn."""
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    names: dict[str, str] = {}
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append({"role": item["role"], "content": _text(item["content"])})
+        elif kind == "function_call":
+            names[item["call_id"]] = item["name"]
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": _arguments(item)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "name": names.get(item["call_id"], ""),
+                             "content": _text(item["output"])})
+    return normalize_messages(messages)
+
+
+def _arguments(item: dict[str, Any]) -> Any:
+    try:
+        return json.loads(item.get("arguments") or "{}")
+    except ValueError:
+        return item.get("arguments")
+
+
+def _text(content: Any) -> str:
+    """Text of an item's content: a string, or parts (input_text, output_text, ...)."""
+    if isinstance(content, str):
+        return content
+    return "".join(str(part.get("text", "")) for part in content or ()
+                   if isinstance(part, dict) and part.get("type") != "refusal")

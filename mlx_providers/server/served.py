@@ -1,0 +1,99 @@
+"""The models a server was started with, by name, and each one's bounded admission.
+
+A request's ``model`` is looked up here and nowhere else: it can only name a model the
+server holds, never a path or hub id to load. Each model admits at most ``max_batch +
+max_queue`` requests at once; past that the client gets 429 with ``Retry-After`` instead
+of an ever-growing queue.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from engine import Engine
+from mlx_providers.server.errors import APIError
+
+
+class Slot:
+    """One admitted request; ``release`` is idempotent (streams and handlers both call it)."""
+
+    def __init__(self, model: ServedModel) -> None:
+        self._model: ServedModel | None = model
+
+    def release(self) -> None:
+        model, self._model = self._model, None
+        if model is not None:
+            model._release()
+
+    def __del__(self) -> None:
+        # A stream body that was never iterated (the client left first) still frees it.
+        self.release()
+
+
+@dataclass(eq=False)
+class ServedModel:
+    """One engine served under ``name``."""
+
+    name: str
+    engine: Engine
+    max_queue: int = 64
+    retry_after_seconds: int = 1
+    _in_flight: int = field(default=0, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    @property
+    def capacity(self) -> int:
+        return self.engine.config.max_batch + self.max_queue
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def admit(self) -> Slot:
+        """A slot for one request, or 429 when the model's queue is full."""
+        with self._lock:
+            if self._in_flight >= self.capacity:
+                raise APIError(429, f"the server is at capacity for model {self.name!r} "
+                               f"({self.capacity} requests in flight); retry later",
+                               type="rate_limit_error", code="rate_limit_exceeded",
+                               headers={"Retry-After": str(self.retry_after_seconds)})
+            self._in_flight += 1
+        return Slot(self)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    @cached_property
+    def _tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text, for logprobs."""
+        return str(self._tokenizer.decode([token_id]))
+
+
+class ServedModels:
+    """Served models by name; the first is the default for ``/v1/models`` order."""
+
+    def __init__(self, models: Mapping[str, ServedModel]) -> None:
+        if not models:
+            raise ValueError("a server needs at least one model")
+        self._models = dict(models)
+
+    def __iter__(self) -> Any:
+        return iter(self._models.values())
+
+    def engines(self) -> dict[str, Engine]:
+        return {name: served.engine for name, served in self._models.items()}
+
+    def get(self, name: str, param: str = "model") -> ServedModel:
+        served = self._models.get(name)
+        if served is None:
+            raise APIError(404, f"the model {name!r} does not exist on this server; it serves "
+                           f"{sorted(self._models)}", param=param, code="model_not_found")
+        return served
