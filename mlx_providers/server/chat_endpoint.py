@@ -11,7 +11,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import RequestHandle
+from engine import EngineError, RequestHandle
 from mlx_providers.server.chat_completions import ChatCompletionShaper
 from mlx_providers.server.chat_request import ChatCompletionRequest, generation_spec
 from mlx_providers.server.context import ServerContext, read_json, validate
@@ -30,21 +30,23 @@ async def chat_completions(request: Request) -> Response:
     served = ctx.models.get(chat.model)
     spec = generation_spec(chat, default_max_tokens=ctx.settings.default_max_tokens,
                            default_temperature=ctx.settings.default_temperature)
+    # A grammar that does not compile is the schema's when there is one, else a tool's.
+    params = {"constraint_param": "response_format" if spec.params.constraint else "tools"}
     slot = served.admit()
     streaming = False
     try:
         try:
             handle = spec.submit(served.engine)
-        except ValueError as exc:
-            raise from_engine(exc) from exc
+        except (ValueError, TypeError, EngineError) as exc:  # bad input, or a dead engine
+            raise from_engine(exc, **params) from exc
         shaper = ChatCompletionShaper(served.name, served.token_text,
                                       include_usage=chat.include_usage,
                                       logprobs=chat.logprobs)
         if not chat.stream:
-            return await _whole(ctx, request, served, handle, shaper)
+            return await _whole(ctx, request, served, handle, shaper, params)
         stream = await EventStream.open(request, handle)
         if stream.first.error is not None:
-            raise from_engine(stream.first.error)
+            raise from_engine(stream.first.error, **params)
         streaming = True  # from here on the stream releases the slot
         return EventSourceResponse(_chunks(ctx, served, stream, shaper, slot))
     except ClientGone:
@@ -56,13 +58,14 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _whole(ctx: ServerContext, request: Request, served: ServedModel,
-                 handle: RequestHandle, shaper: ChatCompletionShaper) -> Response:
+                 handle: RequestHandle, shaper: ChatCompletionShaper,
+                 params: dict[str, str]) -> Response:
     try:
         completion = await unless_disconnected(request, handle, handle.aresult)
     except (ClientGone, APIError):
         raise
     except Exception as exc:
-        raise from_engine(exc) from exc
+        raise from_engine(exc, **params) from exc
     ctx.metrics.observe(served.name, completion.usage)
     ctx.metrics.count(ENDPOINT, "ok")
     return JSONResponse(shaper.completion(completion))

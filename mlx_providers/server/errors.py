@@ -74,11 +74,16 @@ def from_validation(exc: ValidationError, prefix: str = "") -> APIError:
     errors = exc.errors(include_url=False)
     first = max(errors, key=lambda e: len(e["loc"]))
     # Union members add their type names to the location; keep the request's own path.
-    loc = [p for p in first["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPES))]
+    loc = [p for p in first["loc"] if not (isinstance(p, str) and _is_member_name(p))]
     param = param_path([*([prefix] if prefix else []), *loc]) or None
     message = str(first["msg"])
     code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
     return APIError(400, f"{param}: {message}" if param else message, param=param, code=code)
+
+
+def _is_member_name(part: str) -> bool:
+    """A union member's name pydantic put in a location (a type or a model class name)."""
+    return "[" in part or part in _TYPES or part[:1].isupper()
 
 
 _TYPES = {"str", "int", "float", "bool", "list", "dict", "none", "is-instance", "literal",

@@ -58,6 +58,7 @@ async def unless_disconnected(request: Request, handle: RequestHandle,
                               work: Callable[[], Awaitable[T]]) -> T:
     """``await work()``; if the client disconnects first, cancel ``handle``, raise ClientGone."""
     result: list[T] = []
+    failure: list[Exception] = []
     gone = False
     async with anyio.create_task_group() as group:
         async def watch() -> None:
@@ -69,8 +70,12 @@ async def unless_disconnected(request: Request, handle: RequestHandle,
         group.start_soon(watch)
         try:
             result.append(await work())
+        except Exception as exc:  # raised below, not wrapped in the group's ExceptionGroup
+            failure.append(exc)
         finally:
             group.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
     if gone or not result:
         handle.cancel()
         raise ClientGone

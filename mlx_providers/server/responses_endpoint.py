@@ -11,7 +11,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import RequestHandle
+from engine import EngineError, RequestHandle
 from mlx_providers.server.chat_completions import ChatCompletionShaper
 from mlx_providers.server.chat_request import sampling
 from mlx_providers.server.context import ServerContext, read_json, validate
@@ -29,8 +29,7 @@ from mlx_providers.server.served import Slot
 ENDPOINT = "responses"
 CLIENT_CLOSED = 499
 # Where engine errors point for this endpoint's parameter names.
-_PARAMS = {"prompt_param": "input", "constraint_param": "text.format",
-           "max_tokens_param": "max_output_tokens"}
+_PARAMS = {"prompt_param": "input", "max_tokens_param": "max_output_tokens"}
 
 
 def _echo(req: ResponsesRequest, max_output_tokens: int, temperature: float) -> dict[str, Any]:
@@ -131,6 +130,8 @@ async def create_response(request: Request) -> Response:
                                    constraint=req.constraint()),
                           req.engine_tools(), req.engine_tool_choice(),
                           req.parallel_tool_calls)
+    errors = {**_PARAMS, "constraint_param": "text.format" if spec.params.constraint
+              else "tools"}
     translator = ResponseTranslator(served.name, _echo(req, max_tokens, temperature))
     shaper = ChatCompletionShaper(served.name, served.token_text, include_usage=True)
     slot = served.admit()
@@ -139,8 +140,8 @@ async def create_response(request: Request) -> Response:
     try:
         try:
             handle = spec.submit(served.engine)
-        except ValueError as exc:
-            raise from_engine(exc, **_PARAMS) from exc
+        except (ValueError, TypeError, EngineError) as exc:  # bad input, or a dead engine
+            raise from_engine(exc, **errors) from exc
         if not req.stream:
             try:
                 response = await unless_disconnected(request, handle,
@@ -148,13 +149,13 @@ async def create_response(request: Request) -> Response:
             except (ClientGone, APIError):
                 raise
             except Exception as exc:
-                raise from_engine(exc, **_PARAMS) from exc
+                raise from_engine(exc, **errors) from exc
             run.store()
             ctx.metrics.count(ENDPOINT, "ok")
             return JSONResponse(response)
         stream = await EventStream.open(request, handle)
         if stream.first.error is not None:
-            raise from_engine(stream.first.error, **_PARAMS)
+            raise from_engine(stream.first.error, **errors)
         streaming = True  # from here on the stream stores and releases
         return EventSourceResponse(run.events(stream))
     except ClientGone:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from engine import Constraint, JsonObject, JsonSchema
 from mlx_providers._chat import normalize_messages
@@ -47,7 +47,22 @@ class ReasoningItem(_Open):
     type: Literal["reasoning"]
 
 
-InputItem = FunctionCallItem | FunctionCallOutputItem | ReasoningItem | MessageItem
+def _item_kind(value: Any) -> str:
+    """Which item class validates an input item (by its ``type``; messages may omit it)."""
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(
+        value, "type", "message")
+    return _KINDS.get(kind, "unknown")
+
+
+_KINDS = {"message": "MessageItem", "function_call": "FunctionCallItem",
+          "function_call_output": "FunctionCallOutputItem", "reasoning": "ReasoningItem"}
+# One member per item type, so a bad item gets that type's errors only.
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("MessageItem")]
+    | Annotated[FunctionCallItem, Tag("FunctionCallItem")]
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")]
+    | Annotated[ReasoningItem, Tag("ReasoningItem")],
+    Discriminator(_item_kind)]
 
 
 class FunctionTool(_Open):

@@ -96,3 +96,22 @@ def serve(tiny_model_dir: Path) -> Iterator[Callable[..., tuple[LiveServer, Engi
     for server, eng in started:
         server.stop()
         eng.close()
+
+
+@pytest.fixture
+def slow_steps(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
+    """Make every batch step take at least ``seconds`` (a slow model, for timing tests)."""
+    import time
+
+    from engine.device.batch_lane import BatchLane
+
+    def slow(seconds: float) -> None:
+        step = BatchLane.step
+
+        def slowed(self: BatchLane) -> object:
+            time.sleep(seconds)
+            return step(self)
+
+        monkeypatch.setattr(BatchLane, "step", slowed)
+
+    return slow
