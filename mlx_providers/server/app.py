@@ -65,8 +65,10 @@ def create_app(models: Engine | Mapping[str, Engine], *,
             served.setdefault(alias, one)
     served_models = ServedModels(served)
     metrics = ServerMetrics(served_models.engines)
-    ctx = ServerContext(settings, served_models, metrics, store or ResponseStore(
-        ttl_seconds=settings.store_ttl_seconds, max_bytes=settings.store_max_bytes))
+    if store is None:  # (not `store or ...`: an empty store is falsy)
+        store = ResponseStore(ttl_seconds=settings.store_ttl_seconds,
+                              max_bytes=settings.store_max_bytes)
+    ctx = ServerContext(settings, served_models, metrics, store)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
