@@ -9,7 +9,9 @@ Rules, one test each:
     ``__all__``), never ``engine.<submodule>``, mlx or mlx_lm;
 (e) engine/__init__.py imports engine._platform.blas first and activates it before
     anything else is imported;
-(f) every name engine/__init__.py's ``__all__`` promises exists.
+(f) every name engine/__init__.py's ``__all__`` promises exists;
+(g) mlx_providers/server (HTTP) imports no framework: neither langchain* nor llama_index*,
+    nor the adapter modules that do.
 """
 
 from __future__ import annotations
@@ -100,6 +102,9 @@ def rel(path: Path) -> str:
 
 ENGINE_FILES = python_files("engine")
 ADAPTER_FILES = python_files("mlx_providers")
+SERVER_FILES = sorted((ROOT / "mlx_providers" / "server").rglob("*.py"))
+FRAMEWORK_FACES = ("mlx_providers.langchain", "mlx_providers.llama_index",
+                   "mlx_providers._langchain_messages", "mlx_providers._llama_index_messages")
 
 
 def test_the_walk_finds_every_layer() -> None:
@@ -216,3 +221,15 @@ def test_f_engine_all_lists_each_name_once() -> None:
 def test_f_every_name_in_engine_all_exists(name: str) -> None:
     engine = importlib.import_module("engine")
     assert hasattr(engine, name), f"engine.__all__ names {name!r}, which engine does not define"
+
+
+def test_g_the_server_is_found() -> None:
+    assert any(p.name == "app.py" for p in SERVER_FILES)
+
+
+@pytest.mark.parametrize("path", SERVER_FILES, ids=rel)
+def test_g_the_server_imports_no_framework(path: Path) -> None:
+    names = imports_of(path)
+    bad = {n for n in names if n.split(".")[0].startswith(("langchain", "llama_index"))
+           or n.startswith(FRAMEWORK_FACES)}
+    assert not bad, f"{rel(path)} imports {sorted(bad)}"
