@@ -125,3 +125,35 @@ async def test_llama_index_openai_like_drives_a_function_agent(
     result = await agent.run("Pick a colour for me.")
     assert str(result)
     assert server_engine.stats().completed > before
+
+
+async def test_http_clients_and_in_process_chat_models_share_one_batch(
+        tiny_model_dir: Any, tmp_path: Any) -> None:
+    """The app on ``get_engine``'s engine: ChatMLXBatch in-process and HTTP clients are rows
+    of the same batch."""
+    import asyncio
+    import shutil
+
+    import openai
+
+    from engine import get_engine
+    from mlx_providers import ChatMLXBatch
+    from mlx_providers.server import create_app
+
+    model = str(shutil.copytree(tiny_model_dir, tmp_path / "tiny"))
+    eng = get_engine(model, max_batch=8)
+    server = LiveServer(create_app(eng)).start()
+    try:
+        assert server.app.state.ctx.models.get("tiny").engine is eng  # type: ignore[attr-defined]
+        chat = ChatMLXBatch(model=model, max_tokens=300)
+        assert chat.engine is eng
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+        question = [{"role": "user", "content": "hi"}]
+        await asyncio.gather(
+            chat.ainvoke("hi"), chat.ainvoke("hello"),
+            client.chat.completions.create(model="tiny", messages=question, max_tokens=300),  # type: ignore[arg-type]
+            client.chat.completions.create(model=model, messages=question, max_tokens=300))  # type: ignore[arg-type]
+        assert eng.stats().completed == 4 and eng.stats().peak_running >= 3
+    finally:
+        server.stop()
+        eng.close()
