@@ -28,8 +28,11 @@ async def chat_completions(request: Request) -> Response:
     body = await read_json(request, ctx.settings.max_body_bytes)
     chat = validate(ChatCompletionRequest, body)
     served = ctx.models.get(chat.model)
-    spec = generation_spec(chat, default_max_tokens=ctx.settings.default_max_tokens,
-                           default_temperature=ctx.settings.default_temperature)
+    try:
+        spec = generation_spec(chat, default_max_tokens=ctx.settings.default_max_tokens,
+                               default_temperature=ctx.settings.default_temperature)
+    except ValueError as exc:  # SamplingParams' own checks (e.g. an empty stop string)
+        raise from_engine(exc) from exc
     # A grammar that does not compile is the schema's when there is one, else a tool's.
     params = {"constraint_param": "response_format" if spec.params.constraint else "tools"}
     slot = served.admit()

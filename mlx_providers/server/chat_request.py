@@ -18,29 +18,29 @@ from mlx_providers.server.errors import APIError
 from mlx_providers.server.generation import GenerationSpec
 
 
-class _Open(BaseModel):
+class OpenModel(BaseModel):
     """Extra keys are allowed: OpenAI adds fields often and clients send them."""
 
     model_config = ConfigDict(extra="allow")
 
 
-class TextPart(_Open):
+class TextPart(OpenModel):
     type: Literal["text", "input_text", "output_text"]
     text: str
 
 
-class FunctionCallIn(_Open):
+class FunctionCallIn(OpenModel):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCallIn(_Open):
+class ToolCallIn(OpenModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCallIn
 
 
-class MessageIn(_Open):
+class MessageIn(OpenModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -49,34 +49,34 @@ class MessageIn(_Open):
     reasoning_content: str | None = None
 
 
-class FunctionDef(_Open):
+class FunctionDef(OpenModel):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(_Open):
+class ToolDef(OpenModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Open):
+class NamedFunction(OpenModel):
     name: str
 
 
-class NamedToolChoice(_Open):
+class NamedToolChoice(OpenModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Open):
+class JsonSchemaFormat(OpenModel):
     name: str = "response"
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Open):
+class ResponseFormat(OpenModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -87,11 +87,11 @@ class ResponseFormat(_Open):
         return self
 
 
-class StreamOptions(_Open):
+class StreamOptions(OpenModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Open):
+class ChatCompletionRequest(OpenModel):
     """The parameters this server honours; the rest are accepted and ignored."""
 
     model: str

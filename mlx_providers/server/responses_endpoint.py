@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from mlx_providers.server.responses_events import ResponseTranslator
 from mlx_providers.server.responses_request import ResponsesRequest, messages_of
 from mlx_providers.server.served import Slot
 
+log = logging.getLogger(__name__)
 ENDPOINT = "responses"
 CLIENT_CLOSED = 499
 # Where engine errors point for this endpoint's parameter names.
@@ -59,11 +61,12 @@ class _Run:
         self.translator, self.shaper, self.slot = translator, shaper, slot
 
     def store(self) -> None:
-        if self.req.store:
-            self.ctx.store.put(self.translator.id, input_items=self.items,
-                               output_items=self.translator.output,
-                               instructions=self.req.instructions,
-                               response=self.translator.response())
+        if self.req.store and not self.ctx.store.put(
+                self.translator.id, input_items=self.items,
+                output_items=self.translator.output, instructions=self.req.instructions,
+                response=self.translator.response()):
+            log.warning("response %s is larger than the store's byte cap (%d): not stored",
+                        self.translator.id, self.ctx.store.max_bytes)
 
     async def whole(self, handle: RequestHandle) -> dict[str, Any]:
         """Run to the end (errors raise); the final response object."""
@@ -125,11 +128,12 @@ async def create_response(request: Request) -> Response:
     max_tokens = req.max_output_tokens or ctx.settings.default_max_tokens
     temperature = (req.temperature if req.temperature is not None
                    else ctx.settings.default_temperature)
-    spec = GenerationSpec(messages_of(items, req.instructions),
-                          sampling(temperature, req.top_p, max_tokens,
-                                   constraint=req.constraint()),
-                          req.engine_tools(), req.engine_tool_choice(),
-                          req.parallel_tool_calls)
+    try:
+        params = sampling(temperature, req.top_p, max_tokens, constraint=req.constraint())
+    except ValueError as exc:  # SamplingParams' own checks
+        raise from_engine(exc, **_PARAMS) from exc
+    spec = GenerationSpec(messages_of(items, req.instructions), params, req.engine_tools(),
+                          req.engine_tool_choice(), req.parallel_tool_calls)
     errors = {**_PARAMS, "constraint_param": "text.format" if spec.params.constraint
               else "tools"}
     translator = ResponseTranslator(served.name, _echo(req, max_tokens, temperature))

@@ -15,35 +15,35 @@ from pydantic import Discriminator, Field, Tag
 
 from engine import Constraint, JsonObject, JsonSchema
 from mlx_providers._chat import normalize_messages
-from mlx_providers.server.chat_request import _Open
+from mlx_providers.server.chat_request import OpenModel
 from mlx_providers.server.errors import APIError
 
 
-class InputText(_Open):
+class InputText(OpenModel):
     type: Literal["input_text", "output_text", "text", "refusal"]
     text: str = ""
 
 
-class MessageItem(_Open):
+class MessageItem(OpenModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputText]
 
 
-class FunctionCallItem(_Open):
+class FunctionCallItem(OpenModel):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str = "{}"
 
 
-class FunctionCallOutputItem(_Open):
+class FunctionCallOutputItem(OpenModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[InputText]
 
 
-class ReasoningItem(_Open):
+class ReasoningItem(OpenModel):
     type: Literal["reasoning"]
 
 
@@ -65,7 +65,7 @@ InputItem = Annotated[
     Discriminator(_item_kind)]
 
 
-class FunctionTool(_Open):
+class FunctionTool(OpenModel):
     type: Literal["function"]
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
     description: str | None = None
@@ -73,23 +73,23 @@ class FunctionTool(_Open):
     strict: bool | None = None
 
 
-class NamedFunctionChoice(_Open):
+class NamedFunctionChoice(OpenModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Open):
+class TextFormat(OpenModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class TextOptions(_Open):
+class TextOptions(OpenModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(OpenModel):
     """The parameters this server honours; the rest are accepted and ignored."""
 
     model: str

@@ -48,6 +48,7 @@ CHAT_CASES: list[tuple[dict[str, Any], str, str | None]] = [
     ({"model": "tiny", "messages": HI, "temperature": 3}, "temperature", "invalid_value"),
     ({"model": "tiny", "messages": HI, "max_tokens": 0}, "max_tokens", "invalid_value"),
     ({"model": "tiny", "messages": HI, "n": 2}, "n", "invalid_value"),
+    ({"model": "tiny", "messages": HI, "stop": [""]}, "stop", "invalid_value"),
     ({"model": "tiny", "messages": HI, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
     ({"model": "tiny", "messages": HI, "tools": [{"type": "function", "function": {}}]},
      "tools[0].function.name", "missing_required_parameter"),
