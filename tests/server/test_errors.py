@@ -14,6 +14,7 @@ import pytest
 
 from engine import Engine
 from mlx_providers.server import ServerSettings
+from tests.conftest import wait_until
 from tests.server.conftest import LiveServer
 
 Serve = Callable[..., tuple[LiveServer, Engine]]
@@ -157,20 +158,17 @@ def test_a_full_queue_answers_429_with_retry_after(serve: Serve,
     server, eng = serve(ServerSettings(max_queue=1), max_batch=1)
     slow_steps(0.05)
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
-    streams = [client.chat.completions.create(model="tiny", messages=HI, max_tokens=500,  # type: ignore[arg-type]
-                                              stream=True) for _ in range(1)]
+    running = client.chat.completions.create(model="tiny", messages=HI, max_tokens=500,  # type: ignore[arg-type]
+                                             stream=True)
     held: list[Any] = []
     waiter = threading.Thread(target=lambda: held.append(post(server, {
         "model": "tiny", "messages": HI, "max_tokens": 2})))
     waiter.start()  # the queued one: capacity max_batch 1 + max_queue 1 is now full
-    from tests.conftest import wait_until
-
     wait_until(lambda: eng.stats().pending == 1)
     response = post(server, {"model": "tiny", "messages": HI, "max_tokens": 2})
     error = error_of(response, 429)
     assert error["code"] == "rate_limit_exceeded" and response.headers["retry-after"] == "1"
-    for stream in streams:
-        stream.close()
+    running.close()
     waiter.join(60)
     assert held and held[0].status_code == 200
 
