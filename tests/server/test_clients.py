@@ -157,3 +157,22 @@ async def test_http_clients_and_in_process_chat_models_share_one_batch(
     finally:
         server.stop()
         eng.close()
+
+
+def test_chat_openai_responses_api_resends_the_history_without_a_store(
+        live_server: LiveServer) -> None:
+    """Without previous_response_id ChatOpenAI sends earlier answers back as output items."""
+    llm = chat_openai(live_server, max_tokens=8, use_responses_api=True)
+    first = llm.invoke([HumanMessage("My name is Ada.")])
+    second = llm.invoke([HumanMessage("My name is Ada."), first,
+                         HumanMessage("What is my name?")])
+    assert isinstance(second, AIMessage) and second.text and second.id
+    stored = live_server.app.state.ctx.store.get(second.id)  # type: ignore[attr-defined]
+    assert stored.response["previous_response_id"] is None
+    assert len(stored.input_items) == 3
+    replayed = stored.input_items[1]
+    text = replayed["content"] if isinstance(replayed["content"], str) else "".join(
+        part.get("text", "") for part in replayed["content"])
+    assert text == first.text  # the earlier answer reached the prompt
+    assert second.usage_metadata is not None and first.usage_metadata is not None
+    assert second.usage_metadata["input_tokens"] > first.usage_metadata["input_tokens"]
