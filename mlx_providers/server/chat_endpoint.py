@@ -11,12 +11,17 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import EngineError, RequestHandle
+from engine import EngineError
 from mlx_providers.server.chat_completions import ChatCompletionShaper
 from mlx_providers.server.chat_request import ChatCompletionRequest, generation_spec
 from mlx_providers.server.context import ServerContext, read_json, validate
 from mlx_providers.server.errors import APIError, from_engine
-from mlx_providers.server.generation import ClientGone, EventStream, unless_disconnected
+from mlx_providers.server.generation import (
+    ClientGone,
+    EventStream,
+    open_stream,
+    unless_disconnected,
+)
 from mlx_providers.server.served import ServedModel, Slot
 
 ENDPOINT = "chat_completions"
@@ -39,17 +44,17 @@ async def chat_completions(request: Request) -> Response:
     streaming = False
     try:
         try:
-            handle = spec.submit(served.engine)
+            stream = await open_stream(request, served.engine, spec, fit_context=(
+                chat.max_tokens is None and chat.max_completion_tokens is None))
         except (ValueError, TypeError, EngineError) as exc:  # bad input, or a dead engine
             raise from_engine(exc, **params) from exc
+        if stream.first.error is not None:
+            raise from_engine(stream.first.error, **params)
         shaper = ChatCompletionShaper(served.name, served.token_text,
                                       include_usage=chat.include_usage,
                                       logprobs=chat.logprobs)
         if not chat.stream:
-            return await _whole(ctx, request, served, handle, shaper, params)
-        stream = await EventStream.open(request, handle)
-        if stream.first.error is not None:
-            raise from_engine(stream.first.error, **params)
+            return await _whole(ctx, request, served, stream, shaper, params)
         streaming = True  # from here on the stream releases the slot
         return EventSourceResponse(_chunks(ctx, served, stream, shaper, slot))
     except ClientGone:
@@ -61,10 +66,10 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _whole(ctx: ServerContext, request: Request, served: ServedModel,
-                 handle: RequestHandle, shaper: ChatCompletionShaper,
+                 stream: EventStream, shaper: ChatCompletionShaper,
                  params: dict[str, str]) -> Response:
     try:
-        completion = await unless_disconnected(request, handle, handle.aresult)
+        completion = await unless_disconnected(request, stream.handle, stream.completion)
     except (ClientGone, APIError):
         raise
     except Exception as exc:

@@ -10,14 +10,23 @@ disconnect; every iterator here closes the handle in ``finally``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
 
-from engine import Engine, RequestHandle, SamplingParams, StreamEvent
+from engine import (
+    Completion,
+    ContextLengthError,
+    Engine,
+    EngineError,
+    RequestHandle,
+    SamplingParams,
+    StreamEvent,
+)
 
 T = TypeVar("T")
 
@@ -108,6 +117,17 @@ class EventStream:
             handle.cancel()
             raise
 
+    async def completion(self) -> Completion:
+        """Read to the end: the completion, or the request's error raised."""
+        async with contextlib.aclosing(self.events()) as events:
+            async for event in events:
+                if event.is_final:
+                    if event.error is not None:
+                        raise event.error
+                    if event.completion is not None:
+                        return event.completion
+        raise EngineError("the request's stream ended without a completion")
+
     async def events(self) -> AsyncGenerator[StreamEvent, None]:
         try:
             yield self.first
@@ -117,3 +137,21 @@ class EventStream:
                 yield event
         finally:  # a closed, cancelled or abandoned stream evicts the row
             self.handle.cancel()
+
+
+async def open_stream(request: Request, engine: Engine, spec: GenerationSpec, *,
+                      fit_context: bool) -> EventStream:
+    """Submit ``spec`` and wait for its first event (raises at once for invalid input).
+
+    ``fit_context``: the client set no token limit, as OpenAI's clients usually do, so the
+    server's default applies; a prompt that fits the context but not with that default is
+    resubmitted with the room the context has left (OpenAI's own behaviour when no limit
+    is set), instead of failing with an error about a limit the client never chose.
+    """
+    stream = await EventStream.open(request, spec.submit(engine))
+    error = stream.first.error
+    if fit_context and isinstance(error, ContextLengthError) and error.prompt_tokens < error.limit:
+        fitted = replace(spec, params=replace(spec.params,
+                                              max_tokens=error.limit - error.prompt_tokens))
+        stream = await EventStream.open(request, fitted.submit(engine))
+    return stream

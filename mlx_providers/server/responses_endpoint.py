@@ -12,7 +12,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import EngineError, RequestHandle
+from engine import EngineError
 from mlx_providers.server.chat_completions import ChatCompletionShaper
 from mlx_providers.server.chat_request import sampling
 from mlx_providers.server.context import ServerContext, read_json, validate
@@ -21,6 +21,7 @@ from mlx_providers.server.generation import (
     ClientGone,
     EventStream,
     GenerationSpec,
+    open_stream,
     unless_disconnected,
 )
 from mlx_providers.server.responses_events import ResponseTranslator
@@ -68,16 +69,16 @@ class _Run:
             log.warning("response %s is larger than the store's byte cap (%d): not stored",
                         self.translator.id, self.ctx.store.max_bytes)
 
-    async def whole(self, handle: RequestHandle) -> dict[str, Any]:
+    async def whole(self, stream: EventStream) -> dict[str, Any]:
         """Run to the end (errors raise); the final response object."""
-        try:
-            async for event in handle:
+        async with contextlib.aclosing(stream.events()) as events:
+            async for event in events:
+                if event.error is not None:
+                    raise event.error
                 for chunk in self.shaper.event_chunks(event):
                     self.translator.feed(chunk)
                 if event.is_final:
                     self.ctx.metrics.observe(self.translator.model, event.usage)
-        finally:
-            handle.cancel()  # no-op once finished
         return self.translator.response()
 
     async def events(self, stream: EventStream) -> AsyncIterator[dict[str, str]]:
@@ -143,13 +144,16 @@ async def create_response(request: Request) -> Response:
     streaming = False
     try:
         try:
-            handle = spec.submit(served.engine)
+            stream = await open_stream(request, served.engine, spec,
+                                       fit_context=req.max_output_tokens is None)
         except (ValueError, TypeError, EngineError) as exc:  # bad input, or a dead engine
             raise from_engine(exc, **errors) from exc
+        if stream.first.error is not None:
+            raise from_engine(stream.first.error, **errors)
         if not req.stream:
             try:
-                response = await unless_disconnected(request, handle,
-                                                     lambda: run.whole(handle))
+                response = await unless_disconnected(request, stream.handle,
+                                                     lambda: run.whole(stream))
             except (ClientGone, APIError):
                 raise
             except Exception as exc:
@@ -157,9 +161,6 @@ async def create_response(request: Request) -> Response:
             run.store()
             ctx.metrics.count(ENDPOINT, "ok")
             return JSONResponse(response)
-        stream = await EventStream.open(request, handle)
-        if stream.first.error is not None:
-            raise from_engine(stream.first.error, **errors)
         streaming = True  # from here on the stream stores and releases
         return EventSourceResponse(run.events(stream))
     except ClientGone:

@@ -122,6 +122,24 @@ def test_context_overflow_is_400_context_length_exceeded(live_server: LiveServer
     assert error["code"] == "context_length_exceeded"
 
 
+def test_without_a_token_limit_a_long_prompt_gets_the_room_the_context_has_left(
+        live_server: LiveServer) -> None:
+    """No max_tokens (as OpenAI clients send): the server's default (512) would overflow
+    the tiny model's 2048-token context, so the answer gets what is left instead."""
+    long = [{"role": "user", "content": "word " * 850}]
+    response = post(live_server, {"model": "tiny", "messages": long})
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert 1536 < usage["prompt_tokens"] < 2048
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 2048
+    explicit = post(live_server, {"model": "tiny", "messages": long, "max_tokens": 512})
+    assert error_of(explicit, 400)["code"] == "context_length_exceeded"
+    for stream in (False, True):
+        r = post(live_server, {"model": "tiny", "input": "word " * 850, "stream": stream},
+                 "/v1/responses")
+        assert r.status_code == 200, r.text
+
+
 def test_malformed_json_and_non_objects_are_400(live_server: LiveServer) -> None:
     assert error_of(post(live_server, b"{not json"), 400)["code"] == "invalid_json"
     assert error_of(post(live_server, b"[1, 2]"), 400)["code"] == "invalid_json"
