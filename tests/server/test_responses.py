@@ -191,6 +191,9 @@ def test_a_failure_mid_stream_sends_an_error_event_then_closes(
                                           stream=True))
     assert events[-1].type == "error"
     assert events[-1].code == "server_error"  # type: ignore[union-attr]
+    failed = client.responses.retrieve(events[0].response.id)  # type: ignore[union-attr]
+    assert failed.status == "failed" and failed.error is not None
+    assert failed.error.code == "server_error"
     assert "response.output_text.delta" in [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     monkeypatch.setattr(BatchLane, "step", step)
