@@ -78,12 +78,27 @@ class Regex:
 
     pattern: str
 
+    def __post_init__(self) -> None:
+        _check_text(self.pattern, "Regex", "pattern")
+
 
 @dataclass(frozen=True)
 class LarkGrammar:
     """Output must be derivable from this Lark grammar (llguidance's dialect)."""
 
     grammar: str
+
+    def __post_init__(self) -> None:
+        _check_text(self.grammar, "LarkGrammar", "grammar")
+
+
+def _check_text(value: object, kind: str, name: str) -> None:
+    # Anything but text reached llguidance's compiler as an internal TypeError.
+    if not isinstance(value, str):
+        raise InvalidConstraintError(
+            f"{kind}: {name} must be a str, got {type(value).__name__} {value!r:.40}")
+    if not value.strip():
+        raise InvalidConstraintError(f"{kind}: {name} must not be empty")
 
 
 Constraint = JsonSchema | JsonObject | Regex | LarkGrammar

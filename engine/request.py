@@ -6,7 +6,7 @@ Pure data: no mlx import, so the scheduler and streams can be tested without a m
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -51,7 +51,15 @@ def _check(condition: bool, name: str, message: str) -> None:
 
 
 def _as_tuple(value: Any, name: str, item_type: type) -> tuple[Any, ...]:
-    items = (value,) if isinstance(value, item_type) else tuple(value or ())
+    if isinstance(value, item_type):
+        return (value,)
+    if value is None:
+        return ()
+    # bytes iterate as ints, strings as characters, mappings as keys: none is a list.
+    if isinstance(value, (bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
+        raise ValueError(f"SamplingParams.{name} must be a {item_type.__name__} or a list of "
+                         f"them, got {type(value).__name__} {value!r:.40}")
+    items = tuple(value)
     for item in items:
         _check(
             isinstance(item, item_type) and not isinstance(item, bool),
@@ -92,28 +100,30 @@ class SamplingParams:
         object.__setattr__(
             self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", int)
         )
-        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-               f"must be an integer >= 1, got {self.max_tokens!r}")
+        object.__setattr__(self, "logits_processors", _processors(self.logits_processors))
+        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens < _INT32, "max_tokens",
+               f"must be an integer in [1, 2**31), got {self.max_tokens!r}")
         _check(_is_real(self.temperature) and self.temperature >= 0, "temperature",
                f"must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p",
                f"must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
-               f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        _check(_is_int(self.top_k) and 0 <= self.top_k < _INT32, "top_k",
+               f"must be an integer in [0, 2**31) (0 = off), got {self.top_k!r}")
         _check(_is_real(self.min_p) and 0 <= self.min_p < 1, "min_p",
                f"must be in [0, 1), got {self.min_p!r}")
         _check(self.repetition_penalty is None
                or (_is_real(self.repetition_penalty) and self.repetition_penalty > 0),
                "repetition_penalty", f"must be None or > 0, got {self.repetition_penalty!r}")
-        _check(_is_int(self.repetition_context_size) and self.repetition_context_size >= 1,
-               "repetition_context_size",
-               f"must be an integer >= 1, got {self.repetition_context_size!r}")
-        _check(self.seed is None or _is_int(self.seed), "seed",
-               f"must be None or an integer, got {self.seed!r}")
+        # mlx indexes with 32-bit ints: a larger window failed inside the row (bad_cast).
+        _check(_is_int(self.repetition_context_size)
+               and 1 <= self.repetition_context_size < _INT32, "repetition_context_size",
+               f"must be an integer in [1, 2**31), got {self.repetition_context_size!r}")
+        # mlx's PRNG key takes an unsigned 64-bit seed; anything else killed the engine thread.
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64), "seed",
+               f"must be None or an integer in [0, 2**64), got {self.seed!r}")
         _check(all(self.stop), "stop", "must not contain empty strings")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "must be non-negative token ids")
+        _check(all(0 <= t < _INT32 for t in self.stop_token_ids), "stop_token_ids",
+               f"must be token ids in [0, 2**31), got {self.stop_token_ids!r:.60}")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos",
                f"must be a bool, got {self.ignore_eos!r}")
         _check(isinstance(self.logprobs, bool), "logprobs",
@@ -127,6 +137,20 @@ class SamplingParams:
                "constraint", f"must be a JsonSchema, JsonObject, Regex or LarkGrammar, "
                f"got {self.constraint!r}")
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse token ids and a ``top_k`` this model's vocabulary cannot mean.
+
+        Called when the request is prepared for a model: ``top_k`` past the vocabulary
+        failed mlx-lm's sampler inside the batch step (every row in flight with it), and a
+        stop id past it can never be generated.
+        """
+        _check(self.top_k < vocab_size, "top_k",
+               f"must be below the model's vocabulary size {vocab_size} (0 = off), "
+               f"got {self.top_k}")
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        _check(not bad, "stop_token_ids",
+               f"out of range [0, {vocab_size}) of the model's vocabulary: {bad[:5]}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -137,12 +161,71 @@ class SamplingParams:
         return self.seed is not None and not self.greedy
 
 
+_INT32 = 2**31  # mlx indexes and compares token ids and counts as 32-bit integers
+
+
+def _processors(value: Any) -> tuple[LogitsProcessor, ...]:
+    if value is None:
+        return ()
+    if callable(value):
+        return (value,)
+    _check(isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)),
+           "logits_processors", f"must be a list of callables (tokens, logits) -> logits, "
+           f"got {type(value).__name__}")
+    return tuple(value)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_real(value: Any) -> bool:
     return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+# Keyword arguments of ``apply_chat_template`` that the engine sets itself.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "tokenize",
+                                       "add_generation_prompt", "return_dict"})
+
+
+def check_callbacks(on_token: Any, timeout: Any) -> None:
+    """``submit``'s ``on_token`` and ``timeout``, checked at the door (caller's thread)."""
+    if on_token is not None and not callable(on_token):
+        raise TypeError(f"on_token must be None or a callable (token_id, text) -> bool | None, "
+                        f"got {type(on_token).__name__}")
+    if timeout is None:
+        return
+    if not _is_real(timeout) and not isinstance(timeout, float):
+        raise TypeError(f"timeout must be None or a number of seconds, got "
+                        f"{type(timeout).__name__} {timeout!r:.40}")
+    # inf would reach the engine thread's queue wait, which refuses it (OverflowError).
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a finite number of seconds > 0 (None for no "
+                         f"timeout), got {timeout!r}")
+
+
+def check_template_options(parallel_tool_calls: Any,
+                           chat_template_kwargs: Any) -> dict[str, Any]:
+    """``parallel_tool_calls`` must be a bool; ``chat_template_kwargs`` a mapping of names
+    to values, without the arguments the engine passes to the template itself. Returns a
+    copy of the kwargs, so a caller changing its dict later changes nothing queued."""
+    if not isinstance(parallel_tool_calls, bool):
+        raise TypeError(f"parallel_tool_calls must be a bool, got "
+                        f"{type(parallel_tool_calls).__name__} {parallel_tool_calls!r:.40}")
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, Mapping):
+        raise TypeError(f"chat_template_kwargs must be a dict of template variables, got "
+                        f"{type(chat_template_kwargs).__name__} {chat_template_kwargs!r:.40}")
+    names = [k for k in chat_template_kwargs if not (isinstance(k, str) and k.isidentifier())]
+    if names:
+        raise ValueError(f"chat_template_kwargs keys must be identifiers (template variable "
+                         f"names), got {names[:3]!r}")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs must not set {reserved}: the engine passes "
+                         "them (tools go in submit's tools=)")
+    return dict(chat_template_kwargs)
 
 
 @dataclass(frozen=True)
