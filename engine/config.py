@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -9,9 +12,11 @@ class EngineConfig(BaseModel):
     """How one engine batches, prefills and budgets memory.
 
     Invalid values raise ``pydantic.ValidationError`` (a ``ValueError``) naming the field.
+    Types are strict: ``"4"``, ``4.0`` or ``True`` is not a ``max_batch`` (lax coercion
+    accepted them silently), and no number is infinite.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
     max_batch: int = Field(
         default=32, ge=1, le=1024, description="Rows decoding together; 1 = off."
@@ -50,3 +55,22 @@ class EngineConfig(BaseModel):
         default=3, ge=1,
         description="Model-step failures in a row before the engine declares itself dead.",
     )
+
+
+def checked_engine_args(model: Any, config: Any) -> EngineConfig:
+    """``Engine(model, config)``'s arguments checked on the caller's thread; the config.
+
+    A wrong type here otherwise surfaced later on the engine thread, as an
+    ``AttributeError`` from inside or as a dead engine.
+    """
+    if model is not None and not isinstance(model, str | os.PathLike):
+        raise TypeError(f"model must be None (the default model), a path or a hub id, got "
+                        f"{type(model).__name__} {model!r:.40}")
+    if isinstance(model, str) and not model.strip():
+        raise ValueError("model must not be empty: a path, a hub id, or None for the default")
+    if config is None:
+        return EngineConfig()
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an EngineConfig (EngineConfig(**fields)), got "
+                        f"{type(config).__name__}")
+    return config

@@ -24,12 +24,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, checked_engine_args
 from engine.errors import EngineClosedError, EngineDeadError, EngineError, RequestTimeoutError
 from engine.lane import Lane, LaneRow
 from engine.models import config_context_limit
 from engine.prepare import Preparer, request_spec
-from engine.request import FinishReason, Prompt, RequestStatus, SamplingParams, TokenCallback
+from engine.request import (
+    FinishReason,
+    Prompt,
+    RequestStatus,
+    SamplingParams,
+    TokenCallback,
+    check_callbacks,
+)
 from engine.rows import Row
 from engine.scheduler import BatchMode, LaneKind, Scheduler, StepPlan, Ticket
 from engine.stats import EngineStats
@@ -72,7 +79,7 @@ class Engine:
 
     def __init__(self, model: ModelSpec = None, config: EngineConfig | None = None) -> None:
         self.model_spec = model
-        self.config = config or EngineConfig()
+        self.config = checked_engine_args(model, config)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._resolve_lock = threading.Lock()
@@ -140,10 +147,9 @@ class Engine:
         is "auto", "none", "required"/"any" or a tool name, and the last two are enforced
         by a grammar. Invalid tools, tool choices or constraints raise here, at once.
         """
+        check_callbacks(on_token, timeout)
         spec = request_spec(prompt, params, tools, tool_choice, parallel_tool_calls,
                              chat_template_kwargs)
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         now = time.monotonic()
         stream = RequestStream()
         with self._lock:

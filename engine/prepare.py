@@ -17,8 +17,8 @@ from typing import Any
 from engine.channels import TOOL, ChannelSplitter, RowChannels
 from engine.constraints import Constraint, JsonSchema
 from engine.grammar import GrammarCompiler, validate_constraint
-from engine.prompts import PromptRenderer
-from engine.request import Prompt, SamplingParams
+from engine.prompts import PromptRenderer, checked_prompt
+from engine.request import Prompt, SamplingParams, check_template_options
 from engine.text import RowText
 from engine.tools import (
     ToolSpec,
@@ -71,6 +71,7 @@ class Preparer:
 
     def prepare(self, spec: RequestSpec) -> PreparedRequest:
         """Render, encode and compile; raises the request's own error if it cannot run."""
+        spec.params.check_vocabulary(self.prompts.vocab_size)
         tools = spec.rendered_tools
         encoded = self.prompts.encode_request(spec.prompt, tools, dict(spec.template_kwargs))
         params = spec.params
@@ -117,14 +118,13 @@ def request_spec(
     params = params if params is not None else SamplingParams()
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-    if isinstance(prompt, (bytes, bytearray)) or prompt is None:
-        raise TypeError("prompt must be text, a list of token ids, or chat messages")
+    prompt = checked_prompt(prompt)  # a checked private copy (engine.prompts)
+    template_kwargs = check_template_options(parallel_tool_calls, chat_template_kwargs)
     specs = normalize_tools(tools)
     choice = normalize_tool_choice(tool_choice, specs)
     if specs and choice != "none" and not is_chat(prompt):
         raise ValueError("tools need a chat-messages prompt")
-    spec = RequestSpec(prompt, params, specs, choice, parallel_tool_calls,
-                       dict(chat_template_kwargs or {}))
+    spec = RequestSpec(prompt, params, specs, choice, parallel_tool_calls, template_kwargs)
     if spec.forces_call and params.constraint is not None:
         raise ValueError("a forced tool_choice cannot be combined with a constraint")
     if spec.forces_call:  # the call schema now; its grammar is built once, when prepared

@@ -7,7 +7,9 @@ knows the tokenizer's text markers for reasoning and tool calls. No model, no ml
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,136 @@ from engine.channels import CONTENT, REASONING, TOOL
 from engine.request import ChatMessage, Prompt
 from engine.tool_formats import ToolFormat, detect_tool_format
 from engine.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec, with_fallback_tool_prompt
+
+
+# Roles chat templates know (OpenAI's, with the legacy "function" result role).
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+_RESULT_ROLES = frozenset({"tool", "function"})
+_MAX_TOKEN_ID = 2**31 - 1  # mlx holds token ids as 32-bit integers
+_PROMPT_KINDS = "text, a list of token ids, or a list of chat messages (dicts)"
+
+
+def checked_prompt(prompt: Any) -> str | list[int] | list[ChatMessage]:
+    """``submit``'s prompt, checked at the door on the caller's thread, as a private copy.
+
+    Text stays text. Token ids must be integers (numpy's too, never bools or floats) in
+    [0, 2**31); whether they are inside this model's vocabulary is checked when the
+    request is prepared. Chat messages are checked by ``checked_message``. The copy means a
+    caller that changes its list after ``submit`` changes nothing queued.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one token")
+        return prompt
+    if isinstance(prompt, (bytes, bytearray, Mapping)) or not isinstance(prompt, Iterable):
+        hint = " (one message? pass a list of messages)" if isinstance(prompt, Mapping) else ""
+        raise TypeError(f"prompt must be {_PROMPT_KINDS}, got {type(prompt).__name__}{hint}")
+    items = list(prompt)
+    if not items:
+        raise ValueError("prompt is empty: give at least one token or message")
+    if isinstance(items[0], Mapping):
+        return [checked_message(m, f"prompt[{i}]") for i, m in enumerate(items)]
+    return [_token_id(t, i) for i, t in enumerate(items)]
+
+
+def _token_id(value: Any, i: int) -> int:
+    if isinstance(value, Mapping):
+        raise TypeError(f"prompt[{i}] is a dict after token ids: a prompt is {_PROMPT_KINDS}, "
+                        "not a mix")
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"prompt[{i}] must be an integer token id, got "
+                        f"{type(value).__name__} {value!r:.40}")
+    token = operator.index(value)
+    if not 0 <= token <= _MAX_TOKEN_ID:
+        raise ValueError(f"prompt token ids out of range [0, 2**31): prompt[{i}] = {token}")
+    return token
+
+
+def checked_message(message: Any, at: str) -> ChatMessage:
+    """One chat message as a template-safe copy; raises naming ``at`` and the field.
+
+    A known role; text content (or OpenAI text parts, joined; None or absent only on an
+    assistant turn); an assistant's ``tool_calls`` as OpenAI calls whose arguments are a
+    JSON object; a tool result's ``tool_call_id`` and ``name`` as text. Other keys are the
+    template's business and pass through.
+    """
+    if not isinstance(message, Mapping):
+        raise TypeError(f"{at} must be a chat message dict (after other messages), got "
+                        f"{type(message).__name__} {message!r:.40}")
+    role = message.get("role")
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise ValueError(f"{at}.role must be one of {sorted(CHAT_ROLES)}, got {role!r:.40}")
+    out = dict(message)
+    if "content" in message or role != "assistant":
+        out["content"] = _content_text(message.get("content"), f"{at}.content",
+                                       optional=role == "assistant")
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None and not isinstance(message[key], str):
+            raise TypeError(f"{at}.{key} must be a str, got {type(message[key]).__name__}")
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if role != "assistant":
+            raise ValueError(f"{at}.tool_calls: only assistant messages make tool calls "
+                             f"(role is {role!r})")
+        if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Iterable):
+            raise TypeError(f"{at}.tool_calls must be a list of calls, got "
+                            f"{type(calls).__name__}")
+        out["tool_calls"] = [_checked_call(c, f"{at}.tool_calls[{j}]")
+                             for j, c in enumerate(calls)]
+    return out
+
+
+def _content_text(content: Any, at: str, optional: bool) -> str | None:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if optional:
+            return None
+        raise TypeError(f"{at} must be text (a str or a list of text parts), got None")
+    if isinstance(content, (bytes, bytearray, Mapping)) or not isinstance(content, Iterable):
+        raise TypeError(f"{at} must be text (a str or a list of text parts), got "
+                        f"{type(content).__name__} {content!r:.40}")
+    texts: list[str] = []
+    for k, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type", "text") if isinstance(part, Mapping) else None
+        text = part.get("text") if isinstance(part, Mapping) else None
+        if kind != "text" or not isinstance(text, str):
+            what = f"a {kind!r} part" if isinstance(kind, str) else type(part).__name__
+            raise ValueError(f"{at}[{k}] must be a text part {{'type': 'text', 'text': str}} "
+                             f"(text-only models), got {what}")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _checked_call(call: Any, at: str) -> dict[str, Any]:
+    """An assistant's tool call: {"function": {"name", "arguments"}} (or that dict flat)."""
+    if not isinstance(call, Mapping):
+        raise TypeError(f"{at} must be a tool call dict, got {type(call).__name__}")
+    fn = call.get("function", call)
+    where = f"{at}.function" if "function" in call else at
+    if not isinstance(fn, Mapping):
+        raise TypeError(f"{where} must be a dict with name and arguments, got "
+                        f"{type(fn).__name__}")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}.name must be a non-empty str, got {name!r:.40}")
+    if call.get("id") is not None and not isinstance(call["id"], str):
+        raise TypeError(f"{at}.id must be a str, got {type(call['id']).__name__}")
+    arguments = fn.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as exc:
+            raise ValueError(f"{where}.arguments is not JSON: {exc}") from exc
+        if not isinstance(parsed, dict):
+            raise ValueError(f"{where}.arguments must be a JSON object, got {arguments!r:.40}")
+    elif not isinstance(arguments, Mapping):
+        raise TypeError(f"{where}.arguments must be a dict or the JSON text of one, got "
+                        f"{type(arguments).__name__}")
+    return dict(call)
 
 
 @dataclass(frozen=True)
