@@ -22,17 +22,45 @@ _ROLES = {"human": "user", "user": "user", "ai": "assistant", "assistant": "assi
           "chatbot": "assistant", "model": "assistant"}
 
 
-def content_text(content: Any) -> str:
-    """Text of a message's content: a string, or a list of parts (non-text parts dropped)."""
+# Content parts whose text is the prompt's.
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+
+
+def content_text(content: Any, at: str = "content") -> str:
+    """Text of a message's content: a string, or a list of parts (str or typed dicts).
+
+    Text parts are joined; other typed parts are dropped: reasoning and tool-call blocks
+    carry no prompt text (calls are rendered from ``tool_calls``), and a text-only model
+    cannot see media (LangChain's documented behaviour, tested). Anything that is not text
+    or a typed part raises ``TypeError`` naming ``at``, never ``str()`` of it.
+    """
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, Mapping):
-        return str(content.get("text", "")) if content.get("type", "text") == "text" else ""
-    if isinstance(content, Iterable):
-        return "".join(content_text(part) for part in content)
-    return str(content)
+        return _part_text(content, at)
+    if isinstance(content, (bytes, bytearray)) or not isinstance(content, Iterable):
+        raise TypeError(f"{at} must be text (a str or a list of content parts), got "
+                        f"{type(content).__name__} {content!r:.40}")
+    return "".join(part if isinstance(part, str) else _part_text(part, f"{at}[{i}]")
+                   for i, part in enumerate(content))
+
+
+def _part_text(part: Any, at: str) -> str:
+    if not isinstance(part, Mapping):
+        raise TypeError(f"{at} must be a str or a content-part dict, got "
+                        f"{type(part).__name__} {part!r:.40}")
+    kind = part.get("type", "text")
+    if kind in _TEXT_PARTS:
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise TypeError(f"{at}: a {kind!r} part needs 'text' as a str, got "
+                            f"{type(text).__name__}")
+        return text
+    if not isinstance(kind, str):
+        raise TypeError(f"{at}.type must be a str, got {type(kind).__name__}")
+    return ""  # reasoning, tool calls, media: no prompt text for a text-only model
 
 
 def arguments_dict(arguments: Any) -> dict[str, Any]:
@@ -54,29 +82,46 @@ def tool_call_dict(call_id: str | None, name: str, arguments: Any) -> dict[str, 
             "function": {"name": name, "arguments": arguments_dict(arguments)}}
 
 
-def _role(message: Mapping[str, Any]) -> str:
-    role = str(message.get("role", "user")).lower()
-    if role not in _ROLES:
-        raise ValueError(f"unsupported chat role {role!r}")
-    return _ROLES[role]
+def _role(message: Mapping[str, Any], at: str) -> str:
+    role = message.get("role")
+    key = role.lower() if isinstance(role, str) else None
+    if key not in _ROLES:
+        raise ValueError(f"{at}.role must be one of {sorted(_ROLES)}, got {role!r:.40}")
+    return _ROLES[key]
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """A history any template accepts; never raises for shapes agents produce."""
+    """A history any template accepts; never raises for shapes agents produce.
+
+    What no agent produces raises TypeError/ValueError naming ``messages[i]`` and the
+    field: an unknown role, content that is not text, malformed tool calls.
+    """
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Iterable):
+        raise TypeError(f"messages must be a list of chat messages, got "
+                        f"{type(messages).__name__} {messages!r:.40}")
     out: list[dict[str, Any]] = []
-    for message in messages:
-        role = _role(message)
-        item: dict[str, Any] = {"role": role, "content": content_text(message.get("content"))}
+    for i, message in enumerate(messages):
+        at = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise TypeError(f"{at} must be a chat message, got {type(message).__name__}")
+        role = _role(message, at)
+        item: dict[str, Any] = {"role": role,
+                                "content": content_text(message.get("content"), f"{at}.content")}
         if role == "tool":
             if message.get("status") == "error" and not item["content"].startswith("Error"):
                 item["content"] = f"Error: {item['content']}"
             for key in ("tool_call_id", "name"):
                 if message.get(key):
-                    item[key] = message[key]
+                    item[key] = _text_field(message[key], f"{at}.{key}")
         elif message.get("name"):
-            item["name"] = message["name"]
+            item["name"] = _text_field(message["name"], f"{at}.name")
         if role == "assistant" and message.get("tool_calls"):
-            item["tool_calls"] = [_canonical_call(c) for c in message["tool_calls"]]
+            calls = message["tool_calls"]
+            if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Iterable):
+                raise TypeError(f"{at}.tool_calls must be a list of calls, got "
+                                f"{type(calls).__name__}")
+            item["tool_calls"] = [_canonical_call(c, f"{at}.tool_calls[{j}]")
+                                  for j, c in enumerate(calls)]
         if role == "system" and out:
             # Templates reject a system message after the first turn; keep its text.
             role, item["role"] = "user", "user"
@@ -89,10 +134,30 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
-def _canonical_call(call: Mapping[str, Any]) -> dict[str, Any]:
+def _text_field(value: Any, at: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{at} must be a str, got {type(value).__name__} {value!r:.40}")
+    return value
+
+
+def _canonical_call(call: Any, at: str) -> dict[str, Any]:
+    if not isinstance(call, Mapping):
+        raise TypeError(f"{at} must be a tool call dict, got {type(call).__name__}")
     fn = call.get("function", call)
-    return tool_call_dict(call.get("id"), str(fn.get("name", "")),
-                          fn.get("arguments", fn.get("args")))
+    if not isinstance(fn, Mapping):
+        raise TypeError(f"{at}.function must be a dict with name and arguments, got "
+                        f"{type(fn).__name__}")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{at}: a tool call needs its tool's name as a str, got {name!r:.40}")
+    call_id = call.get("id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise TypeError(f"{at}.id must be a str, got {type(call_id).__name__}")
+    arguments = fn.get("arguments", fn.get("args"))
+    if arguments is not None and not isinstance(arguments, str | Mapping):
+        raise TypeError(f"{at}: arguments must be a dict or JSON text, got "
+                        f"{type(arguments).__name__}")
+    return tool_call_dict(call_id, name, arguments)
 
 
 def _mergeable(previous: Mapping[str, Any], item: Mapping[str, Any]) -> bool:

@@ -86,7 +86,20 @@ def chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
 
 def openai_tools(tools: Sequence[ToolLike], strict: bool | None = None) -> list[dict[str, Any]]:
     """Any LangChain tool, pydantic model, function or dict in the OpenAI tool format."""
-    return [convert_to_openai_tool(t, strict=strict) for t in tools]
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise TypeError(f"tools must be a list of tools, got {type(tools).__name__}")
+    return [_openai_tool(i, t, strict) for i, t in enumerate(tools)]
+
+
+def _openai_tool(i: int, tool: Any, strict: bool | None) -> dict[str, Any]:
+    # LangChain's converter says only "Unsupported function" for what it cannot convert.
+    if not (isinstance(tool, Mapping | type | BaseTool) or callable(tool)):
+        raise TypeError(f"tools[{i}] must be a LangChain tool, pydantic model, function or "
+                        f"OpenAI tool dict, got {type(tool).__name__} {tool!r:.40}")
+    try:
+        return convert_to_openai_tool(tool, strict=strict)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise ValueError(f"tools[{i}] cannot be read as a tool ({tool!r:.40}): {exc}") from exc
 
 
 def tool_choice_name(choice: Any, tools: Sequence[Mapping[str, Any]]) -> str | None:
@@ -123,7 +136,15 @@ def json_schema_of(schema: Mapping[str, Any] | type) -> dict[str, Any]:
             "properties" in schema or "type" in schema or "$defs" in schema):
         return dict(schema)  # already a JSON schema (a title is optional here)
     # pydantic v1 models, TypedDict classes and OpenAI tool dicts (all accepted at runtime).
-    return convert_to_json_schema(schema)  # type: ignore[arg-type]
+    if not isinstance(schema, Mapping | type):
+        raise TypeError(f"schema must be a pydantic model, TypedDict, JSON schema dict or "
+                        f"OpenAI tool dict, got {type(schema).__name__} {schema!r:.40}")
+    try:
+        return convert_to_json_schema(schema)  # type: ignore[arg-type]
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        # LangChain's converter says only "Unsupported function".
+        raise ValueError(f"schema cannot be read as a JSON schema ({schema!r:.40}): "
+                         f"{exc}") from exc
 
 
 def constraint_for(response_format: Any) -> JsonSchema | JsonObject | None:

@@ -84,9 +84,18 @@ def _legacy_call(raw: Any) -> dict[str, Any] | None:
 
 def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """LlamaIndex chat history as template-safe dicts (through ``_chat.normalize_messages``)."""
+    if isinstance(messages, (str, bytes, Mapping, ChatMessage)) or not isinstance(
+            messages, Iterable):
+        raise TypeError(f"messages must be a list of llama_index ChatMessage, got "
+                        f"{type(messages).__name__} {messages!r:.40}")
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # tool_call_id -> tool name, so results can name their tool
-    for message in messages:
+    for i, message in enumerate(messages):
+        if not isinstance(message, ChatMessage):
+            # A dict here used to fail deep inside as AttributeError: 'dict' has no 'role'.
+            raise TypeError(f"messages[{i}] must be a llama_index ChatMessage (e.g. "
+                            f"ChatMessage(role='user', content='...')), got "
+                            f"{type(message).__name__} {message!r:.40}")
         role = message.role.value if isinstance(message.role, MessageRole) else message.role
         item: dict[str, Any] = {"role": role, "content": _blocks_text(message.blocks)}
         extra = message.additional_kwargs
@@ -248,6 +257,12 @@ def completion_response(completion: Completion, model_name: str, delta: str | No
 def json_kwargs(output_cls: type[BaseModel],
                 llm_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """Chat options that force the output to JSON valid against ``output_cls``'s schema."""
+    if not (isinstance(output_cls, type) and issubclass(output_cls, BaseModel)):
+        raise TypeError(f"output_cls must be a pydantic BaseModel subclass, got "
+                        f"{output_cls!r:.60}")
+    if llm_kwargs is not None and not isinstance(llm_kwargs, Mapping):
+        raise TypeError(f"llm_kwargs must be a dict of chat options, got "
+                        f"{type(llm_kwargs).__name__}")
     return {**(llm_kwargs or {}), "constraint": JsonSchema(output_cls.model_json_schema())}
 
 

@@ -112,7 +112,7 @@ class ChatMLXBatch(BaseChatModel):
     """With temperature > 0, reproducible sampling (such rows run on the serial lane)."""
     stop: list[str] | None = None
     """Stop strings (matched on text across tokens, never streamed)."""
-    timeout: float | None = Field(default=None, gt=0)
+    timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Seconds after which a request is evicted and ``RequestTimeoutError`` raised."""
     streaming: bool = False
     """Route ``invoke`` through the streaming path (LangChain's standard flag)."""
@@ -149,8 +149,18 @@ class ChatMLXBatch(BaseChatModel):
             return {}
         if isinstance(value, EngineConfig):
             return value.model_dump()
+        if not isinstance(value, Mapping):  # pydantic reports a ValueError, not a TypeError
+            raise ValueError(f"engine_config must be a dict of EngineConfig fields or an "
+                             f"EngineConfig, got {type(value).__name__}")
         EngineConfig(**value)
         return dict(value)
+
+    @model_validator(mode="after")
+    def _valid_sampling(self) -> ChatMLXBatch:
+        # Bad sampling defaults fail at construction, naming the field, not at first call.
+        SamplingParams(**{name: getattr(self, name) for name in _SAMPLING},
+                       stop=tuple(self.stop or ()))
+        return self
 
     # ----- identity, tracing, profile ---------------------------------------------------
 
@@ -379,10 +389,14 @@ class ChatMLXBatch(BaseChatModel):
             raise TypeError(f"ChatMLXBatch got unexpected keyword arguments {sorted(unknown)}; "
                             f"supported: {sorted(_REQUEST_KWARGS - {'stream'})}")
         model = kwargs.get("model") or self.model
+        if model is not None and not isinstance(model, str | os.PathLike):
+            raise TypeError(f"model must be a path or a hub id, got {type(model).__name__}")
+        _check_call_options(kwargs)
         sampling = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING}
         constraint = kwargs.get("constraint") or constraint_for(kwargs.get("response_format"))
-        stops = stop if stop is not None else self.stop
-        params = SamplingParams(**sampling, stop=tuple(stops or ()), constraint=constraint)
+        # As given: SamplingParams names a stop that is not text or a list of text.
+        stops: Any = (stop if stop is not None else self.stop) or ()
+        params = SamplingParams(**sampling, stop=stops, constraint=constraint)
         # Tools passed per call (not through bind_tools) may be in any LangChain shape too.
         tools = openai_tools(kwargs["tools"]) if kwargs.get("tools") else None
         return _Request(
@@ -428,6 +442,24 @@ class ChatMLXBatch(BaseChatModel):
             self.profile["max_input_tokens"] = limit
 
 
+def _check_call_options(kwargs: Mapping[str, Any]) -> None:
+    """Per-call options the engine does not see as given (they are merged or converted
+    here first): each must be of the kind it names, or the error says which one."""
+    tools = kwargs.get("tools")
+    if tools and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
+        raise TypeError(f"tools must be a list of tools, got {type(tools).__name__}")
+    extra = kwargs.get("chat_template_kwargs")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"chat_template_kwargs must be a dict of template variables, got "
+                        f"{type(extra).__name__}")
+    reasoning = kwargs.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, bool):
+        raise TypeError(f"reasoning must be None or a bool, got {type(reasoning).__name__}")
+    for flag in ("raise_on_truncated_call", "parallel_tool_calls"):
+        if flag in kwargs and not isinstance(kwargs[flag], bool):
+            raise TypeError(f"{flag} must be a bool, got {type(kwargs[flag]).__name__}")
+
+
 def _check_forced_call(request: _Request, completion: Completion) -> None:
     """A forced call that max_tokens cut raises ``OutputTruncatedError`` (unless the caller,
     e.g. ``with_structured_output``, reports it itself)."""
@@ -447,6 +479,8 @@ def _one_thread_each(config: RunnableConfig | Sequence[RunnableConfig] | None,
 
 
 def _display_name(model: str | os.PathLike[str] | None) -> str:
+    if model is not None and not isinstance(model, str | os.PathLike):
+        raise TypeError(f"model must be a path or a hub id, got {type(model).__name__}")
     return DEFAULT_MODEL_NAME if model is None else os.fspath(model)
 
 

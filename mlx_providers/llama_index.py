@@ -13,7 +13,7 @@ task, abandoning a stream, or cancelling an agent run evicts the row at the next
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncGenerator, Callable, Generator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -99,6 +99,13 @@ class _Request:
         return completion
 
 
+def _listed(items: Any, name: str) -> Sequence[Any]:
+    """``items`` if it is a list-like of entries; a str, dict or single object is named."""
+    if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Sequence | Iterable):
+        raise TypeError(f"{name} must be a list, got {type(items).__name__} {items!r:.40}")
+    return list(items)
+
+
 def _wait(handle: RequestHandle) -> Completion:
     """Block for the result; an interrupt (Ctrl-C) while waiting evicts the row."""
     try:
@@ -134,7 +141,8 @@ class MLXBatchLLM(FunctionCallingLLM):
         default=None, description="Reproducible sampling; seeded requests run one at a time.")
     stop: list[str] = Field(default_factory=list, description="Strings that end the output.")
     timeout: float | None = Field(
-        default=None, description="Seconds before a request is cancelled with an error.")
+        default=None, gt=0, allow_inf_nan=False,
+        description="Seconds before a request is cancelled with an error.")
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra chat-template variables (e.g. enable_thinking).")
     engine_config: dict[str, Any] = Field(
@@ -190,11 +198,15 @@ class MLXBatchLLM(FunctionCallingLLM):
                             f"per-call options are {list(_PER_CALL)}")
         options: dict[str, Any] = {"timeout": kwargs.get("timeout", self.timeout)}
         if kwargs.get("tools"):
-            options["tools"] = [openai_tool(tool) for tool in kwargs["tools"]]
+            options["tools"] = [openai_tool(tool) for tool in _listed(kwargs["tools"], "tools")]
         for name in ("tool_choice", "parallel_tool_calls"):
             if kwargs.get(name) is not None:
                 options[name] = kwargs[name]
-        template = {**self.chat_template_kwargs, **(kwargs.get("chat_template_kwargs") or {})}
+        extra = kwargs.get("chat_template_kwargs") or {}
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"chat_template_kwargs must be a dict of template variables, got "
+                            f"{type(extra).__name__}")
+        template = {**self.chat_template_kwargs, **extra}
         if template:
             options["chat_template_kwargs"] = template
         return _Request(prompt, self._sampling(kwargs), options)
@@ -206,6 +218,8 @@ class MLXBatchLLM(FunctionCallingLLM):
     def _completion_request(self, prompt: str, formatted: bool,
                             kwargs: Mapping[str, Any]) -> _Request:
         """A raw-text request; ``formatted=False`` applies ``completion_to_prompt`` first."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__} {prompt!r:.40}")
         if not formatted and self.completion_to_prompt is not None:
             prompt = self.completion_to_prompt(prompt)
         return self._request(prompt, kwargs)
@@ -288,14 +302,17 @@ class MLXBatchLLM(FunctionCallingLLM):
         **kwargs: Any,
     ) -> dict[str, Any]:
         """Chat keyword arguments for a tool turn; a required or named tool is grammar-forced."""
-        messages = list(chat_history or [])
+        messages = list(_listed(chat_history or [], "chat_history"))
         if isinstance(user_msg, str):
             messages.append(ChatMessage(role=MessageRole.USER, content=user_msg))
-        elif user_msg is not None:
+        elif isinstance(user_msg, ChatMessage):
             messages.append(user_msg)
+        elif user_msg is not None:
+            raise TypeError(f"user_msg must be a str or a ChatMessage, got "
+                            f"{type(user_msg).__name__}")
         chat_kwargs: dict[str, Any] = {"messages": messages, **kwargs}
         if tools:
-            chat_kwargs["tools"] = [openai_tool(tool) for tool in tools]
+            chat_kwargs["tools"] = [openai_tool(tool) for tool in _listed(tools, "tools")]
             chat_kwargs["parallel_tool_calls"] = allow_parallel_tool_calls
         if tool_choice is None and tool_required:
             tool_choice = "required"  # without tools the engine raises, naming the problem
