@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-real lint bench clean
+.PHONY: demo test test-real fuzz lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 test-real: $(STAMP)
 	$(BIN)/python -m pytest -ra -m real tests/real
+
+# Many more generated requests than the suite's bounded run.
+fuzz: $(STAMP)
+	MLX_PROVIDERS_FUZZ_EXAMPLES=2000 $(BIN)/python -m pytest -ra tests/engine/test_fuzz_engine.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check engine mlx_providers tests bench examples

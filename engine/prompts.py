@@ -19,7 +19,6 @@ from engine.request import ChatMessage, Prompt
 from engine.tool_formats import ToolFormat, detect_tool_format
 from engine.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec, with_fallback_tool_prompt
 
-
 # Roles chat templates know (OpenAI's, with the legacy "function" result role).
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 _RESULT_ROLES = frozenset({"tool", "function"})

@@ -6,6 +6,7 @@ Pure data: no mlx import, so the scheduler and streams can be tested without a m
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -132,6 +133,10 @@ class SamplingParams:
                f"must be an integer in [0, 20], got {self.top_logprobs!r}")
         _check(all(callable(p) for p in self.logits_processors), "logits_processors",
                "must be callables (tokens, logits) -> logits")
+        # mlx gets floats: an int such as 2**64 failed the batch step with every row in it.
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
         _check(self.constraint is None
                or isinstance(self.constraint, JsonSchema | JsonObject | Regex | LarkGrammar),
                "constraint", f"must be a JsonSchema, JsonObject, Regex or LarkGrammar, "
@@ -180,7 +185,9 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_real(value: Any) -> bool:
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+    if _is_int(value):  # an int too large for a float overflows on its way to mlx
+        return bool(abs(value) <= sys.float_info.max)
+    return isinstance(value, float) and math.isfinite(value)
 
 
 # Keyword arguments of ``apply_chat_template`` that the engine sets itself.

@@ -236,7 +236,7 @@ def test_good_callbacks_and_timeouts_pass() -> None:
     ("stop_token_ids", [2**31]), ("stop_token_ids", [True]), ("logits_processors", 5),
     ("logits_processors", "abc"), ("temperature", math.inf), ("temperature", "hot"),
     ("top_p", math.nan), ("min_p", -0.1), ("repetition_penalty", math.inf),
-    ("ignore_eos", 1), ("constraint", "x"), ("constraint", {"type": "object"}),
+    ("temperature", 10**400), ("ignore_eos", 1), ("constraint", "x"), ("constraint", {"type": "object"}),
 ])
 def test_bad_sampling_values_name_the_field(field: str, value: Any) -> None:
     with raises(ValueError, f"SamplingParams.{field}"):
@@ -252,6 +252,13 @@ def test_sampling_vocabulary_checks_name_the_field() -> None:
         params.check_vocabulary(60)
     assert SamplingParams(logits_processors=print).logits_processors == (print,)
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+
+
+def test_integer_sampling_reals_reach_mlx_as_floats() -> None:
+    # An int reaching mlx (2**64 overflowed int64) failed the whole batch step; floats do not.
+    params = SamplingParams(temperature=2**64, top_p=1, min_p=0, repetition_penalty=1)
+    assert [type(v) for v in (params.temperature, params.top_p, params.min_p,
+                              params.repetition_penalty)] == [float] * 4
 
 
 @pytest.mark.parametrize("build", [
