@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class EngineConfig(BaseModel):
@@ -55,6 +55,19 @@ class EngineConfig(BaseModel):
         default=3, ge=1,
         description="Model-step failures in a row before the engine declares itself dead.",
     )
+    json_string_ngram: int = Field(
+        default=4, ge=0,
+        description="Inside JSON strings of constrained output (schemas, JSON mode, forced "
+        "tool calls), refuse a token that repeats an n-gram of this many tokens already in "
+        "that string: stops greedy loops, keeps greedy deterministic (0 = off).",
+    )
+
+    @field_validator("json_string_ngram")
+    @classmethod
+    def _ngram_of_two_or_more(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError("json_string_ngram must be 0 (off) or >= 2")
+        return value
 
 
 def checked_engine_args(model: Any, config: Any) -> EngineConfig:

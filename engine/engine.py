@@ -250,7 +250,8 @@ class Engine:
         path = self.model_path
         self._touched_mlx = True  # from here on this thread owns an MLX stream
         model = load_model(path, self.config)
-        self._preparer = Preparer(model.tokenizer, path, model.vocab_size)
+        self._preparer = Preparer(model.tokenizer, path, model.vocab_size,
+                                  self.config.json_string_ngram)
         self._lanes = build_lanes(model, self.config, self._preparer.compiler)
         store = self._lanes.store
         # Cached prefixes count against the KV budget and are the first thing to give way.

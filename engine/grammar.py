@@ -17,6 +17,7 @@ import numpy as np
 from engine.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
 from engine.errors import InvalidConstraintError
 from engine.schemas import strict_schema
+from engine.string_repeats import DEFAULT_NGRAM, StringRepeats, refuse_in_bitmask
 
 # Compact JSON: no free whitespace, so a model cannot wander in indentation forever.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -44,8 +45,13 @@ def grammar_text(constraint: Constraint) -> str:
 class GrammarCompiler:
     """Builds matchers for one tokenizer; caches compiled grammars by constraint."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, cache_size: int = 64) -> None:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, cache_size: int = 64,
+                 string_ngram: int = DEFAULT_NGRAM) -> None:
+        """``string_ngram``: inside JSON strings, refuse a token that repeats an n-gram of
+        this many tokens already in the string (``StringRepeats``); 0 turns it off."""
         self._hf_tokenizer = hf_tokenizer
+        self.string_ngram = string_ngram
+        self._token_bytes: list[bytes] | None = None
         self.vocab_size = vocab_size
         self._tokenizer: Any = None
         self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
@@ -96,15 +102,28 @@ class GrammarCompiler:
 
     def row(self, constraint: Constraint) -> RowGrammar:
         """A fresh matcher for one row; close() it when the row ends, however it ends."""
-        return RowGrammar(self, self.compile(constraint).deep_copy())
+        matcher = self.compile(constraint).deep_copy()
+        repeats = (StringRepeats(self.token_bytes(), self.string_ngram)
+                   if self.string_ngram and writes_json(constraint) else None)
+        return RowGrammar(self, matcher, repeats)
+
+    def token_bytes(self) -> list[bytes]:
+        """Every token id's bytes (built once per tokenizer, ~0.1 s)."""
+        if self._token_bytes is None:
+            tokenizer = self._llg_tokenizer()
+            self._token_bytes = [tokenizer.decode_bytes([token])
+                                 for token in range(tokenizer.vocab_size)]
+        return self._token_bytes
 
 
 class RowGrammar:
     """One row's matcher: consume sampled tokens, fill the next-token mask."""
 
-    def __init__(self, compiler: GrammarCompiler, matcher: Any) -> None:
+    def __init__(self, compiler: GrammarCompiler, matcher: Any,
+                 repeats: StringRepeats | None = None) -> None:
         self._compiler = compiler
         self._matcher: Any = matcher
+        self.repeats = repeats  # refuses loops inside JSON strings, None for other grammars
         self.started = False  # the first sampler call sees the prompt's last token
         compiler.live_matchers += 1
 
@@ -113,11 +132,17 @@ class RowGrammar:
             raise InvalidConstraintError(
                 f"token {token} violates the constraint: {self._matcher.get_error()}"
             )
+        if self.repeats is not None:
+            self.repeats.advance(token)
 
     def fill(self, bitmask: np.ndarray[Any, Any], row: int) -> None:
         import llguidance.numpy
 
         llguidance.numpy.fill_next_token_bitmask(self._matcher, bitmask, row)
+        if self.repeats is not None:
+            refused = self.repeats.refused()
+            if refused:
+                refuse_in_bitmask(bitmask[row:row + 1], refused)
 
     @property
     def done(self) -> bool:
@@ -128,6 +153,16 @@ class RowGrammar:
         if self._matcher is not None:
             self._matcher = None
             self._compiler.live_matchers -= 1
+
+
+def writes_json(constraint: Constraint) -> bool:
+    """Whether a constraint's output is JSON (or holds JSON): its strings get loop guards.
+
+    A user's regex, or a Lark grammar without ``%json``, is taken exactly as written.
+    """
+    if isinstance(constraint, JsonSchema | JsonObject):
+        return True
+    return isinstance(constraint, LarkGrammar) and "%json" in constraint.grammar
 
 
 def _kind(constraint: Constraint) -> str:

@@ -19,6 +19,7 @@ from engine.constraints import Constraint, JsonSchema
 from engine.grammar import GrammarCompiler, validate_constraint
 from engine.prompts import PromptRenderer, checked_prompt
 from engine.request import Prompt, SamplingParams, check_template_options
+from engine.string_repeats import DEFAULT_NGRAM
 from engine.text import RowText
 from engine.tools import (
     ToolSpec,
@@ -64,10 +65,12 @@ class PreparedRequest:
 class Preparer:
     """Prepares requests for one tokenizer; lives on the engine thread."""
 
-    def __init__(self, tokenizer: Any, model_path: Path, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, model_path: Path, vocab_size: int,
+                 json_string_ngram: int = DEFAULT_NGRAM) -> None:
         self.tokenizer = tokenizer
         self.prompts = PromptRenderer(tokenizer, model_path, vocab_size)
-        self.compiler = GrammarCompiler(tokenizer._tokenizer, vocab_size)
+        self.compiler = GrammarCompiler(tokenizer._tokenizer, vocab_size,
+                                        string_ngram=json_string_ngram)
 
     def prepare(self, spec: RequestSpec) -> PreparedRequest:
         """Render, encode and compile; raises the request's own error if it cannot run."""
