@@ -236,7 +236,8 @@ def test_good_callbacks_and_timeouts_pass() -> None:
     ("stop_token_ids", [2**31]), ("stop_token_ids", [True]), ("logits_processors", 5),
     ("logits_processors", "abc"), ("temperature", math.inf), ("temperature", "hot"),
     ("top_p", math.nan), ("min_p", -0.1), ("repetition_penalty", math.inf),
-    ("temperature", 10**400), ("ignore_eos", 1), ("constraint", "x"), ("constraint", {"type": "object"}),
+    ("temperature", 10**400), ("ignore_eos", 1), ("constraint", "x"),
+    ("constraint", {"type": "object"}),
 ])
 def test_bad_sampling_values_name_the_field(field: str, value: Any) -> None:
     with raises(ValueError, f"SamplingParams.{field}"):
