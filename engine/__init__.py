@@ -36,6 +36,7 @@ from engine.request import (
     Usage,
 )
 from engine.stats import EngineStats
+from engine.step_probe import StepProbe, TurnReport
 from engine.streams import RequestHandle
 from engine.tools import InvalidToolCall, ToolCall
 
@@ -64,9 +65,11 @@ __all__ = [
     "RequestHandle",
     "RequestTimeoutError",
     "SamplingParams",
+    "StepProbe",
     "StreamEvent",
     "TokenLogprob",
     "ToolCall",
+    "TurnReport",
     "UnsupportedModelError",
     "Usage",
     "activate_fast_blas",

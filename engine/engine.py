@@ -40,6 +40,7 @@ from engine.request import (
 from engine.rows import Row
 from engine.scheduler import BatchMode, LaneKind, Scheduler, StepPlan, Ticket
 from engine.stats import EngineStats
+from engine.step_probe import StepProbe, TurnReport
 from engine.streams import RequestHandle, RequestStream
 from engine.update import Ending, update
 
@@ -77,9 +78,16 @@ class Engine:
     engines still open at interpreter exit are closed then.
     """
 
-    def __init__(self, model: ModelSpec = None, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: ModelSpec = None, config: EngineConfig | None = None, *,
+                 probe: StepProbe | None = None) -> None:
+        """``probe``: a test seam (``engine.StepProbe``) that injects step faults and sees
+        every turn of the loop; None (the default) costs nothing."""
         self.model_spec = model
         self.config = checked_engine_args(model, config)
+        if probe is not None and not isinstance(probe, StepProbe):
+            raise TypeError(f"probe must be an engine.StepProbe or None, got "
+                            f"{type(probe).__name__}")
+        self._probe = probe
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._resolve_lock = threading.Lock()
@@ -282,13 +290,20 @@ class Engine:
             elif command.request_id in self._rows:
                 scheduler.cancel(command.request_id)
         self._expire_deadlines()
-        self._apply(scheduler.plan())
+        plan = scheduler.plan()
+        self._apply(plan)
+        probe = self._probe
+        if probe is not None:  # the turn's peak: right after admission, before any step
+            admitted = tuple(t.request_id for kind in LaneKind for t in plan.admitted(kind))
+            peak = (scheduler.kv_bytes_projected, lanes.store.nbytes)
         stepping = 0.0
         for kind in LaneKind:
             lane = self._lane(kind)
             if len(lane):
-                stepping += self._step(lane)
+                stepping += self._step(kind, lane)
         self._publish_stats(time.perf_counter() - started - stepping)
+        if probe is not None:
+            probe.turn_ended(TurnReport(admitted, *peak, self.stats()))
         return True
 
     def _lane(self, kind: LaneKind) -> Lane:
@@ -365,10 +380,12 @@ class Engine:
         with self._stats_lock:
             self._stats.prompt_tokens += admitted
 
-    def _step(self, lane: Lane) -> float:
+    def _step(self, kind: LaneKind, lane: Lane) -> float:
         """Step one lane, decide what its tokens mean, publish; returns the step's seconds."""
         started = time.perf_counter()
         try:
+            if self._probe is not None:
+                self._probe.before_step(kind.value)
             step = lane.step()
         except Exception as exc:  # contained below, or fatal after retries
             self._model_failure(lane, exc)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import engine  # noqa: F401 - loads the fast BLAS before anything imports mlx
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams, StepProbe
 from tests.tiny_model import build_tiny_model
 
 _build_lock = threading.Lock()
@@ -50,8 +50,10 @@ def make_engine(tiny_model_dir: Path) -> Iterator[Callable[..., Engine]]:
     """Factory for engines on the tiny model; all are closed after the test."""
     engines: list[Engine] = []
 
-    def factory(model: Path | None = None, **config: object) -> Engine:
-        eng = Engine(model or tiny_model_dir, EngineConfig(**config))  # type: ignore[arg-type]
+    def factory(model: Path | None = None, *, probe: StepProbe | None = None,
+                **config: object) -> Engine:
+        eng = Engine(model or tiny_model_dir, EngineConfig(**config),  # type: ignore[arg-type]
+                     probe=probe)
         engines.append(eng)
         return eng.start()
 

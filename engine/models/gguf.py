@@ -18,6 +18,8 @@ import json
 import mmap
 import os
 import struct
+import sys
+import threading
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -427,6 +429,19 @@ def _respell(token: str) -> str:
 def _write_json(path: Path, value: Mapping[str, Any]) -> None:
     """Pretty, UTF-8 JSON (chat templates and tokens keep their characters)."""
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    _wrote(path)
+
+
+# A test seam: a process converting with this set to a file name (``config.json``) says so on
+# stderr once that file is written and then blocks forever, so a test can kill it at a known
+# point in the middle of a conversion. Unset (always, outside tests) it costs one lookup a file.
+PAUSE_ENV_VAR = "MLX_PROVIDERS_TEST_PAUSE_CONVERSION_AFTER"
+
+
+def _wrote(path: Path) -> None:
+    if os.environ.get(PAUSE_ENV_VAR) == path.name:
+        print(f"{PAUSE_ENV_VAR}: paused after writing {path}", file=sys.stderr, flush=True)
+        threading.Event().wait()
 
 
 # --- the conversion -----------------------------------------------------------------------------
@@ -457,6 +472,7 @@ def convert_gguf(
     out.mkdir(parents=True, exist_ok=True)
     weights, bits = _load_weights(src, header, quantized=quantized, float_dtype=float_dtype)
     save_weights(out / "model.safetensors", weights)
+    _wrote(out / "model.safetensors")
     del weights
     config = _model_config(header, bits, float_dtype)
     _write_json(out / "config.json", config)

@@ -13,6 +13,7 @@ from engine import (
     EngineError,
     FinishReason,
     SamplingParams,
+    StepProbe,
 )
 from engine.device.batch_lane import BatchLane
 from tests.conftest import alone, greedy, prompts_of_lengths, wait_until
@@ -53,47 +54,96 @@ def test_raising_logits_processor_fails_only_its_row(tiny_engine: Engine) -> Non
     assert tiny_engine.submit(prompts[0], greedy(30)).result().token_ids == reference[0]
 
 
-def test_step_failure_fails_rows_in_flight_then_recovers(tiny_engine: Engine,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    prompt = prompts_of_lengths(tiny_engine, [15])[0]
-    expected = alone(tiny_engine, [prompt], greedy(20))[0]
-    real_step = BatchLane.step
-    failures = [1]
+def test_step_failure_fails_rows_in_flight_then_recovers(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """One injected step fault: the rows in flight fail with EngineError (the fault as
+    cause); a row still waiting then, and rows submitted after, run as if alone."""
+    probe = StepProbe()
+    eng = make_engine(probe=probe, max_batch=3, prefill_chunk=64)
+    prompts = prompts_of_lengths(eng, [15, 25, 35, 20], seed=37)
+    expected = alone(eng, prompts, greedy(20))
+    started: set[int] = set()
 
-    def failing_step(self: BatchLane):  # type: ignore[no-untyped-def]
-        if failures[0]:
-            failures[0] -= 1
-            raise RuntimeError("simulated device fault")
-        return real_step(self)
+    def starter(i: int):  # type: ignore[no-untyped-def]
+        return lambda _t, _d: started.add(i)
 
-    monkeypatch.setattr(BatchLane, "step", failing_step)
-    in_flight = [tiny_engine.submit(prompt, greedy(20)) for _ in range(3)]
+    # Long rows, so they are surely still decoding when the fault comes.
+    in_flight = [eng.submit(p, greedy(400), on_token=starter(i))
+                 for i, p in enumerate(prompts[:3])]
+    waiting = eng.submit(prompts[3], greedy(20))  # max_batch=3: not admitted yet
+    wait_until(lambda: len(started) == 3)
+    fault = RuntimeError("simulated device fault")
+    probe.fail_next(fault)
     for handle in in_flight:
         with pytest.raises(EngineError) as info:
             handle.result(timeout=30)
         assert isinstance(info.value.__cause__, RuntimeError)
-    assert tiny_engine.submit(prompt, greedy(20)).result(timeout=30).token_ids == expected
-    assert tiny_engine.stats().running == 0
+        assert info.value.__cause__ is fault and not isinstance(info.value, EngineDeadError)
+    assert probe.faults_raised == 1
+    assert waiting.result(timeout=30).token_ids == expected[3]
+    later = [eng.submit(p, greedy(20)) for p in prompts]
+    assert [h.result(timeout=30).token_ids for h in later] == expected
+    assert eng.submit(prompts[0], greedy(20)).result(timeout=30).token_ids == expected[0]
+    wait_until(lambda: eng.stats().running == 0)
+    assert eng.stats().failed == 3
 
 
-def test_persistent_step_failure_kills_the_engine_and_nobody_hangs(
-        make_engine, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    eng = make_engine(max_batch=1, max_consecutive_step_failures=2)
-
-    def always_fail(self: BatchLane):  # type: ignore[no-untyped-def]
-        raise RuntimeError("device lost")
-
-    monkeypatch.setattr(BatchLane, "step", always_fail)
+def test_persistent_step_failure_kills_the_engine_and_nobody_hangs(make_engine) -> None:  # type: ignore[no-untyped-def]
+    probe = StepProbe()
+    eng = make_engine(probe=probe, max_batch=1, max_consecutive_step_failures=2)
+    tokens: list[int] = []
     # max_batch=1: the first two fail in their own steps, the third is still pending.
-    handles = [eng.submit(f"hello {i}", greedy(10)) for i in range(3)]
+    handles = [eng.submit(f"hello {i}", greedy(300),
+                          on_token=(lambda t, _: tokens.append(t)) if i == 0 else None)
+               for i in range(3)]
+    wait_until(lambda: len(tokens) > 0)  # the first row is decoding
+    fault = RuntimeError("device lost")
+    probe.fail_always(fault)
     for handle in handles[:2]:
         with pytest.raises(EngineError) as info:
             handle.result(timeout=30)
         assert isinstance(info.value.__cause__, RuntimeError)
+        assert info.value.__cause__ is fault and not isinstance(info.value, EngineDeadError)
     with pytest.raises(EngineDeadError):
         handles[2].result(timeout=30)
     with pytest.raises(EngineDeadError):
         eng.submit("later", greedy(3))
+    assert probe.faults_raised == 2
+
+
+def test_after_the_last_allowed_failure_every_waiter_gets_engine_dead(make_engine) -> None:  # type: ignore[no-untyped-def]
+    """Faults on every step: the rows of the failing steps fail with EngineError, the moment
+    the limit is reached every other waiter (sync or async) gets EngineDeadError, and so
+    does every later submit, at once."""
+    import asyncio
+
+    probe = StepProbe()
+    eng = make_engine(probe=probe, max_batch=2, max_consecutive_step_failures=3)
+    handles = [eng.submit(f"request {i}", greedy(400)) for i in range(10)]
+    fault = RuntimeError("device lost for good")
+    probe.fail_always(fault)  # armed after the submits: none of them can meet a dead engine
+
+    async def await_last() -> BaseException:
+        with pytest.raises(EngineDeadError) as info:
+            await handles[-1].aresult()
+        return info.value
+
+    dead = asyncio.run(asyncio.wait_for(await_last(), timeout=30))
+    errors = []
+    for handle in handles:
+        with pytest.raises(EngineError) as info:
+            handle.result(timeout=30)
+        errors.append(info.value)
+    step_failures = [e for e in errors if not isinstance(e, EngineDeadError)]
+    assert probe.faults_raised == 3
+    assert 3 <= len(step_failures) <= 6  # one or two rows in each failed step
+    assert errors[:len(step_failures)] == step_failures  # FIFO: the first rows met the faults
+    assert all(e.__cause__ is fault for e in step_failures)
+    assert dead.__cause__ is fault and "3 model steps failed" in str(dead)
+    with pytest.raises(EngineDeadError):
+        eng.submit("later", greedy(3))
+    with pytest.raises(EngineDeadError):
+        eng.start()
+    assert eng.stats().failed == 10
 
 
 def test_load_failure_is_reported_not_hung(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,97 @@
+"""StepProbe: a test seam on the engine thread's loop (injected step faults, turn reports).
+
+Tests and diagnostics pass one to ``Engine(model, config, probe=StepProbe())``; it is not a
+production feature. An engine without a probe pays one ``is None`` check per lane step and
+one per turn of its loop. Pure: it never touches the model and imports no mlx.
+
+- ``fail_next(error, steps=1)`` and ``fail_always(error)`` make the next lane steps raise
+  ``error`` where a model step raises (just before ``Lane.step``), so the engine's own
+  containment runs unchanged: the rows in that lane fail with ``EngineError`` whose
+  ``__cause__`` is ``error``, and after ``max_consecutive_step_failures`` failed steps in a
+  row the engine dies (``EngineDeadError`` for every waiter and every later submit).
+- ``on_turn(report)``, if given, runs on the engine thread at the end of every turn of the
+  loop with a ``TurnReport``. It must be quick and must not raise: an exception there kills
+  the engine, as any bug in the loop would.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.stats import EngineStats
+
+
+@dataclass(frozen=True)
+class TurnReport:
+    """One turn of the engine loop, as a probe sees it."""
+
+    admitted: tuple[int, ...]  # request ids started this turn, batch lane first, in order
+    kv_bytes_projected: int  # worst-case KV bytes of the running rows right after admission
+    prefix_bytes: int  # bytes the prefix cache held right after admission
+    stats: EngineStats  # a snapshot at the end of the turn, after the lane steps
+
+
+class StepProbe:
+    """Injects model-step faults and observes every turn; thread-safe to arm from anywhere."""
+
+    def __init__(self, on_turn: Callable[[TurnReport], None] | None = None) -> None:
+        if on_turn is not None and not callable(on_turn):
+            raise TypeError(f"on_turn must be callable, got {type(on_turn).__name__}")
+        self.on_turn = on_turn
+        self._lock = threading.Lock()
+        self._error: Exception | None = None
+        self._remaining = 0  # steps still to fail; -1: every step
+        self._raised = 0
+
+    def fail_next(self, error: Exception, steps: int = 1) -> None:
+        """Make the next ``steps`` lane steps raise ``error``."""
+        _check_error(error)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        with self._lock:
+            self._error, self._remaining = error, steps
+
+    def fail_always(self, error: Exception) -> None:
+        """Make every lane step raise ``error`` until ``stop_failing()``."""
+        _check_error(error)
+        with self._lock:
+            self._error, self._remaining = error, -1
+
+    def stop_failing(self) -> None:
+        with self._lock:
+            self._error, self._remaining = None, 0
+
+    @property
+    def faults_raised(self) -> int:
+        """Lane steps this probe has made fail."""
+        with self._lock:
+            return self._raised
+
+    # ----- called by the engine thread -----------------------------------------------------
+
+    def before_step(self, lane: str) -> None:
+        """Raise the armed fault, if any (``lane`` is ``"batch"`` or ``"serial"``)."""
+        with self._lock:
+            error = self._error
+            if error is None:
+                return
+            if self._remaining > 0:
+                self._remaining -= 1
+                if self._remaining == 0:
+                    self._error = None
+            self._raised += 1
+        raise error
+
+    def turn_ended(self, report: TurnReport) -> None:
+        if self.on_turn is not None:
+            self.on_turn(report)
+
+
+def _check_error(error: object) -> None:
+    if not isinstance(error, Exception):
+        raise TypeError(f"error must be an Exception instance, got {type(error).__name__}")
+
+
+__all__ = ["StepProbe", "TurnReport"]
