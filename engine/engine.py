@@ -292,6 +292,7 @@ class Engine:
         self._expire_deadlines()
         plan = scheduler.plan()
         self._apply(plan)
+        scheduler.fit_cache()  # rows evicted by the plan may have stored their KV
         probe = self._probe
         if probe is not None:  # the turn's peak: right after admission, before any step
             admitted = tuple(t.request_id for kind in LaneKind for t in plan.admitted(kind))
@@ -301,6 +302,7 @@ class Engine:
             lane = self._lane(kind)
             if len(lane):
                 stepping += self._step(kind, lane)
+        scheduler.fit_cache()  # heads and finished rows may have been stored
         self._publish_stats(time.perf_counter() - started - stepping)
         if probe is not None:
             probe.turn_ended(TurnReport(admitted, *peak, self.stats()))

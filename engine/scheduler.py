@@ -150,6 +150,21 @@ class Scheduler:
             self._reclaim(self.kv_budget_bytes - needed)
         return needed + self._cache_bytes() <= self.kv_budget_bytes
 
+    def fit_cache(self) -> None:
+        """Shrink the prefix cache into the budget's room beside the running rows.
+
+        Admission makes room before a row is admitted, but the cache also grows while rows
+        run: a chat head is stored while its leader still prefills, and an evicted row's KV
+        is stored after the plan that admitted others. The engine calls this after applying
+        each plan and after each step, so running rows plus cache never exceed the budget
+        at a step boundary.
+        """
+        if self.kv_budget_bytes is None:
+            return
+        room = max(0, self.kv_budget_bytes - self.kv_bytes_projected)
+        if self._cache_bytes() > room:
+            self._reclaim(room)
+
     def _admit(self, plan: StepPlan) -> None:
         # Strict FIFO per lane: a head that does not fit yet blocks those behind it,
         # so a large request cannot starve; it fits alone, so it runs once rows drain.

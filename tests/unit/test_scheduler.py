@@ -80,6 +80,30 @@ def test_kv_budget_reject_alone_and_wait_beside_others() -> None:
     assert [t.request_id for t in s.plan().admit] == [3]
 
 
+def test_cache_grown_while_rows_run_is_shrunk_into_the_room_they_leave() -> None:
+    cache = [0]
+    reclaimed: list[int] = []
+
+    def reclaim(limit: int) -> None:
+        reclaimed.append(limit)
+        cache[0] = min(cache[0], limit)
+
+    s = Scheduler(KV, 8, kv_budget_bytes=2000, cache_bytes=lambda: cache[0], reclaim=reclaim)
+    s.enqueue(Ticket(1, 50, 40, s.validate(50, 40), LaneKind.BATCH))  # 1800 bytes
+    s.plan()
+    cache[0] = 150  # a head stored while its row runs: within the 200 bytes left
+    s.fit_cache()
+    assert reclaimed == []
+    cache[0] = 900  # more than the room beside the running row
+    s.fit_cache()
+    assert reclaimed == [200] and s.kv_bytes_projected + cache[0] <= 2000
+    s.finish([1])
+    s.fit_cache()  # the row ended: the whole budget is room again
+    assert reclaimed == [200]
+    Scheduler(KV, 8, None, cache_bytes=lambda: 10**9, reclaim=reclaim).fit_cache()  # no budget
+    assert reclaimed == [200]
+
+
 def test_sliding_window_caps_projected_bytes() -> None:
     fp = ModelFootprint.of(
         [LayerFootprint("RotatingKVCache", True, bytes_per_token=4, window=16),
