@@ -20,7 +20,15 @@ from tests.adapters.test_langchain_standard import CacheReadUsage
 pytestmark = pytest.mark.real
 
 # Standard tests SmolLM2-135M cannot pass, by test name: what it does instead (measured).
-MODEL_XFAILS: dict[str, str] = {}
+_NO_AUTO_CALL = ("with tool_choice='auto' SmolLM2-135M answers in prose ('The weather in San "
+                 "Francisco is ...') instead of calling get_weather, in its own trained tool "
+                 "format as in the fallback prompt (measured 2026-12-03)")
+MODEL_XFAILS: dict[str, str] = {
+    "test_json_mode": "JSON mode forces only some JSON object: SmolLM2-135M writes a long "
+                      "'setup' string and closes the object without the 'punchline' key the "
+                      "prompt asks for (measured 2026-12-03)",
+    "test_agent_loop": _NO_AUTO_CALL,
+}
 
 
 class TestChatMLXBatchDefaultModel(CacheReadUsage, ChatModelIntegrationTests):
