@@ -455,6 +455,7 @@ class Engine:
         scheduler, lanes = self._scheduler, self._lanes
         assert scheduler is not None and lanes is not None
         store = lanes.store
+        active, cached = lanes.device_memory()
         with self._stats_lock:
             self._stats.overhead_seconds += overhead
             self._stats.running = scheduler.running
@@ -468,6 +469,8 @@ class Engine:
             self._stats.prefix_evictions = store.stats.evictions + store.stats.expirations
             self._stats.prefix_bytes = store.nbytes
             self._stats.prefix_entries = len(store)
+            self._stats.mlx_active_bytes = active
+            self._stats.mlx_cache_bytes = cached
 
     def _shutdown(self) -> None:
         error = EngineClosedError("the engine was closed while the request ran")

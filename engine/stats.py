@@ -31,3 +31,7 @@ class EngineStats:
     prefix_evictions: int = 0  # entries dropped by the byte cap, LRU or TTL
     prefix_bytes: int = 0  # KV bytes the prefix cache holds now
     prefix_entries: int = 0
+    # MLX's allocator, read on the engine thread each turn: live arrays (weights, KV, the
+    # prefix store) and freed buffers it keeps for reuse (mx.clear_cache releases them).
+    mlx_active_bytes: int = 0
+    mlx_cache_bytes: int = 0

@@ -46,6 +46,11 @@ class Lanes:
     serial: SerialLane
     store: PrefixStore
 
+    @staticmethod
+    def device_memory() -> tuple[int, int]:
+        """MLX's allocator now: bytes in live arrays, bytes it keeps cached for reuse."""
+        return int(mx.get_active_memory()), int(mx.get_cache_memory())
+
 
 def load_model(path: Path, config: EngineConfig) -> LoadedModel:
     """Load on this (the engine) thread; every later MLX call must come from it too."""

@@ -41,6 +41,21 @@ def test_evicted_rows_release_their_kv_memory(make_engine) -> None:  # type: ign
     assert eng._lanes.batch.generator.prompt_cache_nbytes == 0
 
 
+def test_stats_report_mlx_allocator_memory(make_engine, tiny_model_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    eng = make_engine()
+    tokens: list[int] = []
+    handle = eng.submit("count " * 40, greedy(400), on_token=lambda t, _: tokens.append(t))
+    wait_until(lambda: len(tokens) > 20)
+    # Live arrays hold at least the weights (safetensors files: weights plus small headers)
+    # and what the prefix store keeps.
+    weights = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+    during = eng.stats()
+    assert during.mlx_active_bytes >= 0.95 * weights + during.prefix_bytes
+    handle.cancel()
+    handle.result()
+    wait_until(lambda: eng.stats().running == 0)
+
+
 def test_process_exits_cleanly_with_an_engine_still_open(tiny_model_dir: Path) -> None:
     script = textwrap.dedent(f"""
         import engine
