@@ -12,6 +12,7 @@ Callers on any thread or event loop only enqueue ``_Submit`` / ``_Cancel`` /
 from __future__ import annotations
 
 import atexit
+import gc
 import itertools
 import logging
 import os
@@ -107,6 +108,7 @@ class Engine:
         self._scheduler: Scheduler | None = None
         self._rows: dict[int, Row] = {}
         self._consecutive_failures = 0
+        self._ended_since_collect = False
         self._touched_mlx = False
         _live_engines.add(self)
 
@@ -242,7 +244,7 @@ class Engine:
             self._load()
             self._loaded.set()
             while self._serve_once():
-                pass
+                self._collect_when_idle()
         except BaseException as exc:  # every waiter must learn of it
             self._die(exc)
         finally:
@@ -411,9 +413,22 @@ class Engine:
                 self._end(ending)
         return seconds
 
+    def _collect_when_idle(self) -> None:
+        # mlx-lm's finished batches (and failed rows' tracebacks) sit in reference cycles that
+        # pin their KV arrays until Python's cyclic GC happens to run: ~6-16 MB of device
+        # memory no counter showed after a 600-request storm on the tiny model. Collecting
+        # once the engine has nothing to run returns it at no cost to any row's latency.
+        scheduler = self._scheduler
+        if (self._ended_since_collect and scheduler is not None
+                and scheduler.running == 0 and scheduler.pending == 0):
+            self._ended_since_collect = False
+            gc.collect()
+            self._publish_stats()  # the memory figures after the collection
+
     def _end(self, ending: Ending) -> None:
         """A row's last event: the row leaves the engine, its consumer wakes last."""
         row = ending.row
+        self._ended_since_collect = True
         self._rows.pop(row.request_id, None)
         was = row.status
         event, completion = row.final(ending.reason, ending.error, ending.delta,
