@@ -54,6 +54,8 @@ def main() -> None:
                 churn.run_round(args.per_round, start=round_ * args.per_round)
                 while (stats := eng.stats()).running or stats.pending:
                     time.sleep(0.05)
+                time.sleep(0.3)  # the engine collects cycles once idle, then republishes
+                stats = eng.stats()
                 report = churn.report
                 errors = sum(n for outcome, n in report.outcomes.items() if outcome[0].isupper()
                              or outcome.startswith("_"))
