@@ -20,6 +20,7 @@ from langchain_core.language_models import LangSmithParams, LanguageModelInput, 
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_core.prompt_values import PromptValue
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.runnables.config import get_config_list
 from pydantic import Field, field_validator, model_validator
@@ -201,6 +202,14 @@ class ChatMLXBatch(BaseChatModel):
     def engine(self) -> Engine:
         """The process-wide engine for this model (created, not loaded, on first access)."""
         return get_engine(self.model, **self.engine_config)
+
+    def _convert_input(self, model_input: LanguageModelInput) -> PromptValue:
+        # LangChain's message coercion raises NotImplementedError for inputs it cannot
+        # read ([(None,)], [b""]): a bad argument, so the caller gets a TypeError.
+        try:
+            return super()._convert_input(model_input)
+        except NotImplementedError as exc:
+            raise TypeError(f"input must be a string, messages or a PromptValue: {exc}") from exc
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` with the model's tokenizer (loads the model)."""

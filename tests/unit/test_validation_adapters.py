@@ -152,6 +152,9 @@ BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
     (lambda c: c.invoke("hi", response_format={"type": "json_schema", "json_schema": 5}),
      TypeError, "schema must be"),
     (lambda c: c.invoke("hi", seed=2**64), ValueError, "SamplingParams.seed"),
+    # LangChain's coercion raised NotImplementedError for these (found by fuzzing).
+    (lambda c: c.invoke([(None,)]), TypeError, "input must be"),
+    (lambda c: c.invoke([b""]), TypeError, "input must be"),
 ])
 def test_langchain_calls_name_bad_arguments(chat: ChatMLXBatch, call: Any,
                                             kind: type[BaseException], match: str) -> None:
