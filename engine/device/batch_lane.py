@@ -6,10 +6,17 @@ a row: ``engine.update`` decides, and the loop calls ``remove``. Before a row is
 prefilled its prompt is looked up in the prefix cache (stored entries and running
 rows); the first row with a new shared head prefills it as its own segment, stores it,
 and the rows with the same head wait for it.
+
+Rows reach the generator in prefill groups of at most ``prefill_batch``. mlx-lm returns a
+step's decoded tokens only after that step's prefill, so rows fed while a group is on its
+last prompt chunk would hold back that group's first tokens for their whole prefill. New
+rows therefore wait until every row in the group ahead is either still more than a chunk
+from the end of its prompt or has produced its first token; the wait is at most two steps.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +43,7 @@ _NO_LIMIT = 1 << 62
 HeadKey = tuple[int, ...]
 
 
-@dataclass
+@dataclass(eq=False)  # rows are compared by identity: two requests may look alike
 class _BatchRow:
     """A row the lane holds: its request, its grammar, a failure of its own code."""
 
@@ -62,8 +69,10 @@ class BatchLane:
         self._compiler = compiler
         self._samplers = samplers
         self.reuse = reuse
+        self._group = min(prefill_batch, max_batch)
+        self._chunk = prefill_chunk
         self._options = dict(completion_batch_size=max_batch,
-                             prefill_batch_size=min(prefill_batch, max_batch),
+                             prefill_batch_size=self._group,
                              prefill_step_size=prefill_chunk, max_kv_size=max_kv_size)
         self._generator = self._new_generator()
         self._no_stops = StopSequences(None)
@@ -75,6 +84,10 @@ class BatchLane:
         self._head_of_leader: dict[int, HeadKey] = {}
         self._deferred: dict[HeadKey, list[_BatchRow]] = {}
         self._cached_report: dict[int, int] = {}
+        # Rows admitted but not yet given to the generator, and those given to it that
+        # have not produced a token yet: request id -> prompt tokens it has left to prefill.
+        self._queued: deque[_BatchRow] = deque()
+        self._awaiting_first: dict[int, int] = {}
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(self._model, stream=self._stream, **self._options)
@@ -103,34 +116,54 @@ class BatchLane:
         """Rows admitted together that share a prompt prefix prefill it once.
 
         Greedy clustering in arrival order: a row joins the first group whose common prefix
-        with it is long enough to store, which shortens that group's key to what they all
-        share. A group of two or more gets that prefix as its head: its first row prefills
-        and stores it, the others wait for it (as for a chat head) and reuse it.
+        with it is long enough to store and longer than every member's chat head, which
+        shortens that group's key to what they all share. A group of two or more gets that
+        prefix as its head: its first row prefills and stores it, the others wait for it
+        (as for a chat head) and reuse it. A row that shares no more than its chat head
+        keeps that head, which groups it with its twins as before.
         """
         if not self.reuse.enabled or len(rows) < 2:
             return
         least = self.reuse.store.min_tokens
-        groups: list[tuple[np.ndarray[Any, Any], list[_BatchRow]]] = []
+        # (key, members, the longest chat head among them)
+        groups: list[tuple[np.ndarray[Any, Any], list[_BatchRow], int]] = []
         for row in rows:
-            if row.head_len:
-                continue  # a chat head of its own (system + tools) already groups it
             prompt = np.asarray(row.row.prompt)
-            for i, (key, members) in enumerate(groups):
+            for i, (key, members, floor) in enumerate(groups):
                 shared = common_prefix(key, prompt)
-                if shared >= least:
-                    groups[i] = (key[:shared], [*members, row])
+                if shared >= least and shared > max(floor, row.head_len):
+                    groups[i] = (key[:shared], [*members, row], max(floor, row.head_len))
                     break
             else:
-                groups.append((prompt[:-1], [row]))
-        for key, members in groups:
+                groups.append((prompt[:-1], [row], row.head_len))
+        for key, members, _ in groups:
             if len(members) > 1:
                 for member in members:
                     member.head_len = int(key.shape[0])
 
-    def _start(self, rows: list[_BatchRow]) -> None:
+    def _start(self, rows: list[_BatchRow], *, joining: bool = False) -> None:
+        """Queue rows for the generator; ``joining`` rows may join the group in flight."""
+        if joining:
+            self._queued.extendleft(reversed(rows))
+        else:
+            self._queued.extend(rows)
+        self._feed(joining)
+
+    def _feed(self, joining: bool = False) -> None:
+        """Give the generator queued rows unless that would delay a group's first tokens.
+
+        Rows are held while any row in flight is within a chunk of its prompt's end and
+        has no token yet, and join at most ``prefill_batch`` rows in flight. Twins released
+        by a stored head join the leader's group while it has room: they were admitted
+        with it, and waiting for the leader's first token would cost them two steps.
+        """
+        if not joining and any(left <= self._chunk for left in self._awaiting_first.values()):
+            return
+        room = self._group - len(self._awaiting_first)
         ready: list[_BatchRow] = []
         plans = []
-        for row in rows:  # in order: the first row with a new head becomes its leader
+        while self._queued and len(ready) < room:
+            row = self._queued.popleft()  # in order: a row with a new head leads it
             head = row.head
             if head is not None and head in self._heads_in_flight:
                 self._deferred.setdefault(head, []).append(row)
@@ -148,11 +181,12 @@ class BatchLane:
             logits_processors=[self._processors(row) for row in ready],
             stop_sequences=[self._no_stops] * len(ready),
         )
-        for uid, row in zip(uids, ready):
+        for uid, row, (segments, *_) in zip(uids, ready, plans):
             request_id = row.row.request_id
             self._uid_to_request[uid] = request_id
             self._request_to_uid[request_id] = uid
             self._cached_report[request_id] = row.cached_tokens
+            self._awaiting_first[request_id] = sum(len(part) for part in segments)
 
     def _processors(self, row: _BatchRow) -> list[LogitsProcessor]:
         processors = [guarded(row, p) for p in penalty_processors(row.row.params)]
@@ -195,7 +229,7 @@ class BatchLane:
             self._head_of_leader.pop(leader, None)
         waiting = self._deferred.pop(key, [])
         if waiting:
-            self._start(waiting)
+            self._start(waiting, joining=True)
 
     def take_cached_tokens(self) -> dict[int, int]:
         report, self._cached_report = self._cached_report, {}
@@ -216,8 +250,11 @@ class BatchLane:
         uid = self._request_to_uid.pop(request_id, None)
         if uid is not None:
             self._uid_to_request.pop(uid, None)
+        self._awaiting_first.pop(request_id, None)
         row = self._rows.pop(request_id, None)
         if row is not None:
+            if row in self._queued:
+                self._queued.remove(row)
             if row.grammar is not None:
                 row.grammar.close()
             key = row.head
@@ -231,6 +268,8 @@ class BatchLane:
 
     def reset(self) -> list[int]:
         dropped = list(self._rows)
+        self._queued.clear()
+        self._awaiting_first.clear()
         self._deferred.clear()
         self._heads_in_flight.clear()
         self._head_of_leader.clear()
@@ -246,11 +285,18 @@ class BatchLane:
         progress, responses = self._generator.next()
         result = LaneStep(width=len(responses))
         for prompt_response in progress:
+            request_id = self._uid_to_request.get(prompt_response.uid)
+            if request_id in self._awaiting_first:
+                done, total = prompt_response.progress
+                self._awaiting_first[request_id] = total - done
             if prompt_response.end_of_segment and not prompt_response.end_of_prompt:
                 self._maybe_store_head(prompt_response.uid)
         for response in responses:
             request_id = self._uid_to_request.get(response.uid)
-            row = self._rows.get(request_id) if request_id is not None else None
+            row = None
+            if request_id is not None:
+                self._awaiting_first.pop(request_id, None)
+                row = self._rows.get(request_id)
             if row is None or row.failure is not None:
                 continue
             token = int(response.token)
@@ -261,6 +307,7 @@ class BatchLane:
         for request_id, row in self._rows.items():
             if row.failure is not None:
                 result.failed[request_id] = row.failure
+        self._feed()  # the group ahead has its first tokens: the next one prefills now
         result.cached_tokens = self.take_cached_tokens()
         return result
 
