@@ -118,3 +118,23 @@ def test_rows_admitted_together_prefill_their_shared_prefix_once(tiny_model_dir:
     assert cached[0] == 0 and all(c >= common for c in cached[1:])
     assert stats.prefix_hits >= 5
     assert stats.prompt_tokens == sum(r.usage.prompt_tokens for r in results)
+
+
+def test_rows_with_a_system_message_share_more_than_their_chat_head(
+        tiny_model_dir: Path) -> None:
+    # Same system message (the chat head) and a long common start of the user message: the
+    # shared part is the whole common prefix, not only the head.
+    system = {"role": "system", "content": "You are terse."}
+    shared = "Please answer briefly. " + " ".join(f"fact{i}" for i in range(60))
+    prompts = [[system, {"role": "user", "content": f"{shared} Which is number {i}?"}]
+               for i in range(6)]
+    with Engine(tiny_model_dir, EngineConfig(max_batch=8, prefix_cache_bytes=0)) as cold:
+        expected = [cold.submit(p, greedy(10)).result(timeout=120).token_ids for p in prompts]
+    with Engine(tiny_model_dir, EngineConfig(max_batch=8, prefill_batch=8)) as warm:
+        warm.start()
+        common = len(warm.tokenizer.encode(shared, add_special_tokens=False))
+        handles = [warm.submit(p, greedy(10)) for p in prompts]
+        results = [h.result(timeout=120) for h in handles]
+    assert [r.token_ids for r in results] == expected
+    cached = [r.usage.cached_tokens for r in results]
+    assert cached[0] == 0 and all(c >= common for c in cached[1:])
