@@ -9,6 +9,8 @@ one per turn of its loop. Pure: it never touches the model and imports no mlx.
   containment runs unchanged: the rows in that lane fail with ``EngineError`` whose
   ``__cause__`` is ``error``, and after ``max_consecutive_step_failures`` failed steps in a
   row the engine dies (``EngineDeadError`` for every waiter and every later submit).
+- ``slow_steps(seconds)`` makes every lane step take at least that long longer (a slow
+  model, for timing tests of callers such as the server); ``slow_steps(0)`` undoes it.
 - ``on_turn(report)``, if given, runs on the engine thread at the end of every turn of the
   loop with a ``TurnReport``. It must be quick and must not raise: an exception there kills
   the engine, as any bug in the loop would.
@@ -17,6 +19,7 @@ one per turn of its loop. Pure: it never touches the model and imports no mlx.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +47,7 @@ class StepProbe:
         self._error: Exception | None = None
         self._remaining = 0  # steps still to fail; -1: every step
         self._raised = 0
+        self._delay = 0.0
 
     def fail_next(self, error: Exception, steps: int = 1) -> None:
         """Make the next ``steps`` lane steps raise ``error``."""
@@ -63,6 +67,14 @@ class StepProbe:
         with self._lock:
             self._error, self._remaining = None, 0
 
+    def slow_steps(self, seconds: float) -> None:
+        """Sleep ``seconds`` before every lane step (0 = full speed again)."""
+        if (not isinstance(seconds, int | float) or isinstance(seconds, bool)
+                or not 0 <= seconds < float("inf")):
+            raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        with self._lock:
+            self._delay = float(seconds)
+
     @property
     def faults_raised(self) -> int:
         """Lane steps this probe has made fail."""
@@ -72,7 +84,12 @@ class StepProbe:
     # ----- called by the engine thread -----------------------------------------------------
 
     def before_step(self, lane: str) -> None:
-        """Raise the armed fault, if any (``lane`` is ``"batch"`` or ``"serial"``)."""
+        """Sleep the set delay, then raise the armed fault, if any (``lane`` is ``"batch"``
+        or ``"serial"``)."""
+        with self._lock:
+            delay = self._delay
+        if delay:
+            time.sleep(delay)
         with self._lock:
             error = self._error
             if error is None:

@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 
 import engine  # noqa: F401 - loads the fast BLAS before anything imports mlx
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, StepProbe
 from mlx_providers.server import ServerSettings, create_app
 from mlx_providers.server.responses_store import ResponseStore
 
@@ -80,14 +80,22 @@ def live_server(server_engine: Engine) -> Iterator[LiveServer]:
 
 
 @pytest.fixture
-def serve(tiny_model_dir: Path) -> Iterator[Callable[..., tuple[LiveServer, Engine]]]:
+def step_probe() -> StepProbe:
+    """The probe every engine ``serve`` makes runs with: slow or failing steps on demand."""
+    return StepProbe()
+
+
+@pytest.fixture
+def serve(tiny_model_dir: Path,
+          step_probe: StepProbe) -> Iterator[Callable[..., tuple[LiveServer, Engine]]]:
     """Factory: a fresh engine (statistics from zero) and server for one test."""
     started: list[tuple[LiveServer, Engine]] = []
 
     def factory(settings: ServerSettings | None = None, store: ResponseStore | None = None,
                 **config: object) -> tuple[LiveServer, Engine]:
         eng = Engine(tiny_model_dir, EngineConfig(**{"max_batch": 8, "prefill_chunk": 64,
-                                                      **config}))  # type: ignore[arg-type]
+                                                      **config}),  # type: ignore[arg-type]
+                     probe=step_probe)
         server = LiveServer(create_app({"tiny": eng}, settings=settings, store=store)).start()
         started.append((server, eng))
         return server, eng
@@ -99,19 +107,6 @@ def serve(tiny_model_dir: Path) -> Iterator[Callable[..., tuple[LiveServer, Engi
 
 
 @pytest.fixture
-def slow_steps(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
-    """Make every batch step take at least ``seconds`` (a slow model, for timing tests)."""
-    import time
-
-    from engine.device.batch_lane import BatchLane
-
-    def slow(seconds: float) -> None:
-        step = BatchLane.step
-
-        def slowed(self: BatchLane) -> object:
-            time.sleep(seconds)
-            return step(self)
-
-        monkeypatch.setattr(BatchLane, "step", slowed)
-
-    return slow
+def slow_steps(step_probe: StepProbe) -> Callable[[float], None]:
+    """Make every step of the engines ``serve`` makes take ``seconds`` longer (a slow model)."""
+    return step_probe.slow_steps

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from engine import Engine
+from engine import Engine, StepProbe
 from mlx_providers.server import ServerSettings
 from tests.conftest import wait_until
 from tests.server.conftest import LiveServer
@@ -191,17 +191,10 @@ def test_a_full_queue_answers_429_with_retry_after(serve: Serve,
     assert held and held[0].status_code == 200
 
 
-def test_health_is_503_once_the_engine_is_dead(serve: Serve,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.device.batch_lane import BatchLane
-
+def test_health_is_503_once_the_engine_is_dead(serve: Serve, step_probe: StepProbe) -> None:
     server, _ = serve(max_consecutive_step_failures=1)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-
-    def broken(self: BatchLane) -> Any:
-        raise RuntimeError("simulated device failure")
-
-    monkeypatch.setattr(BatchLane, "step", broken)
+    step_probe.fail_always(RuntimeError("simulated device failure"))
     response = post(server, {"model": "tiny", "messages": HI, "max_tokens": 5})
     assert response.status_code in (500, 503), response.text
     health = httpx.get(server.url + "/health", timeout=10)

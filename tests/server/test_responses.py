@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine import Engine
+from engine import Engine, StepProbe, TurnReport
 from tests.server.conftest import LiveServer
 
 Serve = Callable[..., tuple[LiveServer, Engine]]
@@ -172,20 +172,16 @@ def test_an_expired_response_cannot_be_continued(serve: Serve) -> None:
 
 
 def test_a_failure_mid_stream_sends_an_error_event_then_closes(
-        serve: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.device.batch_lane import BatchLane
-
+        serve: Serve, step_probe: StepProbe) -> None:
     server, eng = serve()
-    step = BatchLane.step
-    calls = [0]
+    turns = [0]
 
-    def fails_later(self: BatchLane) -> Any:
-        calls[0] += 1
-        if calls[0] > 4:
-            raise RuntimeError("simulated device failure")
-        return step(self)
+    def fail_after_four_turns(_report: TurnReport) -> None:
+        turns[0] += 1
+        if turns[0] == 4:
+            step_probe.fail_always(RuntimeError("simulated device failure"))
 
-    monkeypatch.setattr(BatchLane, "step", fails_later)
+    step_probe.on_turn = fail_after_four_turns
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
     events = list(client.responses.create(model="tiny", input="Hi", max_output_tokens=50,
                                           stream=True))
@@ -196,12 +192,11 @@ def test_a_failure_mid_stream_sends_an_error_event_then_closes(
     assert failed.error.code == "server_error"
     assert "response.output_text.delta" in [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    monkeypatch.setattr(BatchLane, "step", step)
+    step_probe.stop_failing()
     chat = client.chat.completions.create(model="tiny", max_tokens=3, messages=[  # type: ignore[arg-type]
         {"role": "user", "content": "still there?"}])
     assert chat.usage is not None and chat.usage.completion_tokens == 3  # engine recovered
-    calls[0] = 0
-    monkeypatch.setattr(BatchLane, "step", fails_later)
+    turns[0] = 0  # fail again four turns from now
     with pytest.raises(openai.APIError):  # the chat stream's error object raises in the SDK
         for _ in client.chat.completions.create(model="tiny", max_tokens=50, stream=True,  # type: ignore[arg-type]
                                                 messages=[{"role": "user", "content": "x"}]):

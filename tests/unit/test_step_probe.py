@@ -69,3 +69,25 @@ def test_engine_takes_only_a_step_probe() -> None:
 
     with pytest.raises(TypeError, match="probe"):
         Engine("some/model", probe=object())  # type: ignore[arg-type]
+
+
+def test_slow_steps_sleeps_before_each_step_until_undone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.step_probe as module
+
+    slept: list[float] = []
+    monkeypatch.setattr(module.time, "sleep", slept.append)
+    probe = StepProbe()
+    probe.before_step("batch")
+    probe.slow_steps(0.25)
+    probe.before_step("batch")
+    probe.before_step("serial")
+    probe.slow_steps(0)
+    probe.before_step("batch")
+    assert slept == [0.25, 0.25]
+
+
+@pytest.mark.parametrize("seconds", [-1, float("inf"), float("nan"), "1", True, None])
+def test_slow_steps_needs_a_finite_non_negative_number(seconds: object) -> None:
+    with pytest.raises(ValueError, match="seconds"):
+        StepProbe().slow_steps(seconds)  # type: ignore[arg-type]
