@@ -98,6 +98,7 @@ class Engine:
         self._loaded = threading.Event()
         self._closed = False
         self._dead: EngineDeadError | None = None
+        self._abandoned = False  # a sharded step never returned (see _abandon)
         self._model_path: Path | None = None
         self._stats = EngineStats()
         self._stats_lock = threading.Lock()
@@ -207,6 +208,8 @@ class Engine:
                 self._closed = True
                 self._commands.put(_Shutdown())
                 thread = self._thread
+            if self._abandoned:
+                thread = None  # stuck in a collective a rank never joins: it cannot end
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
@@ -535,6 +538,7 @@ class Engine:
             if self._dead is not None:
                 return
             self._dead = dead
+            self._abandoned = True
         self._fail_everything(dead, FinishReason.ERROR)
         with self._stats_lock:
             self._stats.running = self._stats.pending = 0

@@ -30,13 +30,16 @@ def distributed_rank() -> int:
     return rank()
 
 
-def follow(model: ModelSpec = None, config: EngineConfig | None = None) -> bool:
+def follow(model: ModelSpec = None, config: EngineConfig | None = None, *,
+           tokens: dict[int, list[int]] | None = None) -> bool:
     """Serve as a follower rank of a sharded engine; False at once on rank 0.
 
     On a non-zero rank this blocks, on the calling thread, until rank 0's engine is
     closed (then returns True), and raises if rank 0 goes away (its process ended) or
     this rank's shard failed. ``model`` and ``config`` must be those rank 0's ``Engine``
     gets. Not sharded (``config.shard`` None, or one process) it returns False.
+    ``tokens``, if given, is filled with the tokens this rank computed per request id
+    (a check that the ranks agree: they should equal what rank 0's requests returned).
     """
     config = checked_engine_args(model, config)
     if config.shard is None:
@@ -55,7 +58,7 @@ def follow(model: ModelSpec = None, config: EngineConfig | None = None) -> bool:
         if lanes.channel is None:
             raise EngineError("the sharded model did not load as a shard")
         log.info("rank %d follows rank 0 (%s split)", group.rank(), config.shard)
-        follow_lanes(lanes.channel, {"batch": lanes.batch, "serial": lanes.serial})
+        follow_lanes(lanes.channel, {"batch": lanes.batch, "serial": lanes.serial}, tokens)
     finally:
         release_streams()
     return True

@@ -72,14 +72,14 @@ class Channel:
 
     def receive(self) -> bytes:
         """A follower's side."""
-        size = int(self._sum(mx.zeros((1,), dtype=mx.int32)).item())
+        size = int(np.array(self._sum(mx.zeros((1,), dtype=mx.int32)))[0])
         data = self._sum(mx.zeros((size,), dtype=mx.uint8))
-        return bytes(np.array(data, copy=False).tobytes())
+        return np.array(data).tobytes()
 
     def share_seed(self, seed: int) -> int:
         """Rank 0's seed on every rank (the others pass anything; it is ignored)."""
         mine = seed if self.group.rank() == 0 else 0
-        return int(self._sum(mx.array([mine], dtype=mx.uint32)).item())
+        return int(np.array(self._sum(mx.array([mine], dtype=mx.uint32)))[0])
 
 
 class Link:
@@ -212,8 +212,13 @@ class ReplicatedLane:
         return len(self.inner)
 
 
-def follow_lanes(channel: Channel, lanes: dict[LaneName, Lane]) -> None:
-    """A follower's loop: perform rank 0's calls on these lanes until it shuts down."""
+def follow_lanes(channel: Channel, lanes: dict[LaneName, Lane],
+                 tokens: dict[int, list[int]] | None = None) -> None:
+    """A follower's loop: perform rank 0's calls on these lanes until it shuts down.
+
+    ``tokens``, if given, gets the tokens this rank's lanes produced per request id (what
+    rank 0 published, when the ranks agree).
+    """
     while True:
         message = decode(channel.receive())
         if message.shutdown:
@@ -229,4 +234,7 @@ def follow_lanes(channel: Channel, lanes: dict[LaneName, Lane]) -> None:
             elif call.op == "reset":
                 lane.reset()
             else:
-                lane.step()  # results are rank 0's to publish
+                step = lane.step()  # results are rank 0's to publish
+                if tokens is not None:
+                    for token in step.tokens:
+                        tokens.setdefault(token.request_id, []).append(token.token)

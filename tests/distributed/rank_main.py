@@ -64,26 +64,31 @@ def run_rank0(eng: Engine, scenario: str) -> dict[str, object]:
                 "victim_tokens": len(victim_result.token_ids),
                 "after": list(after.token_ids)}
     if scenario == "kill":
-        forever = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
-        handle = eng.submit(PROMPTS[0], forever)
-        for _ in handle:  # tokens flowing: tell the harness to kill the follower
-            print("DECODING", flush=True)
-            break
-        started = time.monotonic()
-        error = ""
-        try:
-            handle.result(timeout=120)
-        except EngineDeadError as exc:
-            error = f"EngineDeadError: {exc}"
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
+        # Decode until the harness has killed (or stopped) the follower: long rows, one
+        # after another, until one of them fails.
+        forever = SamplingParams(max_tokens=2040, temperature=0.0, ignore_eos=True)
+        started, error, rows = 0.0, "", 0
+        while not error and rows < 1000:
+            handle = eng.submit(PROMPTS[0], forever)
+            rows += 1
+            try:
+                if not started:
+                    next(iter(handle))
+                    started = time.monotonic()
+                    print("DECODING", flush=True)  # the harness kills the follower now
+                handle.result(timeout=120)
+            except EngineDeadError as exc:
+                error = f"EngineDeadError: {exc}"
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
         waited = time.monotonic() - started
         try:
             eng.submit("x", greedy)
             later = "accepted"
         except EngineDeadError:
             later = "EngineDeadError"
-        return {"error": error, "seconds_after_decoding": waited, "later_submit": later}
+        return {"error": error, "seconds_after_decoding": waited, "later_submit": later,
+                "rows": rows}
     raise SystemExit(f"unknown scenario {scenario}")
 
 
@@ -93,8 +98,9 @@ def main() -> None:
     config = EngineConfig(max_batch=8, prefill_chunk=64, shard=shard,  # type: ignore[arg-type]
                           distributed_timeout=timeout)
     rank = engine.distributed_rank()
-    if engine.follow(model, config):
-        emit({"rank": rank, "followed": True})
+    tokens: dict[int, list[int]] = {}
+    if engine.follow(model, config, tokens=tokens):
+        emit({"rank": rank, "followed": True, "tokens": sorted(tokens.values())})
         return
     eng = Engine(model, config).start(timeout=120)
     result = run_rank0(eng, scenario)
