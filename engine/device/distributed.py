@@ -2,8 +2,8 @@
 
 Rank 0 wraps its lanes in ``ReplicatedLane``: ``insert``/``remove``/``reset`` are queued
 and sent with the next ``step`` as one message (``engine.replication.Broadcast``), then
-the call runs locally. A message travels as mlx-lm's server sends requests: ``all_sum``
-of its size, then of its bytes, every other rank contributing zeros. ``follow_lanes``
+the call runs locally. A message travels as an ``all_sum`` of bytes to which every other
+rank contributes zeros: one collective for a step, two when rows are admitted. ``follow_lanes``
 repeats each message's calls on a follower's own lanes until ``shutdown``.
 
 A collective a peer never joins blocks forever, so rank 0 runs a watchdog: a broadcast
@@ -50,7 +50,15 @@ def collective_stream(stream: Any) -> Any:
 
 
 class Channel:
-    """Rank 0 -> every rank: bytes through two ``all_sum`` calls."""
+    """Rank 0 -> every rank: bytes through ``all_sum`` (the other ranks add zeros).
+
+    The first collective carries a fixed 1 KiB block: the length and the message's start,
+    which is all of a step's message; a longer one (admissions) sends the rest in a
+    second ``all_sum``. mlx-lm's server sends the size, then the bytes: two collectives
+    for every message.
+    """
+
+    FIRST = 1024
 
     def __init__(self, group: Group, stream: Any) -> None:
         self.group = group
@@ -58,28 +66,40 @@ class Channel:
         self.sent_bytes = 0
         self.messages = 0
 
-    def _sum(self, value: mx.array) -> mx.array:
+    def _sum(self, value: mx.array) -> np.ndarray[Any, Any]:
         out = mx.distributed.all_sum(value, group=self.group, stream=self.stream)
         mx.eval(out)
-        return out
+        return np.array(out)
 
     def send(self, data: bytes) -> None:
         """Rank 0's side."""
-        self._sum(mx.array([len(data)], dtype=mx.int32))
-        self._sum(mx.array(np.frombuffer(data, dtype=np.uint8)))
-        self.sent_bytes += len(data) + 4
+        room = self.FIRST - 4
+        head = np.zeros(self.FIRST, dtype=np.uint8)
+        head[:4] = np.frombuffer(len(data).to_bytes(4, "little"), dtype=np.uint8)
+        first = np.frombuffer(data[:room], dtype=np.uint8)
+        head[4: 4 + first.size] = first
+        self._sum(mx.array(head))
+        sent = self.FIRST
+        if len(data) > room:
+            self._sum(mx.array(np.frombuffer(data[room:], dtype=np.uint8)))
+            sent += len(data) - room
+        self.sent_bytes += sent
         self.messages += 1
 
     def receive(self) -> bytes:
         """A follower's side."""
-        size = int(np.array(self._sum(mx.zeros((1,), dtype=mx.int32)))[0])
-        data = self._sum(mx.zeros((size,), dtype=mx.uint8))
-        return np.array(data).tobytes()
+        room = self.FIRST - 4
+        head = self._sum(mx.zeros((self.FIRST,), dtype=mx.uint8))
+        size = int.from_bytes(head[:4].tobytes(), "little")
+        data = head[4: 4 + min(size, room)].tobytes()
+        if size > room:
+            data += self._sum(mx.zeros((size - room,), dtype=mx.uint8)).tobytes()
+        return data
 
     def share_seed(self, seed: int) -> int:
         """Rank 0's seed on every rank (the others pass anything; it is ignored)."""
         mine = seed if self.group.rank() == 0 else 0
-        return int(np.array(self._sum(mx.array([mine], dtype=mx.uint32)))[0])
+        return int(self._sum(mx.array([mine], dtype=mx.uint32))[0])
 
 
 class Link:

@@ -7,12 +7,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from engine import EngineConfig, get_engine
+from engine import EngineConfig, follow, get_engine
 
 # EngineConfig fields offered on the command line (the rest keep their defaults).
 _ENGINE_OPTIONS: dict[str, type] = {
     "max_batch": int, "prefill_batch": int, "prefill_chunk": int, "kv_budget_bytes": int,
     "max_kv_size": int, "prefix_cache_bytes": int, "prefix_cache_ttl": float,
+    "shard": str, "distributed_timeout": float,
 }
 
 
@@ -64,7 +65,13 @@ def serve(args: argparse.Namespace) -> int:
 
     config: dict[str, Any] = {name: getattr(args, name) for name in _ENGINE_OPTIONS
                               if getattr(args, name) is not None}
+    # Sharded (--shard, every rank runs this same command): ranks 1..n-1 follow rank 0's
+    # engine until it shuts down; rank 0 goes on to serve.
+    if follow(args.model, EngineConfig(**config)):
+        return 0
     engine = get_engine(args.model, **config)
+    if engine.config.shard is not None:
+        engine.start()  # the followers are loading their shards now: load ours with them
     settings = ServerSettings(api_key=args.api_key, default_max_tokens=args.max_tokens,
                               default_temperature=args.temperature,
                               max_queue=args.max_queue, store_ttl_seconds=args.store_ttl,
