@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
+
+import anyio
 
 from engine import EngineConfig, follow, get_engine
 
@@ -78,6 +81,7 @@ def serve(args: argparse.Namespace) -> int:
                               store_max_bytes=args.store_max_bytes)
     models = {args.served_model_name: engine} if args.served_model_name else engine
     app = create_app(models, settings=settings)
+    _close_on_shutdown(app, engine)
     name = args.served_model_name or served_name(engine)
     print(f"mlx-providers: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
     try:
@@ -85,6 +89,21 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def _close_on_shutdown(app: Any, engine: Any) -> None:
+    """Close the engine in the app's shutdown: uvicorn re-raises SIGTERM/SIGINT after it,
+    and the process then ends before ``serve``'s ``finally`` (a sharded engine's followers
+    would see their peer vanish instead of being told to stop)."""
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(target: Any) -> AsyncIterator[None]:
+        async with inner(target):
+            yield
+        await anyio.to_thread.run_sync(engine.close)
+
+    app.router.lifespan_context = lifespan
 
 
 if __name__ == "__main__":
