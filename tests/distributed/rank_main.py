@@ -29,8 +29,19 @@ def emit(payload: dict[str, object]) -> None:
 def run_rank0(eng: Engine, scenario: str) -> dict[str, object]:
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     if scenario == "greedy":
+        refused = []  # requests that fail validation never reach the other ranks
+        try:
+            eng.submit(PROMPTS[0], SamplingParams(logits_processors=(lambda t, x: x,)))
+        except ValueError as exc:
+            refused.append(type(exc).__name__)
+        too_long = eng.submit(PROMPTS[0], SamplingParams(max_tokens=100_000))
+        try:
+            too_long.result(timeout=60)
+        except Exception as exc:
+            refused.append(type(exc).__name__)
         handles = [eng.submit(p, greedy) for p in PROMPTS]
-        return {"tokens": [list(h.result(timeout=60).token_ids) for h in handles]}
+        return {"tokens": [list(h.result(timeout=60).token_ids) for h in handles],
+                "refused": refused}
     if scenario == "sample":
         params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
         handles = [eng.submit(p, params) for p in PROMPTS[:3]]

@@ -149,6 +149,9 @@ def test_greedy_rows_match_one_process(tmp_path: Path, shardable_model_dir: Path
     _assert_clean(run)
     assert run.results[0]["tokens"] == reference["16"]  # six concurrent rows
     _follower_agrees(run, reference["16"])
+    # Refused on rank 0 (at submit, and when prepared): the follower never saw them.
+    assert run.results[0]["refused"] == ["ValueError", "ContextLengthError"]
+    assert len(run.results[1]["tokens"]) == len(PROMPTS)  # type: ignore[arg-type]
 
 
 def test_cancel_mid_decode_leaves_ranks_in_step(tmp_path: Path, shardable_model_dir: Path,
