@@ -44,7 +44,9 @@ def run_rank0(eng: Engine, scenario: str) -> dict[str, object]:
                 "refused": refused}
     if scenario == "sample":
         params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+        seeded = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True, seed=7)
         handles = [eng.submit(p, params) for p in PROMPTS[:3]]
+        handles.append(eng.submit(PROMPTS[3], seeded))  # the serial lane
         return {"tokens": [list(h.result(timeout=60).token_ids) for h in handles]}
     if scenario == "grammar":
         schema = JsonSchema({"type": "object", "properties": {"n": {"type": "integer"}},

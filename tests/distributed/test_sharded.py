@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +45,7 @@ class RankRun:
     results: list[dict[str, object]]  # by rank
     returncodes: list[int | None]
     logs: list[str]
+    follower_seconds: float = 0.0  # from killing rank 0 to the follower's end
 
 
 def _free_ports(n: int) -> list[int]:
@@ -65,9 +68,10 @@ def _kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> Non
 
 def run_ranks(tmp_path: Path, model: Path, shard: str, scenario: str, *,
               distributed_timeout: float = 60.0,
-              signal_follower: int | None = None) -> RankRun:
+              signal_follower: int | None = None,
+              signal_leader: int | None = None) -> RankRun:
     """Both ranks to the end (or killed at HARD_TIMEOUT); ``signal_follower`` is sent to
-    rank 1 once rank 0 prints DECODING."""
+    rank 1 (``signal_leader`` to rank 0) once rank 0 prints DECODING."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
@@ -83,13 +87,18 @@ def run_ranks(tmp_path: Path, model: Path, shard: str, scenario: str, *,
                 start_new_session=True, cwd=ROOT))
     follower, leader = procs
     deadline = time.monotonic() + HARD_TIMEOUT
+    killed_at = 0.0
     try:
-        if signal_follower is not None:
+        if signal_follower is not None or signal_leader is not None:
             while b"DECODING" not in logs[0].read_bytes():
                 if time.monotonic() > deadline or leader.poll() is not None:
                     break
                 time.sleep(0.05)
-            _kill_group(follower, signal_follower)
+            if signal_follower is not None:
+                _kill_group(follower, signal_follower)
+            if signal_leader is not None:
+                _kill_group(leader, signal_leader)
+                killed_at = time.monotonic()
         for proc in (leader, follower):
             left = deadline - time.monotonic()
             if proc is follower and signal_follower is not None:
@@ -104,13 +113,14 @@ def run_ranks(tmp_path: Path, model: Path, shard: str, scenario: str, *,
             if proc.poll() is None:
                 _kill_group(proc)
                 proc.wait()
+    follower_seconds = time.monotonic() - killed_at if signal_leader is not None else 0.0
     texts = [log.read_text(errors="replace") for log in logs]
     results: list[dict[str, object]] = []
     for text in texts:
         found = [json.loads(line[len("RESULT "):]) for line in text.splitlines()
                  if line.startswith("RESULT ")]
         results.append(found[-1] if found else {})
-    return RankRun(results, [leader.returncode, follower.returncode], texts)
+    return RankRun(results, [leader.returncode, follower.returncode], texts, follower_seconds)
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +213,76 @@ def test_stopped_follower_kills_the_engine_within_the_timeout(
     assert "did not answer within 3 s" in str(result["error"]), run.logs
     assert result["later_submit"] == "EngineDeadError"
     assert float(result["seconds_after_decoding"]) < 3 + 10  # type: ignore[arg-type]
+
+
+def test_killed_rank0_ends_the_follower(tmp_path: Path, shardable_model_dir: Path) -> None:
+    run = run_ranks(tmp_path, shardable_model_dir, "tensor", "kill",
+                    signal_leader=signal.SIGKILL)
+    assert run.returncodes[0] == -signal.SIGKILL
+    assert run.returncodes[1] not in (0, None), run.logs  # follow() raised: its peer is gone
+    assert "connection to a peer was lost" in run.logs[1], run.logs
+    assert run.follower_seconds < 30, run.logs
+
+
+def _http(url: str, body: dict[str, object] | None = None) -> tuple[int, dict[str, object]]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data,
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize("ending", ["sigterm_rank0", "kill_follower"])
+def test_server_on_rank0_followers_on_the_rest(tmp_path: Path, shardable_model_dir: Path,
+                                               ending: str) -> None:
+    """``mlx-providers serve --shard tensor`` on both ranks: rank 0 serves, rank 1 follows."""
+    ports = _free_ports(3)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports[:2]]))
+    env = {**os.environ, "MLX_HOSTFILE": str(hostfile),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "mlx_providers.server", "serve", "--model",
+           str(shardable_model_dir), "--served-model-name", "tiny", "--shard", "tensor",
+           "--distributed-timeout", "5", "--port", str(ports[2])]
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    procs: list[subprocess.Popen[bytes]] = []
+    for rank in (0, 1):
+        with logs[rank].open("wb") as out:
+            procs.append(subprocess.Popen(cmd, env={**env, "MLX_RANK": str(rank)}, stdout=out,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    leader, follower = procs
+    base = f"http://127.0.0.1:{ports[2]}"
+    chat = {"model": "tiny", "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hello"}]}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if _http(base + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and leader.poll() is None, logs[0].read_text()
+            time.sleep(0.2)
+        status, answer = _http(base + "/v1/chat/completions", chat)
+        assert status == 200, answer
+        if ending == "sigterm_rank0":
+            leader.send_signal(signal.SIGTERM)
+            assert follower.wait(30) == 0, logs[1].read_text()  # told to stop, not orphaned
+            leader.wait(30)
+        else:
+            _kill_group(follower)
+            follower.wait(30)
+            status, answer = _http(base + "/v1/chat/completions", chat)
+            assert status == 503, answer
+            error = answer["error"]
+            assert isinstance(error, dict) and error["code"] == "engine_unavailable"
+            assert _http(base + "/health")[0] == 503
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_group(proc)
+                proc.wait()
