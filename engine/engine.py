@@ -289,7 +289,10 @@ class Engine:
         """One turn of the loop: commands, plan, step each lane, publish."""
         scheduler, lanes = self._scheduler, self._lanes
         assert scheduler is not None and lanes is not None
-        commands = self._take_commands(block=scheduler.is_idle())
+        idle = scheduler.is_idle()
+        commands = self._take_commands(block=idle)
+        if idle and not commands and lanes.link is not None:
+            lanes.link.heartbeat()  # raises EngineDeadError if a follower is gone
         started = time.perf_counter()
         for command in commands:
             if isinstance(command, _Shutdown):
@@ -338,6 +341,9 @@ class Engine:
     def _idle_wait(self) -> float | None:
         # Sleep until the next command, or until the nearest deadline must fire.
         deadlines = [r.deadline for r in self._rows.values() if r.deadline is not None]
+        if self._lanes is not None and self._lanes.link is not None:
+            # Sharded: wake to check on the followers, so a dead one is found while idle.
+            deadlines.append(time.monotonic() + _heartbeat_seconds(self.config))
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _accept(self, row: Row) -> None:
@@ -568,6 +574,11 @@ def _lane_row(row: Row) -> LaneRow:
     assert row.prepared is not None
     prepared = row.prepared
     return LaneRow(row.request_id, prepared.prompt_ids, prepared.params, prepared.head_len)
+
+
+def _heartbeat_seconds(config: EngineConfig) -> float:
+    """How often an idle sharded engine checks on its followers."""
+    return min(5.0, config.distributed_timeout / 2)
 
 
 def _shard_group(config: EngineConfig) -> Any:

@@ -138,6 +138,20 @@ class Link:
             self._fail(exc)
         self.broadcast_seconds += time.perf_counter() - started
 
+    def heartbeat(self) -> None:
+        """An empty message while idle: a follower that is gone is found now, not at the
+        next request (the queued calls, if any, go with it)."""
+        self._check()
+        calls, self._pending = tuple(self._pending), []
+        with self._wake:
+            self._busy_since = time.monotonic()
+            self._wake.notify()
+        try:
+            self.channel.send(encode(Broadcast(calls)))
+        except Exception as exc:
+            self._fail(exc)
+        self.end()
+
     def end(self) -> None:
         with self._wake:
             self._busy_since = None

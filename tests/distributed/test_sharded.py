@@ -276,11 +276,15 @@ def test_server_on_rank0_followers_on_the_rest(tmp_path: Path, shardable_model_d
         else:
             _kill_group(follower)
             follower.wait(30)
+            # Found while idle (rank 0 checks on its followers every 2.5 s here).
+            killed = time.monotonic()
+            while _http(base + "/health")[0] != 503:
+                assert time.monotonic() - killed < 15, logs[0].read_text()
+                time.sleep(0.2)
             status, answer = _http(base + "/v1/chat/completions", chat)
             assert status == 503, answer
             error = answer["error"]
             assert isinstance(error, dict) and error["code"] == "engine_unavailable"
-            assert _http(base + "/health")[0] == 503
     finally:
         for proc in procs:
             if proc.poll() is None:
