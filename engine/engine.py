@@ -30,7 +30,7 @@ from engine.errors import EngineClosedError, EngineDeadError, EngineError, Reque
 from engine.lane import Lane, LaneRow
 from engine.models import config_context_limit
 from engine.prepare import Preparer, request_spec
-from engine.replication import check_replicable
+from engine.replication import check_replicable, heartbeat_seconds
 from engine.request import (
     FinishReason,
     Prompt,
@@ -343,7 +343,7 @@ class Engine:
         deadlines = [r.deadline for r in self._rows.values() if r.deadline is not None]
         if self._lanes is not None and self._lanes.link is not None:
             # Sharded: wake to check on the followers, so a dead one is found while idle.
-            deadlines.append(time.monotonic() + _heartbeat_seconds(self.config))
+            deadlines.append(time.monotonic() + heartbeat_seconds(self.config))
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _accept(self, row: Row) -> None:
@@ -574,11 +574,6 @@ def _lane_row(row: Row) -> LaneRow:
     assert row.prepared is not None
     prepared = row.prepared
     return LaneRow(row.request_id, prepared.prompt_ids, prepared.params, prepared.head_len)
-
-
-def _heartbeat_seconds(config: EngineConfig) -> float:
-    """How often an idle sharded engine checks on its followers."""
-    return min(5.0, config.distributed_timeout / 2)
 
 
 def _shard_group(config: EngineConfig) -> Any:

@@ -19,6 +19,7 @@ from engine.config import EngineConfig, checked_engine_args
 from engine.engine import ModelSpec, _resolve
 from engine.errors import EngineError
 from engine.prepare import Preparer
+from engine.replication import follower_patience
 
 log = logging.getLogger("engine")
 
@@ -36,8 +37,11 @@ def follow(model: ModelSpec = None, config: EngineConfig | None = None, *,
 
     On a non-zero rank this blocks, on the calling thread, until rank 0's engine is
     closed (then returns True), and raises if rank 0 goes away (its process ended) or
-    this rank's shard failed. ``model`` and ``config`` must be those rank 0's ``Engine``
-    gets. Not sharded (``config.shard`` None, or one process) it returns False.
+    this rank's shard failed. If rank 0 sends nothing for ``distributed_timeout`` plus
+    its idle heartbeat (it stopped, or died inside a collective), the process ends with
+    status 70: a thread blocked in a collective cannot be returned to. ``model`` and
+    ``config`` must be those rank 0's ``Engine`` gets. Not sharded (``config.shard`` None,
+    or one process) it returns False.
     ``tokens``, if given, is filled with the tokens this rank computed per request id
     (a check that the ranks agree: they should equal what rank 0's requests returned).
     """
@@ -58,7 +62,8 @@ def follow(model: ModelSpec = None, config: EngineConfig | None = None, *,
         if lanes.channel is None:
             raise EngineError("the sharded model did not load as a shard")
         log.info("rank %d follows rank 0 (%s split)", group.rank(), config.shard)
-        follow_lanes(lanes.channel, {"batch": lanes.batch, "serial": lanes.serial}, tokens)
+        follow_lanes(lanes.channel, {"batch": lanes.batch, "serial": lanes.serial}, tokens,
+                     follower_patience(config))
     finally:
         release_streams()
     return True

@@ -16,6 +16,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Literal
 
+from engine.config import EngineConfig
 from engine.lane import LaneRow
 from engine.request import SamplingParams
 
@@ -57,3 +58,13 @@ def check_replicable(params: SamplingParams) -> None:
     if params.logits_processors:
         raise ValueError("logits_processors cannot run on a sharded engine: a Python "
                          "callable cannot be sent to the other ranks")
+
+
+def heartbeat_seconds(config: EngineConfig) -> float:
+    """How often an idle sharded engine sends an empty message to its followers."""
+    return min(5.0, config.distributed_timeout / 2)
+
+
+def follower_patience(config: EngineConfig) -> float:
+    """Seconds a follower waits for rank 0's next message before it gives up."""
+    return config.distributed_timeout + heartbeat_seconds(config)

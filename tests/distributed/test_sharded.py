@@ -87,7 +87,7 @@ def run_ranks(tmp_path: Path, model: Path, shard: str, scenario: str, *,
                 start_new_session=True, cwd=ROOT))
     follower, leader = procs
     deadline = time.monotonic() + HARD_TIMEOUT
-    killed_at = 0.0
+    killed_at = follower_seconds = 0.0
     try:
         if signal_follower is not None or signal_leader is not None:
             while b"DECODING" not in logs[0].read_bytes():
@@ -99,12 +99,16 @@ def run_ranks(tmp_path: Path, model: Path, shard: str, scenario: str, *,
             if signal_leader is not None:
                 _kill_group(leader, signal_leader)
                 killed_at = time.monotonic()
-        for proc in (leader, follower):
+        order = (follower, leader) if signal_leader is not None else (leader, follower)
+        for proc in order:
             left = deadline - time.monotonic()
-            if proc is follower and signal_follower is not None:
-                left = min(left, 5.0)  # a stopped follower never ends by itself
+            if (proc is follower and signal_follower is not None) or (
+                    proc is leader and signal_leader is not None):
+                left = min(left, 5.0)  # a stopped rank never ends by itself
             try:
                 proc.wait(max(1.0, left))
+                if proc is follower and signal_leader is not None:
+                    follower_seconds = time.monotonic() - killed_at
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 proc.wait()
@@ -113,7 +117,6 @@ def run_ranks(tmp_path: Path, model: Path, shard: str, scenario: str, *,
             if proc.poll() is None:
                 _kill_group(proc)
                 proc.wait()
-    follower_seconds = time.monotonic() - killed_at if signal_leader is not None else 0.0
     texts = [log.read_text(errors="replace") for log in logs]
     results: list[dict[str, object]] = []
     for text in texts:
@@ -290,3 +293,14 @@ def test_server_on_rank0_followers_on_the_rest(tmp_path: Path, shardable_model_d
             if proc.poll() is None:
                 _kill_group(proc)
                 proc.wait()
+
+
+def test_stopped_rank0_ends_the_follower_within_its_patience(
+        tmp_path: Path, shardable_model_dir: Path) -> None:
+    # distributed_timeout 3 s + the idle heartbeat 1.5 s: the follower gives up after 4.5 s
+    # without a message, whether it waited for one or sat inside the model's all_sum.
+    run = run_ranks(tmp_path, shardable_model_dir, "tensor", "kill", distributed_timeout=3.0,
+                    signal_leader=signal.SIGSTOP)
+    assert run.returncodes[1] == 70, run.logs
+    assert "rank 0 sent nothing for 4.5 s" in run.logs[1], run.logs
+    assert run.follower_seconds < 4.5 + 5, run.logs
