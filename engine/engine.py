@@ -291,8 +291,9 @@ class Engine:
         assert scheduler is not None and lanes is not None
         idle = scheduler.is_idle()
         commands = self._take_commands(block=idle)
-        if idle and not commands and lanes.link is not None:
-            lanes.link.heartbeat()  # raises EngineDeadError if a follower is gone
+        link = lanes.link
+        if idle and link is not None and link.silent_for() >= heartbeat_seconds(self.config):
+            link.heartbeat()  # raises EngineDeadError if a follower is gone
         started = time.perf_counter()
         for command in commands:
             if isinstance(command, _Shutdown):
@@ -343,7 +344,9 @@ class Engine:
         deadlines = [r.deadline for r in self._rows.values() if r.deadline is not None]
         if self._lanes is not None and self._lanes.link is not None:
             # Sharded: wake to check on the followers, so a dead one is found while idle.
-            deadlines.append(time.monotonic() + heartbeat_seconds(self.config))
+            link = self._lanes.link
+            deadlines.append(time.monotonic() + heartbeat_seconds(self.config)
+                             - link.silent_for())
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _accept(self, row: Row) -> None:

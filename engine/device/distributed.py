@@ -113,6 +113,7 @@ class Link:
         self.lock = threading.Lock()
         self.broadcast_seconds = 0.0
         self._pending: list[LaneCall] = []
+        self._last_sent = time.monotonic()
         self._on_hang = on_hang
         self._busy_since: float | None = None
         self._wake = threading.Condition()
@@ -120,6 +121,10 @@ class Link:
         self._watchdog = threading.Thread(target=self._watch, name="mlx-engine-watchdog",
                                           daemon=True)
         self._watchdog.start()
+
+    def silent_for(self) -> float:
+        """Seconds since the followers last heard from rank 0."""
+        return time.monotonic() - self._last_sent
 
     def queue(self, call: LaneCall) -> None:
         self._pending.append(call)
@@ -136,6 +141,7 @@ class Link:
             self.channel.send(encode(Broadcast(calls)))
         except Exception as exc:
             self._fail(exc)
+        self._last_sent = time.monotonic()
         self.broadcast_seconds += time.perf_counter() - started
 
     def heartbeat(self) -> None:
@@ -150,6 +156,7 @@ class Link:
             self.channel.send(encode(Broadcast(calls)))
         except Exception as exc:
             self._fail(exc)
+        self._last_sent = time.monotonic()
         self.end()
 
     def end(self) -> None:
