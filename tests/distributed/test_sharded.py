@@ -219,12 +219,15 @@ def test_stopped_follower_kills_the_engine_within_the_timeout(
 
 
 def test_killed_rank0_ends_the_follower(tmp_path: Path, shardable_model_dir: Path) -> None:
-    run = run_ranks(tmp_path, shardable_model_dir, "tensor", "kill",
+    # Waiting for a message (almost always) follow() raises at once; inside the model's
+    # all_sum the follower may instead hang until its patience (5 s + 2.5 s) ends it.
+    run = run_ranks(tmp_path, shardable_model_dir, "tensor", "kill", distributed_timeout=5.0,
                     signal_leader=signal.SIGKILL)
     assert run.returncodes[0] == -signal.SIGKILL
-    assert run.returncodes[1] not in (0, None), run.logs  # follow() raised: its peer is gone
-    assert "connection to a peer was lost" in run.logs[1], run.logs
-    assert run.follower_seconds < 30, run.logs
+    assert run.returncodes[1] not in (0, None), run.logs
+    assert ("connection to a peer was lost" in run.logs[1]
+            or run.returncodes[1] == 70), run.logs
+    assert run.follower_seconds < 7.5 + 5, run.logs
 
 
 def _http(url: str, body: dict[str, object] | None = None) -> tuple[int, dict[str, object]]:
