@@ -25,6 +25,7 @@ from engine.errors import (
     RequestTimeoutError,
     UnsupportedModelError,
 )
+from engine.follower import distributed_rank, follow
 from engine.models import resolve_model
 from engine.registry import get_engine
 from engine.request import (
@@ -74,6 +75,8 @@ __all__ = [
     "Usage",
     "activate_fast_blas",
     "blas_info",
+    "distributed_rank",
+    "follow",
     "get_engine",
     "resolve_model",
 ]

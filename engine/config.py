@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -60,6 +60,18 @@ class EngineConfig(BaseModel):
         description="Inside JSON strings of constrained output (schemas, JSON mode, forced "
         "tool calls), refuse a token that repeats an n-gram of this many tokens already in "
         "that string: stops greedy loops, keeps greedy deterministic (0 = off).",
+    )
+
+    shard: Literal["tensor", "pipeline"] | None = Field(
+        default=None,
+        description="Split the model over the mx.distributed group (MLX_HOSTFILE + MLX_RANK, "
+        "or mlx.launch): 'tensor' or 'pipeline'. Rank 0 runs the engine, the other ranks "
+        "call engine.follow(). None = one process. Prefix reuse is off when sharded.",
+    )
+    distributed_timeout: float = Field(
+        default=60.0, gt=0,
+        description="Seconds one sharded step (its broadcast and the model's collectives) "
+        "may take before rank 0 declares the engine dead (a follower stopped answering).",
     )
 
     @field_validator("json_string_ngram")

@@ -30,6 +30,7 @@ from engine.errors import EngineClosedError, EngineDeadError, EngineError, Reque
 from engine.lane import Lane, LaneRow
 from engine.models import config_context_limit
 from engine.prepare import Preparer, request_spec
+from engine.replication import check_replicable, heartbeat_seconds
 from engine.request import (
     FinishReason,
     Prompt,
@@ -97,6 +98,7 @@ class Engine:
         self._loaded = threading.Event()
         self._closed = False
         self._dead: EngineDeadError | None = None
+        self._abandoned = False  # a sharded step never returned (see _abandon)
         self._model_path: Path | None = None
         self._stats = EngineStats()
         self._stats_lock = threading.Lock()
@@ -160,6 +162,8 @@ class Engine:
         check_callbacks(on_token, timeout)
         spec = request_spec(prompt, params, tools, tool_choice, parallel_tool_calls,
                              chat_template_kwargs)
+        if self.config.shard is not None:
+            check_replicable(spec.params)  # never reaches the other ranks
         now = time.monotonic()
         stream = RequestStream()
         with self._lock:
@@ -204,6 +208,8 @@ class Engine:
                 self._closed = True
                 self._commands.put(_Shutdown())
                 thread = self._thread
+            if self._abandoned:
+                thread = None  # stuck in a collective a rank never joins: it cannot end
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
@@ -259,10 +265,12 @@ class Engine:
 
         path = self.model_path
         self._touched_mlx = True  # from here on this thread owns an MLX stream
-        model = load_model(path, self.config)
+        group = _shard_group(self.config)
+        model = load_model(path, self.config, group)
         self._preparer = Preparer(model.tokenizer, path, model.vocab_size,
                                   self.config.json_string_ngram)
-        self._lanes = build_lanes(model, self.config, self._preparer.compiler)
+        self._lanes = build_lanes(model, self.config, self._preparer.compiler,
+                                  on_hang=self._abandon)
         store = self._lanes.store
         # Cached prefixes count against the KV budget and are the first thing to give way.
         self._scheduler = Scheduler(model.footprint, self.config.max_batch,
@@ -281,7 +289,11 @@ class Engine:
         """One turn of the loop: commands, plan, step each lane, publish."""
         scheduler, lanes = self._scheduler, self._lanes
         assert scheduler is not None and lanes is not None
-        commands = self._take_commands(block=scheduler.is_idle())
+        idle = scheduler.is_idle()
+        commands = self._take_commands(block=idle)
+        link = lanes.link
+        if idle and link is not None and link.silent_for() >= heartbeat_seconds(self.config):
+            link.heartbeat()  # raises EngineDeadError if a follower is gone
         started = time.perf_counter()
         for command in commands:
             if isinstance(command, _Shutdown):
@@ -312,7 +324,7 @@ class Engine:
 
     def _lane(self, kind: LaneKind) -> Lane:
         assert self._lanes is not None
-        return self._lanes.batch if kind is LaneKind.BATCH else self._lanes.serial
+        return self._lanes.lane(kind.value)
 
     def _take_commands(self, block: bool) -> list[_Command]:
         commands: list[_Command] = []
@@ -330,6 +342,11 @@ class Engine:
     def _idle_wait(self) -> float | None:
         # Sleep until the next command, or until the nearest deadline must fire.
         deadlines = [r.deadline for r in self._rows.values() if r.deadline is not None]
+        if self._lanes is not None and self._lanes.link is not None:
+            # Sharded: wake to check on the followers, so a dead one is found while idle.
+            link = self._lanes.link
+            deadlines.append(time.monotonic() + heartbeat_seconds(self.config)
+                             - link.silent_for())
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _accept(self, row: Row) -> None:
@@ -391,6 +408,8 @@ class Engine:
             if self._probe is not None:
                 self._probe.before_step(kind.value)
             step = lane.step()
+        except EngineDeadError:  # a sharded engine's rank failed: nothing to contain
+            raise
         except Exception as exc:  # contained below, or fatal after retries
             self._model_failure(lane, exc)
             return time.perf_counter() - started
@@ -491,6 +510,8 @@ class Engine:
         error = EngineClosedError("the engine was closed while the request ran")
         self._reset_lanes()
         self._fail_everything(error, FinishReason.CANCELLED)
+        if self._lanes is not None:
+            self._lanes.close()  # a sharded engine's followers stop too
         self._publish_stats()
 
     def _die(self, exc: BaseException) -> None:
@@ -507,8 +528,29 @@ class Engine:
         except Exception:  # best effort on the way out
             log.exception("releasing rows after the engine died failed")
         self._fail_everything(dead, FinishReason.ERROR)
+        if self._lanes is not None:
+            try:
+                self._lanes.close()  # followers stop, unless a rank is what failed
+            except Exception:
+                log.exception("stopping the followers failed")
         if self._scheduler is not None and self._lanes is not None:
             self._publish_stats()
+
+    def _abandon(self, dead: EngineDeadError) -> None:
+        """A sharded step never returned (a rank stopped answering): from the watchdog.
+
+        The engine thread is stuck inside a collective and touches no row meanwhile (if
+        the collective ever returns, the lane raises ``dead`` and the thread dies); every
+        waiter learns now, and later submits raise at once.
+        """
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead = dead
+            self._abandoned = True
+        self._fail_everything(dead, FinishReason.ERROR)
+        with self._stats_lock:
+            self._stats.running = self._stats.pending = 0
 
     def _reset_lanes(self) -> None:
         """Release every row (and its grammar matcher): the engine is going away."""
@@ -535,6 +577,23 @@ def _lane_row(row: Row) -> LaneRow:
     assert row.prepared is not None
     prepared = row.prepared
     return LaneRow(row.request_id, prepared.prompt_ids, prepared.params, prepared.head_len)
+
+
+def _shard_group(config: EngineConfig) -> Any:
+    """The distributed group a sharded engine runs on (rank 0 only); None when not sharded."""
+    if config.shard is None:
+        return None
+    from engine.device.distributed import init_group
+
+    group = init_group()
+    if group.size() == 1:
+        log.warning("shard=%r but this process is not part of a distributed group "
+                    "(MLX_HOSTFILE and MLX_RANK): running unsharded", config.shard)
+        return None
+    if group.rank() != 0:
+        raise EngineError(f"rank {group.rank()} of a sharded engine follows rank 0: call "
+                          f"engine.follow(model, config) there instead of using an Engine")
+    return group
 
 
 def _resolve(spec: ModelSpec, config: EngineConfig) -> Path:

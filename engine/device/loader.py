@@ -7,7 +7,9 @@ with). ``build_lanes`` makes the batch and serial lanes over the loaded model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +20,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.config import EngineConfig
 from engine.device.batch_lane import BatchLane
 from engine.device.cache_layout import footprint_of
+from engine.device.distributed import Channel, Group, Link, ReplicatedLane
 from engine.device.prefix_reuse import PrefixReuse, reuse_policy
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
+from engine.errors import EngineDeadError
 from engine.footprint import ModelFootprint
 from engine.grammar import GrammarCompiler
+from engine.lane import Lane
 from engine.models import config_context_limit
 from engine.prefix_cache import PrefixStore
 
@@ -36,6 +41,7 @@ class LoadedModel:
     footprint: ModelFootprint
     stream: Any
     vocab_size: int
+    group: Group | None = None  # set when the model is sharded over a group of ranks
 
 
 @dataclass
@@ -45,6 +51,21 @@ class Lanes:
     batch: BatchLane
     serial: SerialLane
     store: PrefixStore
+    channel: Channel | None = None  # sharded: rank 0's messages to the other ranks
+    link: Link | None = None  # rank 0 of a sharded engine: the followers' end of it
+    replicated: dict[str, Lane] = field(default_factory=dict)  # the lanes the loop drives
+
+    def lane(self, name: str) -> Lane:
+        """The lane the engine loop drives: replicated to the followers when sharded."""
+        found = self.replicated.get(name)
+        if found is not None:
+            return found
+        return self.batch if name == "batch" else self.serial
+
+    def close(self) -> None:
+        """End the followers of a sharded engine (after the lanes were reset)."""
+        if self.link is not None:
+            self.link.shutdown()
 
     @staticmethod
     def device_memory() -> tuple[int, int]:
@@ -52,10 +73,21 @@ class Lanes:
         return int(mx.get_active_memory()), int(mx.get_cache_memory())
 
 
-def load_model(path: Path, config: EngineConfig) -> LoadedModel:
-    """Load on this (the engine) thread; every later MLX call must come from it too."""
+def load_model(path: Path, config: EngineConfig, group: Group | None = None) -> LoadedModel:
+    """Load on this (the engine) thread; every later MLX call must come from it too.
+
+    With ``group`` (and ``config.shard``) each rank loads its shard; every rank must call
+    this at the same time, since the warm-up forward pass runs the model's collectives.
+    """
     stream = mx.new_thread_local_stream(mx.default_device())
-    model, tokenizer = mlx_load(str(path))[:2]
+    if group is not None and config.shard is not None:
+        from mlx_lm.utils import sharded_load
+
+        split = {"tensor_group" if config.shard == "tensor" else "pipeline_group": group}
+        model, tokenizer = sharded_load(str(path), **split)[:2]
+    else:
+        group = None
+        model, tokenizer = mlx_load(str(path))[:2]
     cache = make_prompt_cache(model, config.max_kv_size)
     with mx.stream(stream):
         model(mx.array([[0]]), cache=cache)
@@ -64,12 +96,19 @@ def load_model(path: Path, config: EngineConfig) -> LoadedModel:
     args = getattr(model, "args", None)
     vocab = int(args.vocab_size) if args is not None else len(tokenizer)
     footprint = ModelFootprint.of(layers, config_context_limit(path))
-    return LoadedModel(model, tokenizer, footprint, stream, vocab)
+    return LoadedModel(model, tokenizer, footprint, stream, vocab, group)
 
 
-def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarCompiler) -> Lanes:
+def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarCompiler,
+                on_hang: Callable[[EngineDeadError], None] | None = None) -> Lanes:
+    """The lanes over a loaded model; on rank 0 of a sharded one, replicated to the others.
+
+    Sharded, prefix reuse is off: the store's expiry and shrinking depend on each rank's
+    clock and memory, and the ranks' lanes must make the same decisions.
+    """
     samplers = SamplerCache()
-    store = PrefixStore(config.prefix_cache_bytes, config.prefix_cache_ttl,
+    sharded = loaded.group is not None
+    store = PrefixStore(0 if sharded else config.prefix_cache_bytes, config.prefix_cache_ttl,
                         min_tokens=config.prefix_min_tokens)
     reuse = PrefixReuse(store, reuse_policy(loaded.footprint))
     batch = BatchLane(loaded.model, loaded.stream, compiler, samplers, reuse,
@@ -77,7 +116,18 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
                       prefill_chunk=config.prefill_chunk, max_kv_size=config.max_kv_size)
     serial = SerialLane(loaded.model, loaded.stream, compiler, samplers, config.max_kv_size,
                         config.prefill_chunk)
-    return Lanes(batch, serial, store)
+    lanes = Lanes(batch, serial, store)
+    if loaded.group is None:
+        return lanes
+    channel = lanes.channel = Channel(loaded.group, loaded.stream)
+    # The same random draws on every rank: rank 0's seed for the shared PRNG.
+    mx.random.seed(channel.share_seed(int(time.time_ns()) & 0xFFFFFFFF))
+    if loaded.group.rank() == 0:
+        link = Link(channel, config.distributed_timeout, on_hang)
+        lanes.link = link
+        lanes.replicated = {"batch": ReplicatedLane("batch", batch, link),
+                            "serial": ReplicatedLane("serial", serial, link)}
+    return lanes
 
 
 def release_streams() -> None:

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
-from engine import EngineConfig, get_engine
+import anyio
+
+from engine import EngineConfig, follow, get_engine
 
 # EngineConfig fields offered on the command line (the rest keep their defaults).
 _ENGINE_OPTIONS: dict[str, type] = {
     "max_batch": int, "prefill_batch": int, "prefill_chunk": int, "kv_budget_bytes": int,
     "max_kv_size": int, "prefix_cache_bytes": int, "prefix_cache_ttl": float,
+    "shard": str, "distributed_timeout": float,
 }
 
 
@@ -64,13 +68,20 @@ def serve(args: argparse.Namespace) -> int:
 
     config: dict[str, Any] = {name: getattr(args, name) for name in _ENGINE_OPTIONS
                               if getattr(args, name) is not None}
+    # Sharded (--shard, every rank runs this same command): ranks 1..n-1 follow rank 0's
+    # engine until it shuts down; rank 0 goes on to serve.
+    if follow(args.model, EngineConfig(**config)):
+        return 0
     engine = get_engine(args.model, **config)
+    if engine.config.shard is not None:
+        engine.start()  # the followers are loading their shards now: load ours with them
     settings = ServerSettings(api_key=args.api_key, default_max_tokens=args.max_tokens,
                               default_temperature=args.temperature,
                               max_queue=args.max_queue, store_ttl_seconds=args.store_ttl,
                               store_max_bytes=args.store_max_bytes)
     models = {args.served_model_name: engine} if args.served_model_name else engine
     app = create_app(models, settings=settings)
+    _close_on_shutdown(app, engine)
     name = args.served_model_name or served_name(engine)
     print(f"mlx-providers: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
     try:
@@ -78,6 +89,21 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def _close_on_shutdown(app: Any, engine: Any) -> None:
+    """Close the engine in the app's shutdown: uvicorn re-raises SIGTERM/SIGINT after it,
+    and the process then ends before ``serve``'s ``finally`` (a sharded engine's followers
+    would see their peer vanish instead of being told to stop)."""
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(target: Any) -> AsyncIterator[None]:
+        async with inner(target):
+            yield
+        await anyio.to_thread.run_sync(engine.close)
+
+    app.router.lifespan_context = lifespan
 
 
 if __name__ == "__main__":
