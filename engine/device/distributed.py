@@ -131,33 +131,28 @@ class Link:
 
     def begin(self, step: LaneCall) -> None:
         """Send the queued calls and ``step``; the watchdog times this until ``end``."""
+        self.broadcast_seconds += self._send(step)
+
+    def heartbeat(self) -> None:
+        """An empty message while idle: a follower that is gone is found now, not at the
+        next request (the queued calls, if any, go with it)."""
+        self._send()
+        self.end()
+
+    def _send(self, *calls: LaneCall) -> float:
+        """Broadcast the queued calls, then ``calls``, under the watchdog; seconds sending."""
         self._check()
-        calls, self._pending = (*self._pending, step), []
+        message, self._pending = Broadcast((*self._pending, *calls)), []
         with self._wake:
             self._busy_since = time.monotonic()
             self._wake.notify()
         started = time.perf_counter()
         try:
-            self.channel.send(encode(Broadcast(calls)))
+            self.channel.send(encode(message))
         except Exception as exc:
             self._fail(exc)
         self._last_sent = time.monotonic()
-        self.broadcast_seconds += time.perf_counter() - started
-
-    def heartbeat(self) -> None:
-        """An empty message while idle: a follower that is gone is found now, not at the
-        next request (the queued calls, if any, go with it)."""
-        self._check()
-        calls, self._pending = tuple(self._pending), []
-        with self._wake:
-            self._busy_since = time.monotonic()
-            self._wake.notify()
-        try:
-            self.channel.send(encode(Broadcast(calls)))
-        except Exception as exc:
-            self._fail(exc)
-        self._last_sent = time.monotonic()
-        self.end()
+        return time.perf_counter() - started
 
     def end(self) -> None:
         with self._wake:
