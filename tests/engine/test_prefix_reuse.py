@@ -100,10 +100,15 @@ def test_cancelled_rows_do_not_disturb_later_reuse(make_engine, max_batch: int) 
     assert again.token_ids == expected and again.usage.cached_tokens > 0
 
 
-def test_rows_admitted_together_prefill_their_shared_prefix_once(tiny_model_dir: Path) -> None:
-    # No system message (so no chat head): only the prompts' common text is shared.
+@pytest.mark.parametrize("system", [None, "You are terse."], ids=["no_system", "system"])
+def test_rows_admitted_together_prefill_their_shared_prefix_once(
+        tiny_model_dir: Path, system: str | None) -> None:
+    # Without a system message there is no chat head: only the prompts' common text is
+    # shared. With one, the shared part is the whole common prefix, not only the head.
     shared = "Please answer briefly. " + " ".join(f"fact{i}" for i in range(60))
-    prompts = [[{"role": "user", "content": f"{shared} Which is number {i}?"}] for i in range(6)]
+    head = [{"role": "system", "content": system}] if system else []
+    prompts = [[*head, {"role": "user", "content": f"{shared} Which is number {i}?"}]
+               for i in range(6)]
     with Engine(tiny_model_dir, EngineConfig(max_batch=8, prefix_cache_bytes=0)) as cold:
         expected = [cold.submit(p, greedy(10)).result(timeout=120).token_ids for p in prompts]
     with Engine(tiny_model_dir, EngineConfig(max_batch=8, prefill_batch=8)) as warm:
@@ -118,23 +123,3 @@ def test_rows_admitted_together_prefill_their_shared_prefix_once(tiny_model_dir:
     assert cached[0] == 0 and all(c >= common for c in cached[1:])
     assert stats.prefix_hits >= 5
     assert stats.prompt_tokens == sum(r.usage.prompt_tokens for r in results)
-
-
-def test_rows_with_a_system_message_share_more_than_their_chat_head(
-        tiny_model_dir: Path) -> None:
-    # Same system message (the chat head) and a long common start of the user message: the
-    # shared part is the whole common prefix, not only the head.
-    system = {"role": "system", "content": "You are terse."}
-    shared = "Please answer briefly. " + " ".join(f"fact{i}" for i in range(60))
-    prompts = [[system, {"role": "user", "content": f"{shared} Which is number {i}?"}]
-               for i in range(6)]
-    with Engine(tiny_model_dir, EngineConfig(max_batch=8, prefix_cache_bytes=0)) as cold:
-        expected = [cold.submit(p, greedy(10)).result(timeout=120).token_ids for p in prompts]
-    with Engine(tiny_model_dir, EngineConfig(max_batch=8, prefill_batch=8)) as warm:
-        warm.start()
-        common = len(warm.tokenizer.encode(shared, add_special_tokens=False))
-        handles = [warm.submit(p, greedy(10)) for p in prompts]
-        results = [h.result(timeout=120) for h in handles]
-    assert [r.token_ids for r in results] == expected
-    cached = [r.usage.cached_tokens for r in results]
-    assert cached[0] == 0 and all(c >= common for c in cached[1:])
