@@ -12,6 +12,10 @@ step's decoded tokens only after that step's prefill, so rows fed while a group 
 last prompt chunk would hold back that group's first tokens for their whole prefill. New
 rows therefore wait until every row in the group ahead is either still more than a chunk
 from the end of its prompt or has produced its first token; the wait is at most two steps.
+
+A group's first tokens are read from its samplers in the step that samples them (see
+``first_tokens``), one step before mlx-lm returns them, except for constrained rows,
+whose grammar learns of the token only in that next step.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import numpy as np
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from engine.device.first_tokens import FirstToken, Sampler, SamplerTap
 from engine.device.logprobs import token_logprob
 from engine.device.prefix_reuse import PrefixReuse, materialized, sliced
 from engine.device.sampling import (
@@ -52,6 +57,7 @@ class _BatchRow:
     failure: BaseException | None = None
     cached_tokens: int = 0
     head_len: int = 0  # the row's shared head: its chat head, or a prefix it shares
+    sampler: Sampler | None = None  # as handed to the generator (wrapped by the tap)
 
     @property
     def head(self) -> HeadKey | None:
@@ -88,6 +94,9 @@ class BatchLane:
         # have not produced a token yet: request id -> prompt tokens it has left to prefill.
         self._queued: deque[_BatchRow] = deque()
         self._awaiting_first: dict[int, int] = {}
+        # First tokens reported before the generator returns them: request id -> token.
+        self._tap = SamplerTap()
+        self._early: dict[int, int] = {}
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(self._model, stream=self._stream, **self._options)
@@ -172,12 +181,14 @@ class BatchLane:
                 ready.append(row)
         if not ready:
             return
+        for row in ready:
+            row.sampler = self._tap.wrap(self._samplers.for_params(row.row.params))
         uids = self._generator.insert_segments(
             [plan[0] for plan in plans],
             max_tokens=[_NO_LIMIT] * len(ready),
             caches=[plan[1] for plan in plans],
             all_tokens=[plan[2] for plan in plans],
-            samplers=[self._samplers.for_params(row.row.params) for row in ready],
+            samplers=[row.sampler for row in ready],
             logits_processors=[self._processors(row) for row in ready],
             stop_sequences=[self._no_stops] * len(ready),
         )
@@ -251,6 +262,7 @@ class BatchLane:
         if uid is not None:
             self._uid_to_request.pop(uid, None)
         self._awaiting_first.pop(request_id, None)
+        self._early.pop(request_id, None)
         row = self._rows.pop(request_id, None)
         if row is not None:
             if row in self._queued:
@@ -270,6 +282,7 @@ class BatchLane:
         dropped = list(self._rows)
         self._queued.clear()
         self._awaiting_first.clear()
+        self._early.clear()
         self._deferred.clear()
         self._heads_in_flight.clear()
         self._head_of_leader.clear()
@@ -282,7 +295,12 @@ class BatchLane:
 
     def step(self) -> LaneStep:
         """One decode step for decoding rows plus one prefill chunk for prefilling rows."""
-        progress, responses = self._generator.next()
+        self._tap.arm()
+        try:
+            progress, responses = self._generator.next()
+            firsts = self._first_tokens(progress, decoded=len(responses))
+        finally:
+            self._tap.disarm()
         result = LaneStep(width=len(responses))
         for prompt_response in progress:
             request_id = self._uid_to_request.get(prompt_response.uid)
@@ -300,16 +318,44 @@ class BatchLane:
             if row is None or row.failure is not None:
                 continue
             token = int(response.token)
+            reported = self._early.pop(row.row.request_id, None)
+            if reported is not None:
+                if reported != token:  # the tap's reading was wrong: say so, end the row
+                    row.failure = RuntimeError(
+                        f"first token read early as {reported}, generated as {token}")
+                continue
             result.tokens.append(RowToken(
                 row.row.request_id, token,
                 token_logprob(row.row.params, token, response.logprobs),
                 grammar_done=row.grammar is not None and row.grammar.done))
+        for row, first in firsts:
+            request_id = row.row.request_id
+            self._awaiting_first.pop(request_id, None)
+            self._early[request_id] = first.token
+            result.tokens.append(RowToken(
+                request_id, first.token,
+                token_logprob(row.row.params, first.token, first.logprobs)))
         for request_id, row in self._rows.items():
             if row.failure is not None:
                 result.failed[request_id] = row.failure
         self._feed()  # the group ahead has its first tokens: the next one prefills now
         result.cached_tokens = self.take_cached_tokens()
         return result
+
+    def _first_tokens(self, progress: Sequence[Any],
+                      decoded: int) -> list[tuple[_BatchRow, FirstToken]]:
+        """First tokens of the rows that left prefill in this step, where they can be read."""
+        rows = [self._rows.get(self._uid_to_request.get(p.uid, -1))
+                for p in progress if p.end_of_prompt]
+        group = [row for row in rows if row is not None and row.sampler is not None]
+        if not group or len(group) != len(rows):
+            return []
+        firsts = self._tap.group_tokens([row.sampler for row in group if row.sampler],
+                                        decoded)
+        if firsts is None:
+            return []
+        return [(row, first) for row, first in zip(group, firsts)
+                if row.grammar is None and row.failure is None]
 
     def _maybe_store_head(self, uid: int) -> None:
         request_id = self._uid_to_request.get(uid)
