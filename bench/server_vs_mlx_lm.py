@@ -64,14 +64,16 @@ REQUEST_TIMEOUT_S = 600.0
 
 
 @contextlib.contextmanager
-def our_server(model_path: str, *, max_batch: int, prefill_batch: int,
-               max_tokens: int) -> Iterator[str]:
+def our_server(model_path: str, *, max_batch: int, prefill_batch: int, max_tokens: int,
+               admission_window: float | None = None) -> Iterator[str]:
     """``python -m mlx_providers.server`` on a free loopback port; the base URL."""
     port = _free_port()
     command = [sys.executable, "-m", "mlx_providers.server", "--model", model_path,
                "--served-model-name", model_path, "--host", HOST, "--port", str(port),
                "--max-batch", str(max_batch), "--prefill-batch", str(prefill_batch),
                "--max-tokens", str(max_tokens), "--log-level", "warning"]
+    if admission_window is not None:
+        command += ["--admission-window", str(admission_window)]
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
@@ -125,6 +127,26 @@ async def sdk_fan_out(name: str, base_url: str, model: str, prompts: list[str],
 
         streams = await asyncio.gather(*(one(p) for p in prompts))
     return Side(name, list(streams), time.perf_counter() - start)
+
+
+async def lone_ttft(base_url: str, model: str, rounds: int = 5) -> float:
+    """Mean TTFT of one stream at a time on an idle server (new prompts, so no request
+    finds its whole prompt cached): what a burst-gathering admission window costs."""
+    async with httpx.AsyncClient(trust_env=False, timeout=REQUEST_TIMEOUT_S) as http:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0,
+                                    http_client=http)
+        seconds = []
+        for i in range(rounds):
+            start = time.perf_counter()
+            stream = await client.chat.completions.create(
+                model=model, max_tokens=2, temperature=0, stream=True,
+                messages=[{"role": "user", "content": f"Name a colour ({i})."}])
+            first: float | None = None
+            async for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter() - start
+            seconds.append(first if first is not None else time.perf_counter() - start)
+    return sum(seconds) / len(seconds)
 
 
 async def continuation_ttft(base_url: str, model: str, rounds: int = 3) -> dict[str, Any]:
@@ -187,6 +209,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--skip-continuation", action="store_true")
+    parser.add_argument("--admission-window", type=float, default=None,
+                        help="this server's --admission-window (default: the server's)")
     args = parser.parse_args()
     prompts = [PROMPT.format(i=i) for i in range(args.streams)]
     defaults = EngineConfig()
@@ -205,13 +229,16 @@ def main() -> None:
                        max_tokens=args.tokens) as server:
         theirs = asyncio.run(sdk_fan_out("mlx_lm.server (project BLAS)", server.base_url,
                                          model_path, prompts, args.tokens))
+        theirs_lone = asyncio.run(lone_ttft(server.base_url, model_path))
 
     print("running mlx_providers.server ...", file=sys.stderr, flush=True)
     continuation: dict[str, Any] = {}
     with our_server(model_path, max_batch=decode, prefill_batch=defaults.prefill_batch,
-                    max_tokens=args.tokens) as base_url:
+                    max_tokens=args.tokens, admission_window=args.admission_window
+                    ) as base_url:
         ours = asyncio.run(sdk_fan_out("mlx_providers.server", base_url, model_path,
                                        prompts, args.tokens))
+        ours_lone = asyncio.run(lone_ttft(base_url, model_path))
         if not args.skip_continuation:
             continuation = asyncio.run(continuation_ttft(base_url, model_path))
 
@@ -228,6 +255,10 @@ def main() -> None:
     print(f"server / mlx_lm.server: throughput {ours.rate / theirs.rate:.2f}x (goal >= 1.5x), "
           f"mean TTFT {ours.mean_ttft / theirs.mean_ttft:.2f}x (goal <= 0.5x); "
           f"identical answers {same}/{len(ours.streams)}")
+    window = "server default" if args.admission_window is None else args.admission_window
+    print(f"one stream at a time (admission window: {window}): mean TTFT "
+          f"{ours_lone:.3f} s vs mlx_lm.server {theirs_lone:.3f} s "
+          f"({ours_lone / theirs_lone:.2f}x)")
     print(f"server / in-process ChatMLXBatch: throughput {ours.rate / local.rate:.2f}x "
           f"(goal >= 0.90x), mean TTFT {ours.mean_ttft / local.mean_ttft:.2f}x")
     if continuation:

@@ -51,6 +51,14 @@ class EngineConfig(BaseModel):
     prefix_min_tokens: int = Field(
         default=16, ge=1, description="Shortest prefix worth storing or reusing.",
     )
+    admission_window: float = Field(
+        default=0.0, ge=0, le=1.0,
+        description="Seconds an idle engine waits, after a request arrives, for more to "
+        "start with it in one prefill group (ends once prefill_batch are waiting). A burst "
+        "of HTTP requests reaches a server spread over tens of ms; started alone, the first "
+        "makes the rest wait for its first token. Each request on an idle engine pays up "
+        "to this much more latency (0 = start at once).",
+    )
     max_consecutive_step_failures: int = Field(
         default=3, ge=1,
         description="Model-step failures in a row before the engine declares itself dead.",

@@ -333,11 +333,31 @@ class Engine:
                 commands.append(self._commands.get(timeout=self._idle_wait()))
             except queue.Empty:
                 return commands
+            if isinstance(commands[0], _Submit) and self.config.admission_window > 0:
+                self._gather_burst(commands)
         while True:
             try:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 return commands
+
+    def _gather_burst(self, commands: list[_Command]) -> None:
+        """On an idle engine, wait up to ``admission_window`` for more submits to join the
+        first, so a burst starts as one prefill group instead of its first row alone."""
+        deadline = time.monotonic() + self.config.admission_window
+        submits = 1
+        while submits < self.config.prefill_batch:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                command = self._commands.get(timeout=left)
+            except queue.Empty:
+                return
+            commands.append(command)
+            if isinstance(command, _Shutdown):
+                return
+            submits += isinstance(command, _Submit)
 
     def _idle_wait(self) -> float | None:
         # Sleep until the next command, or until the nearest deadline must fire.

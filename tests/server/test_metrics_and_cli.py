@@ -76,6 +76,9 @@ def test_the_command_line_defaults_to_loopback() -> None:
     args = parser().parse_args(["serve", "--model", "m", "--max-batch", "4"])
     assert args.host == "127.0.0.1" and args.port == 8000 and args.max_batch == 4
     assert args.api_key is None
+    # An idle server waits briefly for a burst (the engine's own default is 0).
+    assert args.admission_window == 0.025
+    assert parser().parse_args(["serve", "--admission-window", "0"]).admission_window == 0
 
 
 def test_the_command_serves_a_model(tiny_model_dir: Path) -> None:
