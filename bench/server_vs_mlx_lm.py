@@ -9,6 +9,9 @@ server helpers this reuses), the same prompts and greedy settings. Each side fan
 - aggregate rate = generated tokens (usage) / wall time of the whole fan-out;
 - TTFT per stream = first content delta, measured from the start of the fan-out.
 
+Each side also serves five streams one at a time, idle in between: the mean TTFT of a lone
+request, which this server's admission window (``--admission-window``) adds to.
+
 Then the same load through ``ChatMLXBatch`` in this process (the server's overhead over
 in-process use), and, on this project's server, turn-2 TTFT of a Responses conversation
 continued with ``previous_response_id`` vs the same history resent in full vs that
@@ -19,6 +22,7 @@ within 10% of in-process ChatMLXBatch. The machine's other load makes all of the
 read ratios from one run together, and rerun before believing a small difference.
 
     python bench/server_vs_mlx_lm.py [--model DIR_OR_GGUF] [--streams 16] [--tokens 64]
+        [--admission-window SECONDS] [--skip-continuation]
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
         field = EngineConfig.model_fields[name]
         default = SERVER_DEFAULTS.get(name)
         engine.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default,
-                            help=field.description
+                            help=(field.description or "")
                             + (f" Server default: {default}." if default is not None else ""))
     return top
 
