@@ -59,6 +59,13 @@ class EngineConfig(BaseModel):
         "makes the rest wait for its first token. Each request on an idle engine pays up "
         "to this much more latency (0 = start at once).",
     )
+    fast_forward: bool = Field(
+        default=True,
+        description="Constrained rows (tool calls, schemas, regexes) append the tokens their "
+        "grammar forces in one forward pass instead of one decode step each; they reach "
+        "streams, callbacks, stop strings and usage as ordinary tokens, with logprob 0. "
+        "False decodes them one step at a time.",
+    )
     max_consecutive_step_failures: int = Field(
         default=3, ge=1,
         description="Model-step failures in a row before the engine declares itself dead.",

@@ -441,6 +441,7 @@ class Engine:
             self._stats.step_seconds += seconds
             self._stats.peak_running = max(self._stats.peak_running, step.width)
             self._stats.generated_tokens += outcome.tokens
+            self._stats.forced_tokens += outcome.forced
         for row, event in outcome.events:
             row.stream.publish(event)
         if outcome.endings:

@@ -135,6 +135,17 @@ class RowGrammar:
         if self.repeats is not None:
             self.repeats.advance(token)
 
+    def forced(self, limit: int) -> list[int]:
+        """The tokens the grammar alone decides next (at most ``limit``), not consumed.
+
+        llguidance's canonical tokenization of the bytes every continuation shares, up to
+        the next point where the model has a choice; empty when there is a choice now.
+        """
+        if limit <= 0 or self._matcher.is_stopped():
+            return []
+        tokens: list[int] = self._matcher.compute_ff_tokens()
+        return tokens[:limit]
+
     def fill(self, bitmask: np.ndarray[Any, Any], row: int) -> None:
         import llguidance.numpy
 

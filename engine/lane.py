@@ -1,7 +1,8 @@
 """The lane protocol: where admitted rows run, as the step loop sees it.
 
 A lane holds rows keyed by request id and does the only device work: ``insert`` starts
-rows, ``step`` advances every row it holds by one unit (a prefill chunk or one token),
+rows, ``step`` advances every row it holds by one unit (a prefill chunk or one token;
+a constrained row may also append the tokens its grammar forces),
 ``remove`` lets rows go at any stage. A lane never decides that a row has ended: it
 reports tokens, and ``engine.update`` decides. Two implementations: the shared batch
 (``BatchLane``) and one row at a time for what cannot batch (``SerialLane``).
@@ -28,12 +29,17 @@ class LaneRow:
 
 @dataclass(frozen=True)
 class RowToken:
-    """One generated token of one row, and whether the row's grammar is now complete."""
+    """One generated token of one row, and whether the row's grammar is now complete.
+
+    ``forced``: the row's grammar allowed nothing else, so the token was fed to the model
+    with others in one forward instead of being sampled in a step of its own.
+    """
 
     request_id: int
     token: int
     logprob: TokenLogprob | None = None
     grammar_done: bool = False
+    forced: bool = False
 
 
 @dataclass

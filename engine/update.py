@@ -39,6 +39,7 @@ class StepOutcome:
     events: list[tuple[Row, StreamEvent]] = field(default_factory=list)
     endings: list[Ending] = field(default_factory=list)
     tokens: int = 0
+    forced: int = 0  # of ``tokens``, forced by a grammar (fast-forward)
 
 
 def update(rows: Mapping[int, Row], step: LaneStep, now: float) -> StepOutcome:
@@ -52,15 +53,18 @@ def update(rows: Mapping[int, Row], step: LaneStep, now: float) -> StepOutcome:
         row = rows.get(request_id)
         if row is not None:
             row.cached_tokens = cached
+    ended: set[int] = set()  # a row may bring several tokens; those after its end are dropped
     for token in step.tokens:
         row = rows.get(token.request_id)
-        if row is None or token.request_id in step.failed:
+        if row is None or token.request_id in step.failed or token.request_id in ended:
             continue
         outcome.tokens += 1
+        outcome.forced += token.forced
         ending = take_token(row, token, now)
         if ending is None:
             continue
         if isinstance(ending, Ending):
+            ended.add(token.request_id)
             outcome.endings.append(ending)
         else:
             outcome.events.append((row, ending))

@@ -16,6 +16,12 @@ from the end of its prompt or has produced its first token; the wait is at most 
 A group's first tokens are read from its samplers in the step that samples them (see
 ``first_tokens``), one step before mlx-lm returns them, except for constrained rows,
 whose grammar learns of the token only in that next step.
+
+Grammar fast-forward: when a constrained row's grammar forces two or more tokens after the
+token just returned, the row leaves the generator with its cache, is fed the forced span
+in one forward (``forced_spans``), samples its next free token there, and rejoins the
+generator with that token as a one-token segment. A chain of choice, span, choice, span
+runs as several such forwards in the same step, up to ``_SPAN_ROUNDS``.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from engine.device.first_tokens import FirstToken, Sampler, SamplerTap
-from engine.device.logprobs import token_logprob
+from engine.device.forced_spans import forward_spans, spans_supported
+from engine.device.logprobs import forced_logprob, token_logprob
 from engine.device.prefix_reuse import PrefixReuse, materialized, sliced
 from engine.device.sampling import (
     GrammarMask,
@@ -46,6 +54,10 @@ from engine.request import LogitsProcessor
 # The generator must never end a row by length itself (engine.update decides).
 _NO_LIMIT = 1 << 62
 HeadKey = tuple[int, ...]
+# Fast-forward pays from two forced tokens: one costs its row a forward and a rejoin, the
+# same as the step it saves. Rounds bound how long one step may be held by span forwards.
+_MIN_SPAN = 2
+_SPAN_ROUNDS = 4
 
 
 @dataclass(eq=False)  # rows are compared by identity: two requests may look alike
@@ -58,10 +70,22 @@ class _BatchRow:
     cached_tokens: int = 0
     head_len: int = 0  # the row's shared head: its chat head, or a prefix it shares
     sampler: Sampler | None = None  # as handed to the generator (wrapped by the tap)
+    generated: int = 0  # tokens reported for the row, forced ones included
+
 
     @property
     def head(self) -> HeadKey | None:
         return tuple(self.row.prompt[: self.head_len]) if self.head_len else None
+
+
+@dataclass(eq=False)
+class _SpanRow:
+    """A row fast-forwarding: out of the generator, its cache and the tokens not yet in it."""
+
+    held: _BatchRow
+    cache: list[Any]
+    history: list[int]  # the tokens its cache holds
+    pending: list[int]  # decided (forced or sampled) but not yet fed
 
 
 class BatchLane:
@@ -69,7 +93,8 @@ class BatchLane:
 
     def __init__(self, model: Any, stream: Any, compiler: GrammarCompiler,
                  samplers: SamplerCache, reuse: PrefixReuse, *, max_batch: int,
-                 prefill_batch: int, prefill_chunk: int, max_kv_size: int | None) -> None:
+                 prefill_batch: int, prefill_chunk: int, max_kv_size: int | None,
+                 fast_forward: bool = True) -> None:
         self._model = model
         self._stream = stream
         self._compiler = compiler
@@ -97,6 +122,7 @@ class BatchLane:
         # First tokens reported before the generator returns them: request id -> token.
         self._tap = SamplerTap()
         self._early: dict[int, int] = {}
+        self.fast_forward = fast_forward and spans_supported(model, max_kv_size)
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(self._model, stream=self._stream, **self._options)
@@ -335,6 +361,10 @@ class BatchLane:
             result.tokens.append(RowToken(
                 request_id, first.token,
                 token_logprob(row.row.params, first.token, first.logprobs)))
+        for token in result.tokens:
+            self._rows[token.request_id].generated += 1
+        if self.fast_forward:
+            self._fast_forward(result)
         for request_id, row in self._rows.items():
             if row.failure is not None:
                 result.failed[request_id] = row.failure
@@ -356,6 +386,127 @@ class BatchLane:
             return []
         return [(row, first) for row, first in zip(group, firsts)
                 if row.grammar is None and row.failure is None]
+
+    # ----- fast-forward -----------------------------------------------------------------
+
+    def _fast_forward(self, result: LaneStep) -> None:
+        """Rows whose grammar now forces a span: feed it at once, sample, rejoin."""
+        last: dict[int, RowToken] = {token.request_id: token for token in result.tokens}
+        starting: list[tuple[_BatchRow, list[int]]] = []
+        for request_id, token in last.items():
+            row = self._rows[request_id]
+            if (row.grammar is None or row.failure is not None or token.grammar_done
+                    or request_id not in self._request_to_uid):
+                continue
+            span = row.grammar.forced(self._budget(row))
+            if len(span) >= _MIN_SPAN:
+                starting.append((row, span))
+        if not starting:
+            return
+        uids = [self._request_to_uid[row.row.request_id] for row, _ in starting]
+        taken = self._generator.remove(uids, return_prompt_caches=True)
+        spanning = []
+        for uid, (row, span) in zip(uids, starting):
+            cache, history = taken[uid]
+            spanning.append(_SpanRow(row, list(cache), list(history), []))
+            self._take_forced(row, span, spanning[-1], result)
+        active = [s for s in spanning if s.held.failure is None]
+        for round_ in range(_SPAN_ROUNDS):
+            if not active:
+                break
+            with mx.stream(self._stream):
+                out = forward_spans(self._model, [s.cache for s in active],
+                                    [s.pending for s in active])
+            chained = []
+            for i, span_row in enumerate(active):
+                span_row.cache = out.caches[i]
+                span_row.history += span_row.pending
+                span_row.pending = []
+                if self._sample_after_span(span_row, out.logits[i:i + 1], result):
+                    row = span_row.held
+                    assert row.grammar is not None
+                    more = row.grammar.forced(self._budget(row))
+                    if len(more) >= _MIN_SPAN and round_ + 1 < _SPAN_ROUNDS:
+                        self._take_forced(row, more, span_row, result)
+                        chained.append(span_row)
+            active = [s for s in chained if s.held.failure is None]
+        self._rejoin(spanning)
+
+    def _budget(self, row: _BatchRow) -> int:
+        """Forced tokens the row may still take, leaving room for the token sampled after."""
+        return row.row.params.max_tokens - row.generated - 1
+
+    def _take_forced(self, row: _BatchRow, span: list[int], span_row: _SpanRow,
+                     result: LaneStep) -> None:
+        assert row.grammar is not None
+        params = row.row.params
+        for token in span:
+            try:
+                row.grammar.consume(token)
+            except Exception as exc:  # the row's own grammar: it fails alone
+                row.failure = exc
+                return
+            span_row.pending.append(token)
+            row.generated += 1
+            result.tokens.append(RowToken(row.row.request_id, token,
+                                          forced_logprob(params, token), forced=True))
+
+    def _sample_after_span(self, span_row: _SpanRow, logits: mx.array,
+                           result: LaneStep) -> bool:
+        """Sample the token after a span as mlx-lm would (penalties, mask, sampler)."""
+        row = span_row.held
+        grammar = row.grammar
+        assert grammar is not None and row.sampler is not None
+        params = row.row.params
+        try:
+            with mx.stream(self._stream):
+                processors = penalty_processors(params)
+                if processors:
+                    context = mx.array(span_row.history)
+                    for processor in processors:
+                        logits = processor(context, logits)
+                logits = GrammarMask(grammar, self._compiler.words).apply(logits)
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                token = int(row.sampler(logprobs).reshape(-1)[0].item())
+                logprob = token_logprob(params, token, logprobs)
+            grammar.consume(token)
+        except Exception as exc:  # the row's own code: it fails alone
+            row.failure = exc
+            return False
+        span_row.pending = [token]
+        row.generated += 1
+        result.tokens.append(RowToken(row.row.request_id, token, logprob,
+                                      grammar_done=grammar.done))
+        return not grammar.done
+
+    def _rejoin(self, spanning: list[_SpanRow]) -> None:
+        """Hand fast-forwarded rows back to the generator with their undecoded tokens."""
+        rows = [s for s in spanning if s.pending]
+        for span_row in rows:
+            assert span_row.held.grammar is not None
+            span_row.held.grammar.started = False  # its pending tokens are consumed already
+        uids = self._generator.insert_segments(
+            [[s.pending] for s in rows],
+            max_tokens=[_NO_LIMIT] * len(rows),
+            caches=[s.cache for s in rows],
+            all_tokens=[s.history for s in rows],
+            samplers=[s.held.sampler for s in rows],
+            logits_processors=[self._processors(s.held) for s in rows],
+            stop_sequences=[self._no_stops] * len(rows),
+        ) if rows else []
+        for uid, span_row in zip(uids, rows):
+            request_id = span_row.held.row.request_id
+            old = self._request_to_uid.get(request_id)
+            if old is not None:
+                self._uid_to_request.pop(old, None)
+            self._uid_to_request[uid] = request_id
+            self._request_to_uid[request_id] = uid
+        for span_row in spanning:
+            if not span_row.pending:  # failed before anything was decided: it ends now
+                request_id = span_row.held.row.request_id
+                old = self._request_to_uid.pop(request_id, None)
+                if old is not None:
+                    self._uid_to_request.pop(old, None)
 
     def _maybe_store_head(self, uid: int) -> None:
         request_id = self._uid_to_request.get(uid)

@@ -24,3 +24,14 @@ def token_logprob(params: SamplingParams, token: int, logprobs: Any) -> TokenLog
         top_values: list[float] = values[order].tolist()
         top = tuple(zip(top_ids, top_values))
     return TokenLogprob(token, float(row[token].item()), top)
+
+
+def forced_logprob(params: SamplingParams, token: int) -> TokenLogprob | None:
+    """A token the grammar forced: the only one allowed, so log-probability 0 (p = 1).
+
+    The model is not consulted for forced tokens (they are fed, never sampled), so there
+    are no alternatives to list: ``top`` holds the token alone when alternatives are asked.
+    """
+    if not params.logprobs:
+        return None
+    return TokenLogprob(token, 0.0, ((token, 0.0),) if params.top_logprobs else ())

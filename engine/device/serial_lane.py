@@ -3,6 +3,9 @@
 For what cannot join the batch: seeded random sampling (its own PRNG key, so the
 seed alone decides the output) and models whose caches cannot merge (quantized KV).
 The scheduler admits one row at a time here; it runs between batch steps.
+
+Grammar fast-forward: after a constrained row samples a token, the tokens its grammar
+then forces are appended at once and fed with it in the row's next forward.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.device.logprobs import token_logprob
+from engine.device.logprobs import forced_logprob, token_logprob
 from engine.device.sampling import (
     GrammarMask,
     Sampler,
@@ -39,19 +42,21 @@ class _SerialRow:
     processors: list[LogitsProcessor]
     mask: GrammarMask | None
     unprefilled: list[int]
-    next_input: int
+    pending: list[int]  # decided but not yet fed: the last token, then any forced span
     history: list[int]
     failure: BaseException | None = None
     logprobs: Any = None  # of the last decoded token, (1, vocab)
+    generated: int = 0
 
-    def advance(self, model: Any, chunk_size: int) -> int | None:
-        """Prefill one chunk (returns None) or decode one token (returns it)."""
+    def advance(self, model: Any, chunk_size: int, fast_forward: bool) -> list[int] | None:
+        """Prefill one chunk (returns None) or decode one token (returns it, then the
+        tokens its grammar forces after it when ``fast_forward``)."""
         if self.unprefilled:
             chunk, self.unprefilled = self.unprefilled[:chunk_size], self.unprefilled[chunk_size:]
             model(mx.array(chunk)[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
             return None
-        logits = model(mx.array([[self.next_input]]), cache=self.cache)[:, -1, :]
+        logits = model(mx.array([self.pending]), cache=self.cache)[:, -1, :]
         if self.processors:
             context = mx.array(self.history)
             for processor in self.processors:
@@ -60,24 +65,34 @@ class _SerialRow:
             logits = self.mask.apply(logits)
         self.logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         token: int = self.sampler(self.logprobs).reshape(-1)[0].item()  # type: ignore[assignment]
+        decided = [token]
         if self.mask is not None:
-            self.mask.grammar.consume(token)  # no pipelining here: done-ness is current
-        self.next_input = token
-        self.history.append(token)
-        return token
+            grammar = self.mask.grammar
+            grammar.consume(token)  # no pipelining here: done-ness is current
+            if fast_forward and not grammar.done:
+                limit = self.row.params.max_tokens - self.generated - 2
+                for forced in grammar.forced(limit):
+                    grammar.consume(forced)
+                    decided.append(forced)
+        self.pending = decided
+        self.history.extend(decided)
+        self.generated += len(decided)
+        return decided
 
 
 class SerialLane:
     """A lane of rows each decoded alone; implements ``engine.lane.Lane``."""
 
     def __init__(self, model: Any, stream: Any, compiler: GrammarCompiler,
-                 samplers: SamplerCache, max_kv_size: int | None, prefill_chunk: int) -> None:
+                 samplers: SamplerCache, max_kv_size: int | None, prefill_chunk: int,
+                 fast_forward: bool = True) -> None:
         self._model = model
         self._stream = stream
         self._compiler = compiler
         self._samplers = samplers
         self._max_kv_size = max_kv_size
         self._chunk = prefill_chunk
+        self.fast_forward = fast_forward
         self._rows: dict[int, _SerialRow] = {}
 
     def __len__(self) -> int:
@@ -92,7 +107,7 @@ class SerialLane:
                        if params.constraint is not None else None)
             mask = GrammarMask(grammar, self._compiler.words) if grammar is not None else None
             serial = _SerialRow(row, make_prompt_cache(self._model, self._max_kv_size), sampler,
-                                [], mask, row.prompt[:-1], row.prompt[-1], list(row.prompt))
+                                [], mask, row.prompt[:-1], row.prompt[-1:], list(row.prompt))
             serial.processors = [guarded(serial, p) for p in penalty_processors(params)]
             self._rows[row.request_id] = serial
 
@@ -112,18 +127,24 @@ class SerialLane:
         for request_id, serial in list(self._rows.items()):
             try:
                 with mx.stream(self._stream):
-                    token = serial.advance(self._model, self._chunk)
+                    tokens = serial.advance(self._model, self._chunk, self.fast_forward)
             except InvalidConstraintError as exc:  # the row's own grammar: it fails alone
                 result.failed[request_id] = serial.failure or exc
                 continue
             if serial.failure is not None:
                 result.failed[request_id] = serial.failure
                 continue
-            if token is None:
+            if tokens is None:
                 continue  # still prefilling
             result.width += 1
             grammar = serial.mask.grammar if serial.mask is not None else None
-            result.tokens.append(RowToken(
-                request_id, token, token_logprob(serial.row.params, token, serial.logprobs[0]),
-                grammar_done=grammar is not None and grammar.done))
+            params = serial.row.params
+            for i, token in enumerate(tokens):
+                last = i == len(tokens) - 1
+                result.tokens.append(RowToken(
+                    request_id, token,
+                    forced_logprob(params, token) if i else
+                    token_logprob(params, token, serial.logprobs[0]),
+                    grammar_done=last and grammar is not None and grammar.done,
+                    forced=i > 0))
         return result

@@ -25,13 +25,17 @@ def call_text(tz: str) -> str:
 
 
 def pushing(sequence: Sequence[int]) -> Any:
-    """A logits processor that makes token ``sequence[i]`` the likeliest at step ``i``
-    (cycling); tokens the row's grammar forbids stay forbidden."""
-    step = [0]
+    """A logits processor that makes token ``sequence[i]`` the likeliest for generated
+    token ``i`` (cycling); tokens the row's grammar forbids stay forbidden.
+
+    The position comes from the context's length, not from counting calls: tokens a
+    grammar forces are fed without a processor call (fast-forward)."""
+    start: list[int] = []
 
     def process(tokens: Any, logits: mx.array) -> mx.array:
-        target = sequence[step[0] % len(sequence)]
-        step[0] += 1
+        if not start:
+            start.append(len(tokens))  # the first call sees the prompt
+        target = sequence[(len(tokens) - start[0]) % len(sequence)]
         return mx.where(mx.arange(logits.shape[-1]) == target, logits + 1e4, logits)
 
     return process
