@@ -410,7 +410,7 @@ class BatchLane:
             cache, history = taken[uid]
             spanning.append(_SpanRow(row, list(cache), list(history), []))
             self._take_forced(row, span, spanning[-1], result)
-        active = [s for s in spanning if s.held.failure is None]
+        active = [s for s in spanning if self._goes_on(s.held)]
         for round_ in range(_SPAN_ROUNDS):
             if not active:
                 break
@@ -429,8 +429,13 @@ class BatchLane:
                     if len(more) >= _MIN_SPAN and round_ + 1 < _SPAN_ROUNDS:
                         self._take_forced(row, more, span_row, result)
                         chained.append(span_row)
-            active = [s for s in chained if s.held.failure is None]
+            active = [s for s in chained if self._goes_on(s.held)]
         self._rejoin(spanning)
+
+    @staticmethod
+    def _goes_on(row: _BatchRow) -> bool:
+        """A row still decoding after its span: not failed, its grammar not complete."""
+        return row.failure is None and row.grammar is not None and not row.grammar.done
 
     def _budget(self, row: _BatchRow) -> int:
         """Forced tokens the row may still take, leaving room for the token sampled after."""
@@ -449,7 +454,8 @@ class BatchLane:
             span_row.pending.append(token)
             row.generated += 1
             result.tokens.append(RowToken(row.row.request_id, token,
-                                          forced_logprob(params, token), forced=True))
+                                          forced_logprob(params, token),
+                                          grammar_done=row.grammar.done, forced=True))
 
     def _sample_after_span(self, span_row: _SpanRow, logits: mx.array,
                            result: LaneStep) -> bool:

@@ -70,7 +70,7 @@ class _SerialRow:
             grammar = self.mask.grammar
             grammar.consume(token)  # no pipelining here: done-ness is current
             if fast_forward and not grammar.done:
-                limit = self.row.params.max_tokens - self.generated - 2
+                limit = self.row.params.max_tokens - self.generated - 1
                 for forced in grammar.forced(limit):
                     grammar.consume(forced)
                     decided.append(forced)
