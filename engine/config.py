@@ -66,6 +66,14 @@ class EngineConfig(BaseModel):
         "streams, callbacks, stop strings and usage as ordinary tokens, with logprob 0. "
         "False decodes them one step at a time.",
     )
+    speculation: int = Field(
+        default=0, ge=0, le=64,
+        description="Prompt-lookup speculation while at most this many rows run (0 = off): "
+        "greedy rows without constraints, processors or logprobs draft their next tokens "
+        "from their own prompt and output and check the draft in one forward, keeping what "
+        "the model agrees with (the output is the same greedy text). A row whose drafts "
+        "are rarely accepted stops drafting.",
+    )
     max_consecutive_step_failures: int = Field(
         default=3, ge=1,
         description="Model-step failures in a row before the engine declares itself dead.",

@@ -22,13 +22,17 @@ token just returned, the row leaves the generator with its cache, is fed the for
 in one forward (``forced_spans``), samples its next free token there, and rejoins the
 generator with that token as a one-token segment. A chain of choice, span, choice, span
 runs as several such forwards in the same step, up to ``_SPAN_ROUNDS``.
+
+Speculation: while the lane holds at most ``speculation`` rows, greedy rows leave the
+generator and are decoded by ``speculation`` on their own caches, several tokens a step
+where prompt-lookup drafts are accepted; they rejoin when load rises or drafts miss.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -46,6 +50,15 @@ from engine.device.sampling import (
     guarded,
     penalty_processors,
 )
+from engine.device.speculation import (
+    ACCEPTANCE_FLOOR,
+    DRAFT_TOKENS,
+    IDLE_CHECKS,
+    SpeculatingRow,
+    eligible,
+    speculate,
+)
+from engine.drafts import Acceptance, lookup_draft
 from engine.grammar import GrammarCompiler, RowGrammar
 from engine.lane import LaneRow, LaneStep, RowToken
 from engine.prefix_cache import common_prefix
@@ -70,8 +83,15 @@ class _BatchRow:
     cached_tokens: int = 0
     head_len: int = 0  # the row's shared head: its chat head, or a prefix it shares
     sampler: Sampler | None = None  # as handed to the generator (wrapped by the tap)
-    generated: int = 0  # tokens reported for the row, forced ones included
+    output: list[int] = field(default_factory=list)  # tokens reported, forced ones included
+    acceptance: Acceptance | None = None  # of its drafts (checked, or shadowed in the batch)
+    shadow: list[int] = field(default_factory=list)  # a draft compared with what it decodes
+    shadow_matched: int = 0
 
+
+    @property
+    def generated(self) -> int:
+        return len(self.output)
 
     @property
     def head(self) -> HeadKey | None:
@@ -94,7 +114,7 @@ class BatchLane:
     def __init__(self, model: Any, stream: Any, compiler: GrammarCompiler,
                  samplers: SamplerCache, reuse: PrefixReuse, *, max_batch: int,
                  prefill_batch: int, prefill_chunk: int, max_kv_size: int | None,
-                 fast_forward: bool = True) -> None:
+                 fast_forward: bool = True, speculation: int = 0) -> None:
         self._model = model
         self._stream = stream
         self._compiler = compiler
@@ -123,6 +143,8 @@ class BatchLane:
         self._tap = SamplerTap()
         self._early: dict[int, int] = {}
         self.fast_forward = fast_forward and spans_supported(model, max_kv_size)
+        self.speculation = speculation if spans_supported(model, max_kv_size) else 0
+        self._speculating: dict[int, SpeculatingRow] = {}
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(self._model, stream=self._stream, **self._options)
@@ -284,6 +306,9 @@ class BatchLane:
             self._forget(request_id)
 
     def _forget(self, request_id: int) -> None:
+        spec = self._speculating.pop(request_id, None)
+        if spec is not None and self.reuse.enabled:
+            self.reuse.keep(spec.history, spec.cache)
         uid = self._request_to_uid.pop(request_id, None)
         if uid is not None:
             self._uid_to_request.pop(uid, None)
@@ -312,6 +337,7 @@ class BatchLane:
         self._deferred.clear()
         self._heads_in_flight.clear()
         self._head_of_leader.clear()
+        self._speculating.clear()
         for request_id in dropped:
             self._forget(request_id)
         self._generator = self._new_generator()
@@ -335,6 +361,7 @@ class BatchLane:
                 self._awaiting_first[request_id] = total - done
             if prompt_response.end_of_segment and not prompt_response.end_of_prompt:
                 self._maybe_store_head(prompt_response.uid)
+        decoded: list[int] = []  # rows whose token came from the generator's decode
         for response in responses:
             request_id = self._uid_to_request.get(response.uid)
             row = None
@@ -350,6 +377,7 @@ class BatchLane:
                     row.failure = RuntimeError(
                         f"first token read early as {reported}, generated as {token}")
                 continue
+            decoded.append(row.row.request_id)
             result.tokens.append(RowToken(
                 row.row.request_id, token,
                 token_logprob(row.row.params, token, response.logprobs),
@@ -362,9 +390,11 @@ class BatchLane:
                 request_id, first.token,
                 token_logprob(row.row.params, first.token, first.logprobs)))
         for token in result.tokens:
-            self._rows[token.request_id].generated += 1
+            self._rows[token.request_id].output.append(token.token)
         if self.fast_forward:
             self._fast_forward(result)
+        if self.speculation:
+            self._speculate(decoded, result)
         for request_id, row in self._rows.items():
             if row.failure is not None:
                 result.failed[request_id] = row.failure
@@ -452,7 +482,7 @@ class BatchLane:
                 row.failure = exc
                 return
             span_row.pending.append(token)
-            row.generated += 1
+            row.output.append(token)
             result.tokens.append(RowToken(row.row.request_id, token,
                                           forced_logprob(params, token),
                                           grammar_done=row.grammar.done, forced=True))
@@ -480,7 +510,7 @@ class BatchLane:
             row.failure = exc
             return False
         span_row.pending = [token]
-        row.generated += 1
+        row.output.append(token)
         result.tokens.append(RowToken(row.row.request_id, token, logprob,
                                       grammar_done=grammar.done))
         return not grammar.done
@@ -513,6 +543,87 @@ class BatchLane:
                 old = self._request_to_uid.pop(request_id, None)
                 if old is not None:
                     self._uid_to_request.pop(old, None)
+
+    # ----- speculation ------------------------------------------------------------------
+
+    def _speculate(self, decoded: list[int], result: LaneStep) -> None:
+        """At low load, greedy rows check prompt-lookup drafts outside the generator."""
+        if len(self._rows) > self.speculation:
+            self._leave(list(self._speculating.values()))
+            return
+        floor = ACCEPTANCE_FLOOR * len(self._rows)  # a bigger batch makes a row's step cheaper
+        entering = []
+        for request_id in decoded:
+            row = self._rows[request_id]
+            if self._shadow(row) and row.acceptance is not None and row.acceptance.mean >= floor:
+                entering.append(row)
+        if entering:
+            uids = [self._request_to_uid[row.row.request_id] for row in entering]
+            taken = self._generator.remove(uids, return_prompt_caches=True)
+            for uid, row in zip(uids, entering):
+                cache, history = taken[uid]
+                for layer in cache:  # the last token is fed again: its logits check the draft
+                    layer.trim(1)
+                request_id = row.row.request_id
+                assert row.acceptance is not None
+                row.shadow = []
+                self._speculating[request_id] = SpeculatingRow(
+                    row.row, list(cache), list(history[:-1]), history[-1], row.acceptance)
+                self._uid_to_request.pop(self._request_to_uid.pop(request_id), None)
+        leaving = []
+        for request_id, spec in self._speculating.items():
+            row = self._rows[request_id]
+            budget = row.row.params.max_tokens - row.generated
+            if budget <= 0:
+                continue  # it ends at this step's tokens
+            with mx.stream(self._stream):
+                tokens = speculate(self._model, spec, budget)
+            result.tokens.extend(tokens)
+            result.width += 1
+            row.output.extend(token.token for token in tokens)
+            if spec.idle >= IDLE_CHECKS or spec.acceptance.mean < floor:
+                leaving.append(spec)
+        self._leave(leaving)
+
+    def _shadow(self, row: _BatchRow) -> bool:
+        """Check the row's last draft against the token it just decoded, draft anew if
+        needed; True when it holds a draft now. Costs no forward: it is how a row in the
+        batch earns its first check outside it."""
+        request_id = row.row.request_id
+        if not (eligible(row.row) and row.failure is None and request_id not in self._early
+                and request_id in self._request_to_uid):
+            return False
+        if row.acceptance is None:
+            row.acceptance = Acceptance(start=0.0)
+        if row.shadow:
+            hit = row.output[-1] == row.shadow[row.shadow_matched]
+            row.shadow_matched += hit
+            if not hit or row.shadow_matched == len(row.shadow):
+                row.acceptance.record(row.shadow_matched)
+                row.shadow, row.shadow_matched = [], 0
+        if not row.shadow:
+            row.shadow = lookup_draft([*row.row.prompt, *row.output], DRAFT_TOKENS)
+        return bool(row.shadow)
+
+    def _leave(self, rows: list[SpeculatingRow]) -> None:
+        """Speculating rows go back to the generator with their last token to feed."""
+        if not rows:
+            return
+        held = [self._rows[spec.row.request_id] for spec in rows]
+        uids = self._generator.insert_segments(
+            [[[spec.pending]] for spec in rows],
+            max_tokens=[_NO_LIMIT] * len(rows),
+            caches=[spec.cache for spec in rows],
+            all_tokens=[spec.history for spec in rows],
+            samplers=[row.sampler for row in held],
+            logits_processors=[self._processors(row) for row in held],
+            stop_sequences=[self._no_stops] * len(rows),
+        )
+        for uid, spec in zip(uids, rows):
+            request_id = spec.row.request_id
+            del self._speculating[request_id]
+            self._uid_to_request[uid] = request_id
+            self._request_to_uid[request_id] = uid
 
     def _maybe_store_head(self, uid: int) -> None:
         request_id = self._uid_to_request.get(uid)

@@ -114,7 +114,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
     batch = BatchLane(loaded.model, loaded.stream, compiler, samplers, reuse,
                       max_batch=config.max_batch, prefill_batch=config.prefill_batch,
                       prefill_chunk=config.prefill_chunk, max_kv_size=config.max_kv_size,
-                      fast_forward=config.fast_forward)
+                      fast_forward=config.fast_forward, speculation=config.speculation)
     serial = SerialLane(loaded.model, loaded.stream, compiler, samplers, config.max_kv_size,
                         config.prefill_chunk, fast_forward=config.fast_forward)
     lanes = Lanes(batch, serial, store)
