@@ -67,12 +67,15 @@ class EngineConfig(BaseModel):
         "False decodes them one step at a time.",
     )
     speculation: int = Field(
-        default=0, ge=0, le=64,
+        default=1, ge=0, le=64,
         description="Prompt-lookup speculation while at most this many rows run (0 = off): "
         "greedy rows without constraints, processors or logprobs draft their next tokens "
         "from their own prompt and output and check the draft in one forward, keeping what "
-        "the model agrees with (the output is the same greedy text). A row whose drafts "
-        "are rarely accepted stops drafting.",
+        "the model agrees with (the output is the same greedy text). A row's drafts are "
+        "first compared with what it decodes in the batch; only rows whose drafts would be "
+        "accepted often enough for the load pay for a check. Default 1: measured here, it "
+        "paid at one row (2.2x on an answer quoting its context) and cost up to 12% at two "
+        "rows on a load whose drafts fail.",
     )
     max_consecutive_step_failures: int = Field(
         default=3, ge=1,

@@ -23,9 +23,12 @@ def lookup_draft(tokens: Sequence[int], length: int, max_ngram: int = 4,
         # Latest match first: recent context predicts best; the tail itself is excluded.
         for start in range(count - n - 1, -1, -1):
             if tokens[start] == tail[0] and list(tokens[start:start + n]) == tail:
-                follow = list(tokens[start + n:start + n + length])
-                if follow:
-                    return follow
+                # Copy what followed; a match close to the end runs on into the draft
+                # itself, which continues a repeating pattern.
+                copied = list(tokens)
+                for i in range(length):
+                    copied.append(copied[start + n + i])
+                return copied[count:]
     return []
 
 

@@ -442,6 +442,7 @@ class Engine:
             self._stats.peak_running = max(self._stats.peak_running, step.width)
             self._stats.generated_tokens += outcome.tokens
             self._stats.forced_tokens += outcome.forced
+            self._stats.drafted_tokens += outcome.drafted
         for row, event in outcome.events:
             row.stream.publish(event)
         if outcome.endings:

@@ -33,6 +33,7 @@ class RowToken:
 
     ``forced``: the row's grammar allowed nothing else, so the token was fed to the model
     with others in one forward instead of being sampled in a step of its own.
+    ``drafted``: guessed by prompt lookup and confirmed by the model in one forward.
     """
 
     request_id: int
@@ -40,6 +41,7 @@ class RowToken:
     logprob: TokenLogprob | None = None
     grammar_done: bool = False
     forced: bool = False
+    drafted: bool = False  # a speculative draft's token the model agreed with
 
 
 @dataclass

@@ -24,6 +24,7 @@ class EngineStats:
     prompt_tokens: int = 0  # tokens of prompts admitted for prefill
     generated_tokens: int = 0
     forced_tokens: int = 0  # of those, dictated by a grammar and fed without a step each
+    drafted_tokens: int = 0  # of those, prompt-lookup drafts the model confirmed (speculation)
     kv_bytes_projected: int = 0  # worst-case KV bytes of the running rows
     live_matchers: int = 0  # grammar matchers held by constrained rows
     prefix_hits: int = 0  # rows that started from a reused KV prefix

@@ -40,6 +40,7 @@ class StepOutcome:
     endings: list[Ending] = field(default_factory=list)
     tokens: int = 0
     forced: int = 0  # of ``tokens``, forced by a grammar (fast-forward)
+    drafted: int = 0  # of ``tokens``, speculative drafts the model confirmed
 
 
 def update(rows: Mapping[int, Row], step: LaneStep, now: float) -> StepOutcome:
@@ -60,6 +61,7 @@ def update(rows: Mapping[int, Row], step: LaneStep, now: float) -> StepOutcome:
             continue
         outcome.tokens += 1
         outcome.forced += token.forced
+        outcome.drafted += token.drafted
         ending = take_token(row, token, now)
         if ending is None:
             continue

@@ -389,8 +389,8 @@ class BatchLane:
             result.tokens.append(RowToken(
                 request_id, first.token,
                 token_logprob(row.row.params, first.token, first.logprobs)))
-        for token in result.tokens:
-            self._rows[token.request_id].output.append(token.token)
+        for produced in result.tokens:
+            self._rows[produced.request_id].output.append(produced.token)
         if self.fast_forward:
             self._fast_forward(result)
         if self.speculation:
@@ -503,7 +503,7 @@ class BatchLane:
                         logits = processor(context, logits)
                 logits = GrammarMask(grammar, self._compiler.words).apply(logits)
                 logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                token = int(row.sampler(logprobs).reshape(-1)[0].item())
+                token: int = row.sampler(logprobs).reshape(-1)[0].item()  # type: ignore[assignment]
                 logprob = token_logprob(params, token, logprobs)
             grammar.consume(token)
         except Exception as exc:  # the row's own code: it fails alone

@@ -68,4 +68,5 @@ def speculate(model: Any, spec: SpeculatingRow, budget: int) -> list[RowToken]:
     kept = [*draft[:accepted], choices[accepted]]
     spec.history += fed[:1 + accepted]
     spec.pending = kept[-1]
-    return [RowToken(spec.row.request_id, token) for token in kept]
+    request_id = spec.row.request_id
+    return [RowToken(request_id, token, drafted=i < accepted) for i, token in enumerate(kept)]

@@ -36,6 +36,10 @@ class _EngineCollector(Collector):
         }
         counters = {
             "generated_tokens": ("mlx_engine_generated_tokens", "Tokens generated."),
+            "forced_tokens": ("mlx_engine_forced_tokens",
+                              "Generated tokens a grammar forced (fast-forward, no step each)."),
+            "drafted_tokens": ("mlx_engine_drafted_tokens",
+                               "Generated tokens from speculative drafts the model confirmed."),
             "prompt_tokens": ("mlx_engine_prompt_tokens", "Prompt tokens admitted for prefill."),
             "prefix_hit_tokens": ("mlx_engine_prefix_cache_hit_tokens",
                                   "Prompt tokens not prefilled thanks to the prefix cache."),

@@ -219,7 +219,8 @@ def test_cancelling_fast_forwarding_rows_leaves_siblings_unchanged(
         started = threading.Event()
         seen = [0]
 
-        def count(_t: int, _d: str, after: int = cancel_after) -> None:
+        def count(_t: int, _d: str, after: int = cancel_after, seen: list[int] = seen,
+                  started: threading.Event = started) -> None:
             seen[0] += 1
             if seen[0] >= after:
                 started.set()
