@@ -85,12 +85,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrency", default="1,4,8,16,32")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--speculation", type=int, default=EngineConfig().speculation,
+                        help="EngineConfig.speculation (default: the engine's default)")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     # Prefill all rows together on both sides, so decoding starts for all at once.
     width = max(levels)
-    eng = Engine(args.model, EngineConfig(max_batch=width, prefill_batch=width)).start()
-    print(f"model: {eng.model_path}\nBLAS: {blas_info().name}\n")
+    eng = Engine(args.model, EngineConfig(max_batch=width, prefill_batch=width,
+                                          speculation=args.speculation)).start()
+    print(f"model: {eng.model_path}\nBLAS: {blas_info().name}\n"
+          f"speculation: {args.speculation}\n")
     through_engine(eng, prompts_for(eng, 2), 8)  # warm-up
     print("| rows | BatchGenerator tok/s | Engine tok/s | ratio | engine step ms "
           "| engine overhead ms/step |")
