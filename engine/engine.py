@@ -97,7 +97,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._loaded = threading.Event()
         self._closed = False
-        self._dead: EngineDeadError | None = None
+        # EngineDeadError, or the error that stopped the model from loading (a missing path,
+        # a failed download, a file it cannot read), raised as is to every caller.
+        self._dead: BaseException | None = None
         self._abandoned = False  # a sharded step never returned (see _abandon)
         self._model_path: Path | None = None
         self._stats = EngineStats()
@@ -247,7 +249,11 @@ class Engine:
 
     def _main(self) -> None:
         try:
-            self._load()
+            try:
+                self._load()
+            except Exception as exc:  # the caller's to fix: raised as it is, naming the model
+                self._die(_load_error(exc, self.model_spec))
+                return
             self._loaded.set()
             while self._serve_once():
                 self._collect_when_idle()
@@ -261,10 +267,10 @@ class Engine:
                 release_streams()
 
     def _load(self) -> None:
+        self._touched_mlx = True  # importing mlx gives this thread a stream to release
         from engine.device.loader import build_lanes, load_model
 
         path = self.model_path
-        self._touched_mlx = True  # from here on this thread owns an MLX stream
         group = _shard_group(self.config)
         model = load_model(path, self.config, group)
         self._preparer = Preparer(model.tokenizer, path, model.vocab_size,
@@ -537,12 +543,13 @@ class Engine:
         self._publish_stats()
 
     def _die(self, exc: BaseException) -> None:
-        dead = exc if isinstance(exc, EngineDeadError) else EngineDeadError(
-            f"the engine thread died: {exc!r}"
-        )
-        if dead is not exc:
+        dead: BaseException = exc
+        if not isinstance(exc, EngineDeadError | _LoadFailure):
+            dead = EngineDeadError(f"the engine thread died: {exc!r}")
             dead.__cause__ = exc
-        log.error("engine is dead: %r", exc)
+        elif isinstance(exc, _LoadFailure):
+            dead = exc.error
+        log.error("engine is dead: %r", dead)
         with self._lock:
             self._dead = dead
         try:
@@ -593,6 +600,22 @@ class Engine:
                 break
             if isinstance(command, _Submit):
                 self._end(Ending(command.row, reason, error))
+
+
+class _LoadFailure(Exception):
+    """Carries a model's load error to ``_die``, which hands the error itself to callers."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _load_error(exc: Exception, spec: ModelSpec) -> _LoadFailure:
+    """The load error as callers get it: its own type, its message naming the model."""
+    name = "the default model" if spec is None else repr(os.fspath(spec))
+    if name not in str(exc) and hasattr(exc, "add_note"):
+        exc.add_note(f"while loading {name}")
+    return _LoadFailure(exc)
 
 
 def _lane_row(row: Row) -> LaneRow:

@@ -64,8 +64,11 @@ class InvalidModelError(ValueError):
     """A local path exists but is neither a model directory nor a ``.gguf`` file."""
 
 
-class ModelDownloadError(RuntimeError):
-    """The default model or a hub model could not be fetched; the message says what to do."""
+class ModelDownloadError(OSError):
+    """The default model or a hub model could not be fetched; the message says what to do.
+
+    An ``OSError``, like the ``FileNotFoundError`` of a missing path: what failed is
+    getting the model's files."""
 
 
 class UnsupportedModelError(ValueError):

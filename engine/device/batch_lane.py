@@ -72,16 +72,18 @@ _SPAN_ROUNDS = 4
 
 
 def min_span(rows: int) -> int:
-    """The shortest forced span worth a forward of its own beside a batch of ``rows``.
+    """The shortest forced span worth a forward of its own with ``rows`` in the lane.
 
     A span costs its rows a forward of their own and, to rejoin mlx-lm's generator, a
-    second one, while the rest of the batch keeps stepping. Measured here (SmolLM2-135M
+    second one, and only the rows with the span advance. Measured here (SmolLM2-135M
     f32, 2 cores): a lone row's 5-token span forward ~120 ms and its rejoin ~75 ms against
-    ~70 ms a step, so alone three forced tokens repay it; beside a batch only long spans
-    do (bench/agent_decoding.py: with every span of two or more taken, schema answers'
-    4-5 token spans lost 25-35% at 4-16 rows while tool-call envelopes won).
+    ~70 ms a step, so alone three forced tokens repay them. Beside a batch the rows reach
+    their spans at different steps, the batch keeps stepping for the others, and the two
+    forwards are added to its steps: with spans of four or more taken, schema answers
+    (4-5 token spans) lost 13-14% at 4-8 rows (bench/agent_decoding.py), while the
+    envelope of a tool call (8-15 tokens) still won.
     """
-    return 3 if rows <= 1 else min(12, 2 + rows)
+    return 3 if rows <= 1 else 8
 
 
 @dataclass(eq=False)  # rows are compared by identity: two requests may look alike
