@@ -97,8 +97,6 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._loaded = threading.Event()
         self._closed = False
-        # EngineDeadError, or the error that stopped the model from loading (a missing path,
-        # a failed download, a file it cannot read), raised as is to every caller.
         self._dead: BaseException | None = None
         self._abandoned = False  # a sharded step never returned (see _abandon)
         self._model_path: Path | None = None
@@ -251,7 +249,7 @@ class Engine:
         try:
             try:
                 self._load()
-            except Exception as exc:  # the caller's to fix: raised as it is, naming the model
+            except Exception as exc:  # the caller's to fix: its cause names the model
                 self._die(_load_error(exc, self.model_spec))
                 return
             self._loaded.set()
@@ -544,11 +542,12 @@ class Engine:
 
     def _die(self, exc: BaseException) -> None:
         dead: BaseException = exc
-        if not isinstance(exc, EngineDeadError | _LoadFailure):
+        if isinstance(exc, _LoadFailure):  # the cause (by kind) is the load error itself
+            dead = EngineDeadError(f"the model could not be loaded: {exc}")
+            dead.__cause__ = exc.error
+        elif not isinstance(exc, EngineDeadError):
             dead = EngineDeadError(f"the engine thread died: {exc!r}")
             dead.__cause__ = exc
-        elif isinstance(exc, _LoadFailure):
-            dead = exc.error
         log.error("engine is dead: %r", dead)
         with self._lock:
             self._dead = dead
@@ -603,19 +602,18 @@ class Engine:
 
 
 class _LoadFailure(Exception):
-    """Carries a model's load error to ``_die``, which hands the error itself to callers."""
+    """Carries a model's load error to ``_die``: callers get ``EngineDeadError`` whose
+    message names the model and the error, and whose ``__cause__`` is the error itself
+    (``FileNotFoundError``, ``InvalidModelError``, ``ModelDownloadError``...)."""
 
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
+    def __init__(self, error: Exception, name: str) -> None:
+        super().__init__(f"{name}: {error!r}")
         self.error = error
 
 
 def _load_error(exc: Exception, spec: ModelSpec) -> _LoadFailure:
-    """The load error as callers get it: its own type, its message naming the model."""
     name = "the default model" if spec is None else repr(os.fspath(spec))
-    if name not in str(exc) and hasattr(exc, "add_note"):
-        exc.add_note(f"while loading {name}")
-    return _LoadFailure(exc)
+    return _LoadFailure(exc, name)
 
 
 def _lane_row(row: Row) -> LaneRow:

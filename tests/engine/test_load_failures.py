@@ -1,5 +1,6 @@
-"""A model that cannot be loaded: the caller gets the load error by kind, naming the model,
-a retry works once the cause is fixed, and the process exits 0 afterwards.
+"""A model that cannot be loaded: the caller gets EngineDeadError naming the model, whose
+``__cause__`` is the load error by kind; a retry works once the cause is fixed; and the
+process exits 0 afterwards.
 
 Each case runs in its own interpreter (the failure this guards against was an abort at
 interpreter exit, "terminate called without an active exception", status 134), several
@@ -19,20 +20,22 @@ RUNS = 3
 
 CASES = {
     "missing path, start() then close()": """
-        from engine import Engine
+        from engine import Engine, EngineDeadError
         eng = Engine("/nonexistent/model-dir")
         try:
             eng.start()
-        except FileNotFoundError as exc:
+        except EngineDeadError as exc:
+            assert isinstance(exc.__cause__, FileNotFoundError), repr(exc.__cause__)
             assert "/nonexistent/model-dir" in str(exc), exc
             print("caught", type(exc).__name__)
         eng.close()
     """,
     "missing path through the shared registry, then a retry with the fixed path": """
-        from engine import get_engine
+        from engine import get_engine, EngineDeadError
         try:
             get_engine("/nonexistent/model-dir").submit("hi").result(timeout=60)
-        except FileNotFoundError as exc:
+        except EngineDeadError as exc:
+            assert isinstance(exc.__cause__, FileNotFoundError), repr(exc.__cause__)
             print("caught", type(exc).__name__)
         eng = get_engine(MODEL)
         assert eng.submit("hi", max_tokens_param(4)).result(timeout=60).token_ids
@@ -40,26 +43,29 @@ CASES = {
     """,
     "a directory that is not a model": """
         import tempfile
-        from engine import Engine
+        from engine import Engine, EngineDeadError
         with tempfile.TemporaryDirectory() as empty:
             eng = Engine(empty)
             try:
                 eng.start()
-            except FileNotFoundError as exc:  # config.json is missing
-                assert empty in str(exc) or empty in "".join(getattr(exc, "__notes__", []))
+            except EngineDeadError as exc:  # config.json is missing
+                assert isinstance(exc.__cause__, FileNotFoundError), repr(exc.__cause__)
+                assert empty in str(exc), exc
                 print("caught", type(exc).__name__)
             eng.close()
     """,
     "a corrupt .gguf file": """
         import tempfile, os
-        from engine import Engine
+        from engine import Engine, EngineDeadError
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "broken.gguf")
             open(path, "wb").write(b"not a gguf file at all")
             eng = Engine(path)
             try:
                 eng.start()
-            except (ValueError, OSError) as exc:
+            except EngineDeadError as exc:
+                assert isinstance(exc.__cause__, (ValueError, OSError)), repr(exc.__cause__)
+                assert "broken.gguf" in str(exc), exc
                 print("caught", type(exc).__name__)
             eng.close()
     """,
