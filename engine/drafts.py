@@ -49,3 +49,35 @@ class Acceptance:
         self.drafts += 1
         self.accepted += accepted
         self.mean += self.weight * (accepted - self.mean)
+
+
+class ShadowDraft:
+    """A row's draft compared with the tokens it goes on to decode, at no cost.
+
+    While a row decodes in the batch, each new token is checked against the draft made
+    before it; a miss, or the draft used up, records how many tokens it got right in the
+    row's ``Acceptance``. That record is how a row earns its first real check.
+    """
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.acceptance = Acceptance()
+        self.draft: list[int] = []
+        self._matched = 0
+
+    def observe(self, tokens: Sequence[int]) -> bool:
+        """``tokens``: the row's prompt and output, the newest last. True if a draft is
+        ready for what comes next."""
+        if self.draft:
+            hit = tokens[-1] == self.draft[self._matched]
+            self._matched += hit
+            if not hit or self._matched == len(self.draft):
+                self.acceptance.record(self._matched)
+                self.draft, self._matched = [], 0
+        if not self.draft:
+            self.draft = lookup_draft(tokens, self.length)
+        return bool(self.draft)
+
+    def reset(self) -> None:
+        """The row checks its drafts for real now: the shadow starts again afterwards."""
+        self.draft, self._matched = [], 0

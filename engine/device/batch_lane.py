@@ -58,7 +58,7 @@ from engine.device.speculation import (
     eligible,
     speculate,
 )
-from engine.drafts import Acceptance, lookup_draft
+from engine.drafts import ShadowDraft
 from engine.grammar import GrammarCompiler, RowGrammar
 from engine.lane import LaneRow, LaneStep, RowToken
 from engine.prefix_cache import common_prefix
@@ -97,9 +97,7 @@ class _BatchRow:
     head_len: int = 0  # the row's shared head: its chat head, or a prefix it shares
     sampler: Sampler | None = None  # as handed to the generator (wrapped by the tap)
     output: list[int] = field(default_factory=list)  # tokens reported, forced ones included
-    acceptance: Acceptance | None = None  # of its drafts (checked, or shadowed in the batch)
-    shadow: list[int] = field(default_factory=list)  # a draft compared with what it decodes
-    shadow_matched: int = 0
+    shadow: ShadowDraft | None = None  # its drafts, compared with what it decodes
 
 
     @property
@@ -447,12 +445,10 @@ class BatchLane:
                 starting.append((row, span))
         if not starting:
             return
-        uids = [self._request_to_uid[row.row.request_id] for row, _ in starting]
-        taken = self._generator.remove(uids, return_prompt_caches=True)
+        taken = self._take_out([row for row, _ in starting])
         spanning = []
-        for uid, (row, span) in zip(uids, starting):
-            cache, history = taken[uid]
-            spanning.append(_SpanRow(row, list(cache), list(history), []))
+        for (row, span), (cache, history) in zip(starting, taken):
+            spanning.append(_SpanRow(row, cache, history, []))
             self._take_forced(row, span, spanning[-1], result)
         active = [s for s in spanning if self._goes_on(s.held)]
         for round_ in range(_SPAN_ROUNDS):
@@ -530,33 +526,42 @@ class BatchLane:
         return not grammar.done
 
     def _rejoin(self, spanning: list[_SpanRow]) -> None:
-        """Hand fast-forwarded rows back to the generator with their undecoded tokens."""
+        """Hand fast-forwarded rows back to the generator with their undecoded tokens; a
+        row that failed before anything was decided is not handed back (it ends now)."""
         rows = [s for s in spanning if s.pending]
         for span_row in rows:
             assert span_row.held.grammar is not None
             span_row.held.grammar.started = False  # its pending tokens are consumed already
+        self._put_back([s.held for s in rows], [s.cache for s in rows],
+                       [s.history for s in rows], [s.pending for s in rows])
+
+    # ----- rows leaving and rejoining the generator ---------------------------------------
+
+    def _take_out(self, rows: list[_BatchRow]) -> list[tuple[list[Any], list[int]]]:
+        """Remove decoding rows from the generator: each one's cache and the tokens it holds."""
+        uids = [self._request_to_uid.pop(row.row.request_id) for row in rows]
+        taken = self._generator.remove(uids, return_prompt_caches=True)
+        for uid in uids:
+            self._uid_to_request.pop(uid, None)
+        return [(list(taken[uid][0]), list(taken[uid][1])) for uid in uids]
+
+    def _put_back(self, rows: list[_BatchRow], caches: list[list[Any]],
+                  histories: list[list[int]], pending: list[list[int]]) -> None:
+        """Rows rejoin the generator from their caches; ``pending`` is fed first."""
+        if not rows:
+            return
         uids = self._generator.insert_segments(
-            [[s.pending] for s in rows],
+            [[tokens] for tokens in pending],
             max_tokens=[_NO_LIMIT] * len(rows),
-            caches=[s.cache for s in rows],
-            all_tokens=[s.history for s in rows],
-            samplers=[s.held.sampler for s in rows],
-            logits_processors=[self._processors(s.held) for s in rows],
+            caches=caches,
+            all_tokens=histories,
+            samplers=[row.sampler for row in rows],
+            logits_processors=[self._processors(row) for row in rows],
             stop_sequences=[self._no_stops] * len(rows),
-        ) if rows else []
-        for uid, span_row in zip(uids, rows):
-            request_id = span_row.held.row.request_id
-            old = self._request_to_uid.get(request_id)
-            if old is not None:
-                self._uid_to_request.pop(old, None)
-            self._uid_to_request[uid] = request_id
-            self._request_to_uid[request_id] = uid
-        for span_row in spanning:
-            if not span_row.pending:  # failed before anything was decided: it ends now
-                request_id = span_row.held.row.request_id
-                old = self._request_to_uid.pop(request_id, None)
-                if old is not None:
-                    self._uid_to_request.pop(old, None)
+        )
+        for uid, row in zip(uids, rows):
+            self._uid_to_request[uid] = row.row.request_id
+            self._request_to_uid[row.row.request_id] = uid
 
     # ----- speculation ------------------------------------------------------------------
 
@@ -569,21 +574,15 @@ class BatchLane:
         entering = []
         for request_id in decoded:
             row = self._rows[request_id]
-            if self._shadow(row) and row.acceptance is not None and row.acceptance.mean >= floor:
+            if self._shadow(row) and row.shadow is not None and row.shadow.acceptance.mean >= floor:
                 entering.append(row)
-        if entering:
-            uids = [self._request_to_uid[row.row.request_id] for row in entering]
-            taken = self._generator.remove(uids, return_prompt_caches=True)
-            for uid, row in zip(uids, entering):
-                cache, history = taken[uid]
-                for layer in cache:  # the last token is fed again: its logits check the draft
-                    layer.trim(1)
-                request_id = row.row.request_id
-                assert row.acceptance is not None
-                row.shadow = []
-                self._speculating[request_id] = SpeculatingRow(
-                    row.row, list(cache), list(history[:-1]), history[-1], row.acceptance)
-                self._uid_to_request.pop(self._request_to_uid.pop(request_id), None)
+        for row, (cache, history) in zip(entering, self._take_out(entering)):
+            for layer in cache:  # the last token is fed again: its logits check the draft
+                layer.trim(1)
+            assert row.shadow is not None
+            row.shadow.reset()
+            self._speculating[row.row.request_id] = SpeculatingRow(
+                row.row, cache, history[:-1], history[-1], row.shadow.acceptance)
         leaving = []
         for request_id, spec in self._speculating.items():
             row = self._rows[request_id]
@@ -600,44 +599,22 @@ class BatchLane:
         self._leave(leaving)
 
     def _shadow(self, row: _BatchRow) -> bool:
-        """Check the row's last draft against the token it just decoded, draft anew if
-        needed; True when it holds a draft now. Costs no forward: it is how a row in the
-        batch earns its first check outside it."""
+        """Shadow the row's drafts against what it decodes; True when it has a draft now."""
         request_id = row.row.request_id
         if not (eligible(row.row) and row.failure is None and request_id not in self._early
                 and request_id in self._request_to_uid):
             return False
-        if row.acceptance is None:
-            row.acceptance = Acceptance(start=0.0)
-        if row.shadow:
-            hit = row.output[-1] == row.shadow[row.shadow_matched]
-            row.shadow_matched += hit
-            if not hit or row.shadow_matched == len(row.shadow):
-                row.acceptance.record(row.shadow_matched)
-                row.shadow, row.shadow_matched = [], 0
-        if not row.shadow:
-            row.shadow = lookup_draft([*row.row.prompt, *row.output], DRAFT_TOKENS)
-        return bool(row.shadow)
+        if row.shadow is None:
+            row.shadow = ShadowDraft(DRAFT_TOKENS)
+        return row.shadow.observe([*row.row.prompt, *row.output])
 
     def _leave(self, rows: list[SpeculatingRow]) -> None:
         """Speculating rows go back to the generator with their last token to feed."""
-        if not rows:
-            return
-        held = [self._rows[spec.row.request_id] for spec in rows]
-        uids = self._generator.insert_segments(
-            [[[spec.pending]] for spec in rows],
-            max_tokens=[_NO_LIMIT] * len(rows),
-            caches=[spec.cache for spec in rows],
-            all_tokens=[spec.history for spec in rows],
-            samplers=[row.sampler for row in held],
-            logits_processors=[self._processors(row) for row in held],
-            stop_sequences=[self._no_stops] * len(rows),
-        )
-        for uid, spec in zip(uids, rows):
-            request_id = spec.row.request_id
-            del self._speculating[request_id]
-            self._uid_to_request[uid] = request_id
-            self._request_to_uid[request_id] = uid
+        for spec in rows:
+            del self._speculating[spec.row.request_id]
+        self._put_back([self._rows[spec.row.request_id] for spec in rows],
+                       [spec.cache for spec in rows], [spec.history for spec in rows],
+                       [[spec.pending] for spec in rows])
 
     def _maybe_store_head(self, uid: int) -> None:
         request_id = self._uid_to_request.get(uid)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.drafts import Acceptance, lookup_draft
+from engine.drafts import Acceptance, ShadowDraft, lookup_draft
 
 
 def test_the_draft_is_what_followed_the_latest_match_of_the_tail() -> None:
@@ -43,3 +43,21 @@ def test_acceptance_is_a_running_mean_that_starts_at_zero() -> None:
     assert record.mean == 2.0
     record.record(0)
     assert record.mean == 1.0 and record.drafts == 2 and record.accepted == 4
+
+
+def test_a_shadow_records_how_much_of_each_draft_came_true() -> None:
+    shadow = ShadowDraft(length=3)
+    tokens = [5, 6, 7, 8, 5, 6]
+    assert shadow.observe(tokens) and shadow.draft == [7, 8, 5]
+    for token in (7, 8, 9):  # two right, then a miss
+        tokens.append(token)
+        shadow.observe(tokens)
+    assert shadow.acceptance.drafts == 1 and shadow.acceptance.accepted == 2
+    shadow.reset()
+    assert shadow.draft == []
+
+
+def test_a_shadow_without_a_match_has_no_draft() -> None:
+    shadow = ShadowDraft(length=4)
+    assert not shadow.observe([1, 2, 3, 4])
+    assert shadow.acceptance.drafts == 0
