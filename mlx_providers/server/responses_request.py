@@ -51,7 +51,8 @@ def _item_kind(value: Any) -> str:
     """Which item class validates an input item (by its ``type``; messages may omit it)."""
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(
         value, "type", "message")
-    return _KINDS.get(kind, "unknown")
+    # A type that is not a string (a list, an object) is no known kind: a 400, not a 500.
+    return _KINDS.get(kind, "unknown") if isinstance(kind, str) else "unknown"
 
 
 _KINDS = {"message": "MessageItem", "function_call": "FunctionCallItem",

@@ -86,6 +86,9 @@ RESPONSES_CASES: list[tuple[dict[str, Any], str]] = [
     ({"model": "tiny"}, "input"),
     ({"model": "tiny", "input": [{"type": "function_call", "name": "f"}]}, "input[0].call_id"),
     ({"model": "tiny", "input": [{"type": "teleport"}]}, "input[0]"),
+    # A type that is not a string was a 500 (unhashable) until the fuzz test found it.
+    ({"model": "tiny", "input": [{"type": []}]}, "input[0]"),
+    ({"model": "tiny", "input": [{"type": {"a": 1}}]}, "input[0]"),
     ({"model": "tiny", "input": "x", "max_output_tokens": -1}, "max_output_tokens"),
     ({"model": "tiny", "input": "x", "text": {"format": {"type": "json_schema"}}},
      "text.format.schema"),
@@ -94,7 +97,7 @@ RESPONSES_CASES: list[tuple[dict[str, Any], str]] = [
 
 
 @pytest.mark.parametrize(("body", "param"), RESPONSES_CASES,
-                         ids=[c[1] for c in RESPONSES_CASES])
+                         ids=[f"{c[1]}-{i}" for i, c in enumerate(RESPONSES_CASES)])
 def test_invalid_responses_requests_are_400_naming_the_parameter(
         live_server: LiveServer, body: dict[str, Any], param: str) -> None:
     error = error_of(post(live_server, body, "/v1/responses"), 400)
