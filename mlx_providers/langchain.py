@@ -205,11 +205,15 @@ class ChatMLXBatch(BaseChatModel):
 
     def _convert_input(self, model_input: LanguageModelInput) -> PromptValue:
         # LangChain's message coercion raises NotImplementedError for inputs it cannot
-        # read ([(None,)], [b""]): a bad argument, so the caller gets a TypeError.
+        # read ([(None,)], [b""]): a bad argument, so the caller gets a TypeError. A
+        # message dict missing a key it requires (a tool message's "tool_call_id", a tool
+        # call's "id") raises a bare KeyError there: a bad value, so a ValueError naming it.
         try:
             return super()._convert_input(model_input)
         except NotImplementedError as exc:
             raise TypeError(f"input must be a string, messages or a PromptValue: {exc}") from exc
+        except KeyError as exc:
+            raise ValueError(f"an input message is missing the key {exc}") from exc
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` with the model's tokenizer (loads the model)."""

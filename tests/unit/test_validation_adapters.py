@@ -155,6 +155,11 @@ BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
     # LangChain's coercion raised NotImplementedError for these (found by fuzzing).
     (lambda c: c.invoke([(None,)]), TypeError, "input must be"),
     (lambda c: c.invoke([b""]), TypeError, "input must be"),
+    # ...and a bare KeyError for message dicts missing a key they require (fuzzing again).
+    (lambda c: c.invoke([{"role": "tool", "content": "x"}]), ValueError, "tool_call_id"),
+    (lambda c: c.invoke([{"role": "assistant", "content": "",
+                          "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]),
+     ValueError, "missing the key"),
 ])
 def test_langchain_calls_name_bad_arguments(chat: ChatMLXBatch, call: Any,
                                             kind: type[BaseException], match: str) -> None:
