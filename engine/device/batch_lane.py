@@ -153,8 +153,9 @@ class BatchLane:
         # First tokens reported before the generator returns them: request id -> token.
         self._tap = SamplerTap()
         self._early: dict[int, int] = {}
-        self.fast_forward = fast_forward and spans_supported(model, max_kv_size)
-        self.speculation = speculation if spans_supported(model, max_kv_size) else 0
+        plain_kv = spans_supported(model, max_kv_size)  # both feed several tokens at once
+        self.fast_forward = fast_forward and plain_kv
+        self.speculation = speculation if plain_kv else 0
         self._speculating: dict[int, SpeculatingRow] = {}
 
     def _new_generator(self) -> BatchGenerator:
