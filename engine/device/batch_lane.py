@@ -43,6 +43,7 @@ from engine.device.first_tokens import FirstToken, Sampler, SamplerTap
 from engine.device.forced_spans import forward_spans, spans_supported
 from engine.device.logprobs import forced_logprob, token_logprob
 from engine.device.prefix_reuse import PrefixReuse, materialized, sliced
+from engine.device.rejoin import direct_join_supported, join_decoding
 from engine.device.sampling import (
     GrammarMask,
     SamplerCache,
@@ -153,6 +154,8 @@ class BatchLane:
         # First tokens reported before the generator returns them: request id -> token.
         self._tap = SamplerTap()
         self._early: dict[int, int] = {}
+        # Rows rejoined with their next input: the generator echoes that token back.
+        self._echo: dict[int, int] = {}
         plain_kv = spans_supported(model, max_kv_size)  # both feed several tokens at once
         self.fast_forward = fast_forward and plain_kv
         self.speculation = speculation if plain_kv else 0
@@ -326,6 +329,7 @@ class BatchLane:
             self._uid_to_request.pop(uid, None)
         self._awaiting_first.pop(request_id, None)
         self._early.pop(request_id, None)
+        self._echo.pop(request_id, None)
         row = self._rows.pop(request_id, None)
         if row is not None:
             if row in self._queued:
@@ -346,6 +350,7 @@ class BatchLane:
         self._queued.clear()
         self._awaiting_first.clear()
         self._early.clear()
+        self._echo.clear()
         self._deferred.clear()
         self._heads_in_flight.clear()
         self._head_of_leader.clear()
@@ -383,6 +388,11 @@ class BatchLane:
             if row is None or row.failure is not None:
                 continue
             token = int(response.token)
+            echoed = self._echo.pop(row.row.request_id, None)
+            if echoed is not None:
+                if echoed != token:  # the joined row was fed something else: end it
+                    row.failure = RuntimeError(f"rejoined with {echoed}, fed {token}")
+                continue
             reported = self._early.pop(row.row.request_id, None)
             if reported is not None:
                 if reported != token:  # the tap's reading was wrong: say so, end the row
@@ -548,9 +558,30 @@ class BatchLane:
 
     def _put_back(self, rows: list[_BatchRow], caches: list[list[Any]],
                   histories: list[list[int]], pending: list[list[int]]) -> None:
-        """Rows rejoin the generator from their caches; ``pending`` is fed first."""
+        """Rows rejoin the generator from their caches; ``pending`` is fed first.
+
+        A row with one token to feed joins the decoding batch directly (its token is fed
+        by the batch's next forward); one with more goes through a prompt segment.
+        """
         if not rows:
             return
+        direct = [i for i, tokens in enumerate(pending) if len(tokens) == 1]
+        if direct and direct_join_supported(self._generator):
+            with mx.stream(self._stream):
+                uids = join_decoding(
+                    self._generator, [caches[i] for i in direct],
+                    [histories[i] for i in direct], [pending[i][0] for i in direct],
+                    [rows[i].sampler for i in direct],
+                    [self._processors(rows[i]) for i in direct], self._no_stops, _NO_LIMIT)
+            for uid, i in zip(uids, direct):
+                self._register(uid, rows[i])
+                self._echo[rows[i].row.request_id] = pending[i][0]
+            chosen = set(direct)
+            keep = [i for i in range(len(rows)) if i not in chosen]
+            rows, caches = [rows[i] for i in keep], [caches[i] for i in keep]
+            histories, pending = [histories[i] for i in keep], [pending[i] for i in keep]
+            if not rows:
+                return
         uids = self._generator.insert_segments(
             [[tokens] for tokens in pending],
             max_tokens=[_NO_LIMIT] * len(rows),
@@ -561,8 +592,11 @@ class BatchLane:
             stop_sequences=[self._no_stops] * len(rows),
         )
         for uid, row in zip(uids, rows):
-            self._uid_to_request[uid] = row.row.request_id
-            self._request_to_uid[row.row.request_id] = uid
+            self._register(uid, row)
+
+    def _register(self, uid: int, row: _BatchRow) -> None:
+        self._uid_to_request[uid] = row.row.request_id
+        self._request_to_uid[row.row.request_id] = uid
 
     # ----- speculation ------------------------------------------------------------------
 

@@ -252,3 +252,44 @@ def test_the_serial_lane_fast_forwards_seeded_rows(make_engine: Callable[..., En
     assert again.token_ids == fast.token_ids
     assert max(fast_steps.values()) >= 3 and max(slow_steps.values()) == 1
     assert on.stats().forced_tokens > 0
+
+
+def test_rejoining_rows_join_the_decoding_batch_directly(tiny_model_dir: Any) -> None:
+    """On the pinned mlx-lm the lane can append a row to the decoding batch itself, so a
+    rejoin costs no forward of its own (if mlx-lm moves those fields, this says so)."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    from engine.device.rejoin import direct_join_supported
+
+    model, _ = load(str(tiny_model_dir))
+    assert direct_join_supported(BatchGenerator(model))
+
+
+def test_a_direct_rejoin_decodes_what_a_prompt_segment_rejoin_does(
+        make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows leaving for spans while siblings decode, staggered so they rejoin beside them:
+    the same tokens whether they rejoin directly or through a one-token prompt segment."""
+    from engine.device import batch_lane
+
+    requests = [(ASK, greedy(120), CASES["forced tool call"][2]),
+                ("free text", greedy(40), {}),
+                ("plan", greedy(160, constraint=JsonSchema(NESTED)), {}),
+                (ASK, greedy(120), CASES["forced tool name"][2]),
+                ("pick", greedy(40, constraint=JsonSchema(ENUM)), {})]
+
+    def two_steps(eng: Engine) -> None:
+        target = eng.stats().steps + 2
+        wait_until(lambda: eng.stats().steps >= target, timeout=60)
+
+    def staggered(eng: Engine) -> list[tuple[int, ...]]:
+        handles = []
+        for prompt, params, kw in requests:
+            handles.append(eng.submit(prompt, params, **kw))
+            two_steps(eng)
+        return [h.result(timeout=120).token_ids for h in handles]
+
+    direct = staggered(make_engine(max_batch=16, prefill_chunk=64))
+    assert all(direct)
+    monkeypatch.setattr(batch_lane, "direct_join_supported", lambda _generator: False)
+    assert staggered(make_engine(max_batch=16, prefill_chunk=64)) == direct
