@@ -6,6 +6,10 @@ one token per row per step, so each of those would cost a whole batch step. Here
 rows with a forced span are fed their spans at once, right-padded into one batch on
 mlx-lm's own ``BatchKVCache`` (the padding is rolled to the left afterwards, as mlx-lm
 does for prompts), and the logits after each span's last token come back for sampling.
+
+Only those last positions go through the output head where the architecture allows it
+(``last_logits``): the head is a fifth of a small model's work per token, and a span
+forward would otherwise compute it for every forced token only to discard it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,23 @@ class SpanForward:
 
     logits: mx.array  # (rows, vocab): after each row's last span token
     caches: list[list[Any]]  # per row, per layer: its cache extended by its span
+
+
+# Architectures whose ``Model.__call__`` is exactly backbone -> (tied or own) output head.
+_BACKBONE_THEN_HEAD = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2",
+                                 "mlx_lm.models.qwen3", "mlx_lm.models.phi3"})
+
+
+def last_logits(model: Any, tokens: mx.array, cache: list[Any],
+                positions: mx.array) -> mx.array:
+    """Logits at one position per row (``positions``), computing the head only there."""
+    rows = mx.arange(tokens.shape[0])
+    if type(model).__module__ not in _BACKBONE_THEN_HEAD:
+        return model(tokens, cache=cache)[rows, positions]
+    hidden = model.model(tokens, cache)[rows, positions]
+    if model.args.tie_word_embeddings:
+        return model.model.embed_tokens.as_linear(hidden)
+    return model.lm_head(hidden)
 
 
 def spans_supported(model: Any, max_kv_size: int | None) -> bool:
@@ -47,8 +68,7 @@ def forward_spans(model: Any, caches: Sequence[Sequence[Any]],
         for layer in layers:
             layer.prepare(lengths=lengths, right_padding=padding)
     tokens = mx.array([list(span) + [0] * pad for span, pad in zip(spans, padding)])
-    logits = model(tokens, cache=layers)
-    last = logits[mx.arange(len(spans)), mx.array(lengths) - 1]
+    last = last_logits(model, tokens, layers, mx.array(lengths) - 1)
     for layer in layers:
         layer.finalize()
     mx.eval(last, [layer.state for layer in layers])

@@ -293,3 +293,23 @@ def test_a_direct_rejoin_decodes_what_a_prompt_segment_rejoin_does(
     assert all(direct)
     monkeypatch.setattr(batch_lane, "direct_join_supported", lambda _generator: False)
     assert staggered(make_engine(max_batch=16, prefill_chunk=64)) == direct
+
+
+def test_span_logits_are_the_full_forwards_at_the_last_positions(tiny_model_dir: Any) -> None:
+    """A span forward computes the output head only at each row's last position; the
+    logits there are the full forward's (the tiny model is qwen2, one of the
+    architectures split into backbone and head)."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.device.forced_spans import last_logits
+
+    model, _ = load(str(tiny_model_dir))
+    assert type(model).__module__ == "mlx_lm.models.qwen2"
+    tokens = mx.array([[5, 9, 14, 3, 7], [11, 2, 8, 0, 0]])
+    positions = mx.array([4, 2])
+    full = model(tokens, cache=make_prompt_cache(model))[mx.arange(2), positions]
+    split = last_logits(model, tokens, make_prompt_cache(model), positions)
+    assert split.shape == full.shape
+    assert mx.allclose(split, full, atol=1e-5).item()
+    assert mx.array_equal(split.argmax(axis=-1), full.argmax(axis=-1)).item()
