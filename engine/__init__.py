@@ -10,6 +10,7 @@ activate_fast_blas()
 
 from engine.config import EngineConfig
 from engine.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
+from engine.embeddings import EmbeddingHandle, Embeddings, check_texts
 from engine.engine import Engine
 from engine.errors import (
     ContextLengthError,
@@ -21,13 +22,15 @@ from engine.errors import (
     KVBudgetError,
     ModelDownloadError,
     OutputTruncatedError,
+    RequestCancelledError,
     RequestError,
     RequestTimeoutError,
     UnsupportedModelError,
 )
 from engine.follower import distributed_rank, follow
 from engine.models import resolve_model
-from engine.registry import get_engine
+from engine.models.embedding_model import DEFAULT_EMBEDDING_NAME
+from engine.registry import get_embedding_engine, get_engine
 from engine.request import (
     Completion,
     FinishReason,
@@ -42,9 +45,12 @@ from engine.streams import RequestHandle
 from engine.tools import InvalidToolCall, ToolCall
 
 __all__ = [
+    "DEFAULT_EMBEDDING_NAME",
     "Completion",
     "Constraint",
     "ContextLengthError",
+    "EmbeddingHandle",
+    "Embeddings",
     "Engine",
     "EngineClosedError",
     "EngineConfig",
@@ -62,6 +68,7 @@ __all__ = [
     "ModelDownloadError",
     "OutputTruncatedError",
     "Regex",
+    "RequestCancelledError",
     "RequestError",
     "RequestHandle",
     "RequestTimeoutError",
@@ -75,8 +82,10 @@ __all__ = [
     "Usage",
     "activate_fast_blas",
     "blas_info",
+    "check_texts",
     "distributed_rank",
     "follow",
+    "get_embedding_engine",
     "get_engine",
     "resolve_model",
 ]

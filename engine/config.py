@@ -77,6 +77,16 @@ class EngineConfig(BaseModel):
         "paid at one row (2.2x on an answer quoting its context) and cost up to 12% at two "
         "rows on a load whose drafts fail.",
     )
+    embed_window: float = Field(
+        default=0.005, ge=0, le=1.0,
+        description="Seconds an embedding request waits for others to share its batch "
+        "(requests from any thread or event loop run as one encoder call).",
+    )
+    embed_max_batch: int = Field(
+        default=64, ge=1, le=4096,
+        description="Texts in one embedding batch; a batch runs between two decode steps, "
+        "so this bounds how long a generating row waits for embeddings.",
+    )
     max_consecutive_step_failures: int = Field(
         default=3, ge=1,
         description="Model-step failures in a row before the engine declares itself dead.",

@@ -7,6 +7,11 @@ Callers on any thread or event loop only enqueue ``_Submit`` / ``_Cancel`` /
     step    = lane.step()               # the only device work (batch lane, serial lane)
     outcome = update(rows, step, now)   # every way a row ends is decided there
     publish                             # events to streams; the engine never waits on one
+    embed                               # at most one due embedding batch, between steps
+
+One engine hosts the chat model and any embedding models, on the same thread: embeddings
+never run MLX beside a decode step. The chat model loads only once chat is asked for
+(``start``, ``submit``): an engine used only through ``embed`` never loads it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from engine.config import EngineConfig, checked_engine_args
+from engine.embedding_service import EmbeddingService
+from engine.embeddings import EmbeddingHandle, EmbeddingRequest, Embeddings, check_texts
 from engine.errors import EngineClosedError, EngineDeadError, EngineError, RequestTimeoutError
 from engine.lane import Lane, LaneRow
 from engine.models import config_context_limit
@@ -68,7 +77,17 @@ class _Shutdown:
     pass
 
 
-_Command = _Submit | _Cancel | _Shutdown
+@dataclass(frozen=True)
+class _Embed:
+    request: EmbeddingRequest
+
+
+@dataclass(frozen=True)
+class _WantChat:
+    """Wakes a thread serving only embeddings: the chat model is wanted now."""
+
+
+_Command = _Submit | _Cancel | _Shutdown | _Embed | _WantChat
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -102,6 +121,11 @@ class Engine:
         self._model_path: Path | None = None
         self._stats = EngineStats()
         self._stats_lock = threading.Lock()
+        self._chat_wanted = False  # set by start()/submit(); until then only embeddings run
+        self._held: list[_Command] = []  # commands a chatless loop left for the chat loop
+        self._embedding_paths: dict[ModelSpec, Path] = {}
+        self._embeddings = EmbeddingService(self.config.embed_window,
+                                            self.config.embed_max_batch)
         # Engine-thread state below: touched only by the engine thread once it runs
         # (the model and preparer are read-only for callers after loading).
         self._model: LoadedModel | None = None
@@ -132,6 +156,11 @@ class Engine:
 
     def start(self, timeout: float | None = None) -> Engine:
         """Start the engine thread and wait until the model is loaded (or failed)."""
+        with self._lock:
+            if not self._chat_wanted:
+                self._chat_wanted = True
+                if self._thread is not None:  # a thread serving only embeddings: wake it
+                    self._commands.put(_WantChat())
         self._ensure_thread()
         if not self._loaded.wait(timeout):
             raise TimeoutError("the model did not load within the timeout")
@@ -171,9 +200,53 @@ class Engine:
             request_id = next(self._ids)
             row = Row(request_id, spec, stream, on_token, now,
                       None if timeout is None else now + timeout)
+            self._chat_wanted = True
             self._commands.put(_Submit(row))
         self._ensure_thread()
         return RequestHandle(request_id, stream, lambda: self._commands.put(_Cancel(request_id)))
+
+    def embed(self, texts: Sequence[str], model: ModelSpec = None, *,
+              timeout: float | None = None) -> EmbeddingHandle:
+        """Queue texts for embedding and return a handle at once (vectors: ``.result()``).
+
+        ``model`` is an embedding model: None (all-MiniLM-L6-v2, downloaded once), a local
+        sentence-transformers directory or a hub id. Texts past its ``max_seq_length`` (256
+        tokens for the default) are truncated. Requests from any thread or event loop are
+        batched (``embed_window``, ``embed_max_batch``) and run on the engine thread between
+        decode steps. Bad texts raise ``TypeError``/``ValueError`` here; the first call for
+        a model may download it on this thread (``embedding_model_path`` does it ahead).
+        """
+        checked = check_texts(texts)
+        check_callbacks(None, timeout)
+        path = self.embedding_model_path(model)
+        from engine.models.embedding_model import embedding_model_name
+
+        now = time.monotonic()
+        with self._lock:
+            self._raise_if_unusable()
+            request = EmbeddingRequest(next(self._ids), checked, path,
+                                       embedding_model_name(model), now,
+                                       None if timeout is None else now + timeout)
+            if checked:
+                self._commands.put(_Embed(request))
+        if checked:
+            self._ensure_thread()
+        else:  # nothing to run: no vectors, and no model loaded for it
+            request.finish(Embeddings(np.zeros((0, 0), np.float32), 0, request.model_name))
+        return EmbeddingHandle(request)
+
+    def embedding_model_path(self, model: ModelSpec = None) -> Path:
+        """The local directory of an embedding model, downloading the default once."""
+        if model is not None and not isinstance(model, str | os.PathLike):
+            raise TypeError(f"model must be None, a path or a hub id, got "
+                            f"{type(model).__name__}")
+        with self._resolve_lock:
+            path = self._embedding_paths.get(model)
+            if path is None:
+                from engine.models.embedding_model import resolve_embedding_model
+
+                path = self._embedding_paths[model] = resolve_embedding_model(model)
+            return path
 
     def count_tokens(
         self,
@@ -247,6 +320,8 @@ class Engine:
 
     def _main(self) -> None:
         try:
+            if not self._chat_wanted and not self._serve_embeddings_only():
+                return  # closed before anyone asked for the chat model
             try:
                 self._load()
             except Exception as exc:  # the caller's to fix: its cause names the model
@@ -289,6 +364,42 @@ class Engine:
             log.warning("model caches (%s) cannot batch: requests run one at a time",
                         ", ".join(model.footprint.non_batchable_kinds))
 
+    def _serve_embeddings_only(self) -> bool:
+        """Serve embeddings until chat is wanted (True) or the engine closes (False)."""
+        while True:
+            due = self._embeddings.due_at()
+            commands = self._take_commands(
+                block=True, wait=None if due is None else max(0.0, due - time.monotonic()))
+            for command in commands:
+                if isinstance(command, _Shutdown):
+                    self._fail_everything(
+                        EngineClosedError("the engine was closed while the request ran"),
+                        FinishReason.CANCELLED)
+                    return False
+                if isinstance(command, _Embed):
+                    self._embeddings.add(command.request)
+                else:  # a chat request: the chat loop takes it and the rest in order
+                    self._held.append(command)
+            self._run_embeddings()
+            if self._held:
+                return True
+
+    def _run_embeddings(self) -> float:
+        """At most one due embedding batch; the seconds it took."""
+        if not self._embeddings.pending:
+            return 0.0
+        self._touched_mlx = True  # an encoder may be loaded and run on this thread
+        seconds = self._embeddings.run_due()
+        counters = self._embeddings.counters
+        with self._stats_lock:
+            stats = self._stats
+            stats.embed_requests, stats.embed_texts = counters.requests, counters.texts
+            stats.embed_tokens, stats.embed_batches = counters.tokens, counters.batches
+            stats.embed_peak_batch_texts = counters.peak_batch_texts
+            stats.embed_cancelled, stats.embed_failed = counters.cancelled, counters.failed
+            stats.embed_seconds, stats.embed_pending = counters.seconds, self._embeddings.pending
+        return seconds
+
     def _serve_once(self) -> bool:
         """One turn of the loop: commands, plan, step each lane, publish."""
         scheduler, lanes = self._scheduler, self._lanes
@@ -303,7 +414,11 @@ class Engine:
             if isinstance(command, _Shutdown):
                 self._shutdown()
                 return False
-            if isinstance(command, _Submit):
+            if isinstance(command, _Embed):
+                self._embeddings.add(command.request)
+            elif isinstance(command, _WantChat):
+                continue
+            elif isinstance(command, _Submit):
                 self._accept(command.row)
             elif command.request_id in self._rows:
                 scheduler.cancel(command.request_id)
@@ -321,6 +436,7 @@ class Engine:
             if len(lane):
                 stepping += self._step(kind, lane)
         scheduler.fit_cache()  # heads and finished rows may have been stored
+        stepping += self._run_embeddings()  # between steps: no decode runs beside it
         self._publish_stats(time.perf_counter() - started - stepping)
         if probe is not None:
             probe.turn_ended(TurnReport(admitted, *peak, self.stats()))
@@ -330,11 +446,12 @@ class Engine:
         assert self._lanes is not None
         return self._lanes.lane(kind.value)
 
-    def _take_commands(self, block: bool) -> list[_Command]:
-        commands: list[_Command] = []
-        if block:
+    def _take_commands(self, block: bool, wait: float | None = None) -> list[_Command]:
+        commands, self._held = self._held, []  # left by the embeddings-only loop
+        if block and not commands:
             try:
-                commands.append(self._commands.get(timeout=self._idle_wait()))
+                commands.append(self._commands.get(
+                    timeout=wait if self._scheduler is None else self._idle_wait()))
             except queue.Empty:
                 return commands
             if isinstance(commands[0], _Submit) and self.config.admission_window > 0:
@@ -371,6 +488,9 @@ class Engine:
             link = self._lanes.link
             deadlines.append(time.monotonic() + heartbeat_seconds(self.config)
                              - link.silent_for())
+        due = self._embeddings.due_at()  # an embedding batch waiting for its window
+        if due is not None:
+            deadlines.append(due)
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _accept(self, row: Row) -> None:
@@ -592,13 +712,17 @@ class Engine:
             self._scheduler.drain()
         for row in list(self._rows.values()):
             self._end(Ending(row, reason, error))
+        held, self._held = self._held, []  # left by the embeddings-only loop
         while True:
             try:
-                command = self._commands.get_nowait()
+                command = held.pop(0) if held else self._commands.get_nowait()
             except queue.Empty:
                 break
             if isinstance(command, _Submit):
                 self._end(Ending(command.row, reason, error))
+            elif isinstance(command, _Embed) and command.request.finish(error=error):
+                self._embeddings.counters.failed += 1
+        self._embeddings.fail_all(error)
 
 
 class _LoadFailure(Exception):

@@ -60,6 +60,11 @@ class RequestTimeoutError(RequestError, TimeoutError):
     """A request ran past its ``timeout``; its row was evicted."""
 
 
+class RequestCancelledError(RequestError):
+    """The request was cancelled before it produced its result (embeddings have no
+    partial result to return, unlike a cancelled generation)."""
+
+
 class InvalidModelError(ValueError):
     """A local path exists but is neither a model directory nor a ``.gguf`` file."""
 

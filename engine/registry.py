@@ -48,6 +48,23 @@ def get_engine(model: ModelSpec = None, **config: Any) -> Engine:
         return engine
 
 
+def get_embedding_engine() -> Engine:
+    """The engine that runs this process's embeddings (``Engine.embed``), asked per call.
+
+    One engine hosts both kinds of model, so embeddings run between its decode steps and
+    never as MLX work on a second thread beside them: the shared engine already serving chat
+    if there is one, else the default model's engine, whose chat model loads only if chat
+    is asked of it (an embeddings-only process never loads it). A chat engine created later
+    for another model takes the next embedding calls over.
+    """
+    with _lock:
+        usable = [engine for engine in _engines.values() if _usable(engine)]
+    chatting = [engine for engine in usable if engine._chat_wanted]
+    if chatting or usable:
+        return (chatting or usable)[0]
+    return get_engine()
+
+
 def _usable(engine: Engine) -> bool:
     try:
         engine._raise_if_unusable()

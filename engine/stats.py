@@ -37,3 +37,13 @@ class EngineStats:
     # prefix store) and freed buffers it keeps for reuse (mx.clear_cache releases them).
     mlx_active_bytes: int = 0
     mlx_cache_bytes: int = 0
+    # Embeddings, run on the engine thread between decode steps (engine.embed).
+    embed_requests: int = 0  # finished with vectors
+    embed_texts: int = 0
+    embed_tokens: int = 0  # after truncation, [CLS] and [SEP] included
+    embed_batches: int = 0  # encoder calls
+    embed_peak_batch_texts: int = 0  # most texts in one encoder call
+    embed_pending: int = 0  # requests waiting for their batch
+    embed_cancelled: int = 0  # cancelled or timed out: never run, or their vectors dropped
+    embed_failed: int = 0
+    embed_seconds: float = 0.0  # in encoder calls

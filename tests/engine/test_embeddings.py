@@ -1,0 +1,225 @@
+"""Embeddings on the engine thread: equal to an independent numpy BERT, batched == alone,
+truncation, batching across threads, beside generating rows, cancellation, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import (
+    Engine,
+    EngineClosedError,
+    EngineConfig,
+    RequestCancelledError,
+    RequestTimeoutError,
+    StepProbe,
+    TurnReport,
+)
+from tests.conftest import greedy, wait_until
+from tests.numpy_bert import NumpyBert
+
+SENTENCES = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "Batching keeps the cores busy.",
+    "",
+    "Ünïcödé, punctuation!? and numbers 12345 in one line; with (brackets).",
+    " ".join(["a long sentence that repeats itself"] * 12),
+]
+LONG = " ".join(f"word{i}" for i in range(400))  # well past 256 word pieces
+
+
+@pytest.fixture(scope="module")
+def reference(embedding_model_dir: Path) -> NumpyBert:
+    return NumpyBert(embedding_model_dir)
+
+
+def vectors(eng: Engine, model: Path, texts: list[str]) -> np.ndarray:
+    return eng.embed(texts, model).result(timeout=60).vectors
+
+
+def test_equal_to_an_independent_numpy_bert(embedding_engine: Engine, embedding_model_dir: Path,
+                                            reference: NumpyBert) -> None:
+    got = vectors(embedding_engine, embedding_model_dir, [*SENTENCES, LONG])
+    for text, vector in zip([*SENTENCES, LONG], got, strict=True):
+        want = reference.embed(text)
+        cosine = float(vector @ want) / float(np.linalg.norm(vector))
+        assert cosine >= 0.9999, (text[:40], cosine)
+        assert np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)  # L2-normalised
+
+
+def test_the_documented_pair(embedding_engine: Engine, embedding_model_dir: Path) -> None:
+    pair = vectors(embedding_engine, embedding_model_dir, SENTENCES[:2])
+    assert float(pair[0] @ pair[1]) == pytest.approx(0.7553, abs=0.0005)
+
+
+def test_batched_equals_alone(embedding_engine: Engine, embedding_model_dir: Path) -> None:
+    texts = [*SENTENCES, LONG]
+    together = vectors(embedding_engine, embedding_model_dir, texts)
+    for text, vector in zip(texts, together, strict=True):
+        alone = vectors(embedding_engine, embedding_model_dir, [text])[0]
+        np.testing.assert_allclose(vector, alone, atol=2e-6)
+
+
+def test_truncated_at_max_seq_length(embedding_engine: Engine,
+                                     embedding_model_dir: Path) -> None:
+    result = embedding_engine.embed([LONG, LONG + " and a different ending"],
+                                    embedding_model_dir).result(timeout=60)
+    assert result.prompt_tokens == 2 * 256  # [CLS] + 254 pieces + [SEP], each
+    np.testing.assert_array_equal(result.vectors[0], result.vectors[1])
+
+
+def test_requests_from_many_threads_share_batches(embedding_engine: Engine,
+                                                  embedding_model_dir: Path) -> None:
+    alone = {text: vectors(embedding_engine, embedding_model_dir, [text])[0]
+             for text in SENTENCES}
+    before = embedding_engine.stats()
+    results: dict[int, np.ndarray] = {}
+    barrier = threading.Barrier(len(SENTENCES))
+
+    def one(i: int) -> None:
+        barrier.wait()
+        results[i] = vectors(embedding_engine, embedding_model_dir, [SENTENCES[i]])[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(SENTENCES))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    after = embedding_engine.stats()
+    assert after.embed_requests - before.embed_requests == len(SENTENCES)
+    assert after.embed_batches - before.embed_batches < len(SENTENCES)  # some ran together
+    for i, text in enumerate(SENTENCES):
+        np.testing.assert_allclose(results[i], alone[text], atol=2e-6)
+
+
+async def test_async_callers_batch_together(embedding_engine: Engine,
+                                            embedding_model_dir: Path) -> None:
+    before = embedding_engine.stats().embed_batches
+    results = await asyncio.gather(*(embedding_engine.embed([t], embedding_model_dir).aresult()
+                                     for t in SENTENCES))
+    assert embedding_engine.stats().embed_batches - before < len(SENTENCES)
+    assert [r.vectors.shape for r in results] == [(1, 384)] * len(SENTENCES)
+
+
+def test_an_embeddings_only_engine_never_loads_its_chat_model(
+        embedding_engine: Engine) -> None:
+    stats = embedding_engine.stats()
+    assert not stats.loaded and stats.steps == 0 and stats.embed_batches >= 1
+
+
+def test_beside_generating_rows_their_tokens_are_unchanged(
+        make_engine: Callable[..., Engine], embedding_model_dir: Path) -> None:
+    turns: list[tuple[int, int]] = []
+
+    def on_turn(report: TurnReport) -> None:
+        turns.append((report.stats.running, report.stats.embed_batches))
+
+    probe = StepProbe(on_turn)
+    eng = make_engine(probe=probe, max_batch=8, embed_window=0.0)
+    prompts = [f"Count from {i} to {i + 30}:" for i in range(4)]
+    params = greedy(max_tokens=40, ignore_eos=True)
+    alone = [eng.submit(p, params).result(timeout=60).token_ids for p in prompts]
+    probe.slow_steps(0.01)  # the rows decode for a while: embeddings land between steps
+    handles = [eng.submit(p, params) for p in prompts]
+    wait_until(lambda: eng.stats().running == len(prompts))
+    embedded = [eng.embed(SENTENCES, embedding_model_dir).result(timeout=60) for _ in range(3)]
+    together = [h.result(timeout=60).token_ids for h in handles]
+    assert together == alone
+    assert all(e.vectors.shape == (len(SENTENCES), 384) for e in embedded)
+    ran_beside = [b for (running, b), (_, prev) in zip(turns[1:], turns, strict=False)
+                  if running > 0 and b > prev]
+    assert ran_beside, "no embedding batch ran while rows were generating"
+
+
+def test_chat_can_start_after_embeddings(tiny_model_dir: Path,
+                                         embedding_model_dir: Path) -> None:
+    eng = Engine(tiny_model_dir, EngineConfig())
+    try:
+        eng.embed(["first"], embedding_model_dir).result(timeout=60)
+        assert not eng.stats().loaded
+        completion = eng.submit("Hello", greedy(max_tokens=4)).result(timeout=60)
+        assert completion.usage.completion_tokens == 4 and eng.stats().loaded
+        after = eng.embed(["after"], embedding_model_dir).result(timeout=60)
+        assert after.vectors.shape == (1, 384)
+    finally:
+        eng.close()
+
+
+def test_a_cancelled_embedding_never_runs(tiny_model_dir: Path,
+                                          embedding_model_dir: Path) -> None:
+    with Engine(tiny_model_dir, EngineConfig(embed_window=0.3)) as eng:
+        cancelled = eng.embed(["never embedded"], embedding_model_dir)
+        cancelled.cancel()
+        with pytest.raises(RequestCancelledError):
+            cancelled.result(timeout=5)
+        eng.embed(["embedded"], embedding_model_dir).result(timeout=60)
+        wait_until(lambda: eng.stats().embed_cancelled == 1)
+        stats = eng.stats()
+        assert (stats.embed_texts, stats.embed_requests) == (1, 1)
+
+
+async def test_cancelling_the_awaiting_task_cancels_the_embedding(
+        tiny_model_dir: Path, embedding_model_dir: Path) -> None:
+    with Engine(tiny_model_dir, EngineConfig(embed_window=0.3)) as eng:
+        handle = eng.embed(["never embedded"], embedding_model_dir)
+        task = asyncio.create_task(handle.aresult())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert handle.done
+        await eng.embed(["embedded"], embedding_model_dir).aresult()
+        wait_until(lambda: eng.stats().embed_cancelled == 1)
+        assert eng.stats().embed_texts == 1
+
+
+@pytest.mark.parametrize("wait", ["sync", "async"])
+def test_a_timed_out_embedding_never_runs(tiny_model_dir: Path, embedding_model_dir: Path,
+                                          wait: str) -> None:
+    with Engine(tiny_model_dir, EngineConfig(embed_window=0.5)) as eng:
+        handle = eng.embed(["too late"], embedding_model_dir, timeout=0.05)
+        with pytest.raises(RequestTimeoutError):
+            if wait == "sync":
+                handle.result()
+            else:
+                asyncio.run(handle.aresult())
+        eng.embed(["in time"], embedding_model_dir).result(timeout=60)
+        wait_until(lambda: eng.stats().embed_cancelled == 1)
+        assert eng.stats().embed_texts == 1
+
+
+def test_close_fails_waiting_embeddings(tiny_model_dir: Path,
+                                        embedding_model_dir: Path) -> None:
+    eng = Engine(tiny_model_dir, EngineConfig(embed_window=1.0))
+    handle = eng.embed(["waiting"], embedding_model_dir)
+    eng.close()
+    with pytest.raises(EngineClosedError):
+        handle.result(timeout=10)
+    with pytest.raises(EngineClosedError):
+        eng.embed(["after close"], embedding_model_dir)
+
+
+@pytest.mark.parametrize(("texts", "error"), [
+    ("a string, not a list", TypeError), ([b"bytes"], TypeError), (["ok", 7], TypeError),
+    (None, TypeError), (["x"] * 2049, ValueError)])
+def test_bad_input_is_refused_on_the_callers_thread(embedding_engine: Engine,
+                                                    embedding_model_dir: Path, texts: object,
+                                                    error: type) -> None:
+    with pytest.raises(error):
+        embedding_engine.embed(texts, embedding_model_dir)  # type: ignore[arg-type]
+
+
+def test_bad_models_and_empty_input(embedding_engine: Engine, tmp_path: Path) -> None:
+    with pytest.raises(TypeError):
+        embedding_engine.embed(["x"], 3)  # type: ignore[arg-type]
+    with pytest.raises(FileNotFoundError):
+        embedding_engine.embed(["x"], tmp_path / "missing")
+    empty = embedding_engine.embed([]).result(timeout=1)
+    assert empty.vectors.shape[0] == 0 and empty.prompt_tokens == 0
