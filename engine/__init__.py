@@ -29,7 +29,7 @@ from engine.errors import (
 )
 from engine.follower import distributed_rank, follow
 from engine.models import resolve_model
-from engine.models.embedding_model import DEFAULT_EMBEDDING_NAME
+from engine.models.embedding_model import DEFAULT_EMBEDDING_NAME, embedding_model_name
 from engine.registry import get_embedding_engine, get_engine
 from engine.request import (
     Completion,
@@ -84,6 +84,7 @@ __all__ = [
     "blas_info",
     "check_texts",
     "distributed_rank",
+    "embedding_model_name",
     "follow",
     "get_embedding_engine",
     "get_engine",

@@ -1,7 +1,8 @@
 """LangChain and LlamaIndex integrations on one shared MLX continuous-batching engine.
 
-``ChatMLXBatch`` (LangChain, needs ``langchain-core``) and ``MLXBatchLLM`` (LlamaIndex,
-needs ``llama-index-core``) are imported lazily, so either framework alone is enough.
+``ChatMLXBatch`` and ``MLXBatchEmbeddings`` (LangChain, need ``langchain-core``),
+``MLXBatchLLM`` and ``MLXBatchEmbedding`` (LlamaIndex, need ``llama-index-core``) are
+imported lazily, so either framework alone is enough.
 """
 
 from __future__ import annotations
@@ -10,12 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mlx_providers.langchain import ChatMLXBatch
+    from mlx_providers.langchain_embeddings import MLXBatchEmbeddings
     from mlx_providers.llama_index import MLXBatchLLM
+    from mlx_providers.llama_index_embedding import MLXBatchEmbedding
 
-__all__ = ["ChatMLXBatch", "MLXBatchLLM"]
+__all__ = ["ChatMLXBatch", "MLXBatchEmbedding", "MLXBatchEmbeddings", "MLXBatchLLM"]
 
 _HOMES = {"ChatMLXBatch": ("mlx_providers.langchain", "langchain"),
-          "MLXBatchLLM": ("mlx_providers.llama_index", "llama-index")}
+          "MLXBatchEmbeddings": ("mlx_providers.langchain_embeddings", "langchain"),
+          "MLXBatchLLM": ("mlx_providers.llama_index", "llama-index"),
+          "MLXBatchEmbedding": ("mlx_providers.llama_index_embedding", "llama-index")}
 
 
 def __getattr__(name: str) -> Any:

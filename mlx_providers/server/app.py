@@ -25,6 +25,11 @@ from engine import Engine, EngineError
 from mlx_providers.server.auth import BearerAuth
 from mlx_providers.server.chat_endpoint import chat_completions
 from mlx_providers.server.context import ServerContext, ServerSettings
+from mlx_providers.server.embeddings_endpoint import (
+    EmbeddingModel,
+    ServedEmbedding,
+    create_embeddings,
+)
 from mlx_providers.server.errors import SERVER_ERROR, APIError
 from mlx_providers.server.metrics import CONTENT_TYPE, ServerMetrics
 from mlx_providers.server.responses_endpoint import (
@@ -37,7 +42,8 @@ from mlx_providers.server.served import ServedModel, ServedModels
 
 log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what an engine for model=None serves
-_ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/responses": "responses"}
+_ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/responses": "responses",
+              "/v1/embeddings": "embeddings"}
 
 
 def served_name(engine: Engine) -> str:
@@ -48,11 +54,14 @@ def served_name(engine: Engine) -> str:
 
 def create_app(models: Engine | Mapping[str, Engine], *,
                settings: ServerSettings | None = None,
-               store: ResponseStore | None = None) -> Starlette:
+               store: ResponseStore | None = None,
+               embeddings: Mapping[str, EmbeddingModel] | None = None) -> Starlette:
     """An OpenAI-compatible app serving ``models`` (an engine, or engines by name).
 
     A single engine is served under the model as it was given (a path, a hub id, or
     ``SmolLM2-135M-Instruct`` for the default) and, for a path, its directory name too.
+    ``embeddings`` maps names to embedding models (None: all-MiniLM-L6-v2) served at
+    ``/v1/embeddings``; they run on the first engine, between its decode steps.
     """
     settings = settings or ServerSettings()
     by_name = _named(models)
@@ -68,12 +77,17 @@ def create_app(models: Engine | Mapping[str, Engine], *,
     if store is None:  # (not `store or ...`: an empty store is falsy)
         store = ResponseStore(ttl_seconds=settings.store_ttl_seconds,
                               max_bytes=settings.store_max_bytes)
-    ctx = ServerContext(settings, served_models, metrics, store)
+    host = next(iter(by_name.values()))  # one engine runs chat and embeddings
+    served_embeddings = {name: ServedEmbedding(name, host, model)
+                         for name, model in (embeddings or {}).items()}
+    ctx = ServerContext(settings, served_models, metrics, store, served_embeddings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         for one in served_models:  # load before the first request (in a worker thread)
             await anyio.to_thread.run_sync(one.engine.start)
+        for embedding in served_embeddings.values():
+            await anyio.to_thread.run_sync(embedding.warm_up)
         yield
 
     middleware = [Middleware(BearerAuth, api_key=settings.api_key)] if settings.api_key else []
@@ -83,6 +97,7 @@ def create_app(models: Engine | Mapping[str, Engine], *,
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/embeddings", create_embeddings, methods=["POST"]),
         Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     ], middleware=middleware, lifespan=lifespan, exception_handlers={
@@ -121,9 +136,10 @@ async def prometheus(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
+    names = [*(one.name for one in ctx.models), *ctx.embeddings]
     return JSONResponse({"object": "list", "data": [
-        {"id": one.name, "object": "model", "created": 0, "owned_by": "mlx-providers"}
-        for one in ctx.models]})
+        {"id": name, "object": "model", "created": 0, "owned_by": "mlx-providers"}
+        for name in names]})
 
 
 def _count(request: Request, status: int) -> None:

