@@ -55,6 +55,9 @@ async def run_agent(llm: MLXBatchLLM, index: int, question: str, tools: list[obj
     agent = FunctionAgent(
         name=f"agent{index}", description="Answers with the help of its tools.", llm=llm,
         tools=[FunctionTool.from_defaults(fn) for fn in tools], initial_tool_choice=first_tool,
+        # One call a turn: with parallel calls allowed a small model may write the call
+        # twice, and max_tokens would cut the second (an OutputTruncatedError).
+        allow_parallel_tool_calls=False,
         system_prompt="Answer the user's question using the tool results. Be brief.",
         streaming=False)
     handler = agent.run(user_msg=question, max_iterations=4, early_stopping_method="generate")

@@ -307,3 +307,35 @@ def test_stopped_rank0_ends_the_follower_within_its_patience(
     assert run.returncodes[1] == 70, run.logs
     assert "rank 0 sent nothing for 4.5 s" in run.logs[1], run.logs
     assert run.follower_seconds < 4.5 + 5, run.logs
+
+
+def test_the_sharded_example_runs_on_two_ranks(tmp_path: Path,
+                                              shardable_model_dir: Path) -> None:
+    """``examples/sharded.py`` as its docstring runs it by hand: one line per rank."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
+    env = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    procs = []
+    for rank in (1, 0):
+        with logs[rank].open("wb") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(ROOT / "examples" / "sharded.py"),
+                 "--model", str(shardable_model_dir)],
+                env={**env, "MLX_RANK": str(rank)}, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, cwd=ROOT))
+    deadline = time.monotonic() + HARD_TIMEOUT
+    try:
+        for proc in procs:
+            proc.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                _kill_group(proc)
+                proc.wait()
+    texts = [log.read_text(errors="replace") for log in logs]
+    assert [p.returncode for p in procs] == [0, 0], texts
+    assert "rank 0 of a tensor-sharded engine" in texts[0], texts[0]
+    assert texts[0].count(" -> ") == 3, texts[0]
