@@ -115,7 +115,8 @@ class ResponseStore:
             return self._drop(response_id)
 
     def expire(self) -> int:
-        """Drop every entry older than the TTL now; returns how many went."""
+        """Drop every entry older than the TTL now (not one exactly as old); returns how
+        many went."""
         with self._lock:
             return self._expire()
 
@@ -123,8 +124,9 @@ class ResponseStore:
         if self.ttl_seconds is None:
             return 0
         deadline = self._clock() - self.ttl_seconds
-        # Every entry, not just the LRU head: a touched old entry sits at the end.
-        old = [key for key, entry in self._entries.items() if entry.stored_at <= deadline]
+        # Every entry, not just the LRU head: a touched old entry sits at the end. An entry
+        # exactly as old as the TTL is still alive, as in the store this server follows.
+        old = [key for key, entry in self._entries.items() if entry.stored_at < deadline]
         for key in old:
             self._drop(key)
         self.expirations += len(old)

@@ -35,6 +35,18 @@ def test_entries_expire_by_age() -> None:
     assert len(store) == 0 and store.nbytes == 0 and store.expirations == 1
 
 
+def test_an_entry_exactly_as_old_as_the_ttl_is_still_alive() -> None:
+    """The boundary of the store this server follows: expired once older than the TTL."""
+    clock = FakeClock()
+    store = ResponseStore(ttl_seconds=10, clock=clock)
+    put(store, "a")
+    clock.now += 10
+    assert store.get("a") is not None
+    assert store.expire() == 0
+    clock.now += 1e-6
+    assert store.get("a") is None and store.expirations == 1
+
+
 def test_a_touched_old_entry_still_expires_by_age() -> None:
     """LRU touches move an old entry to the end of the map; expiry must still find it."""
     clock = FakeClock()
