@@ -21,3 +21,10 @@ def test_the_wheel_includes_every_package_in_the_tree() -> None:
                for top in ("engine", "mlx_providers") for init in (ROOT / top).rglob("__init__.py")}
     assert in_tree <= shipped, f"not shipped: {sorted(in_tree - shipped)}"
     assert not any(name.startswith(("tests", "bench", "examples")) for name in shipped)
+
+
+def test_the_license_is_an_spdx_expression() -> None:
+    """PEP 639: a plain SPDX string (the old ``{text = ...}`` table makes setuptools warn)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert not any(c.startswith("License ::") for c in project.get("classifiers", []))
