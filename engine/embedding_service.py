@@ -3,13 +3,17 @@
 Owned by the engine thread (``run_due`` runs MLX through ``engine.device.encoder``); the
 engine calls it between its decode steps, one batch per turn, so a generating row only
 waits one bounded batch (``embed_max_batch`` texts) and its tokens are not touched.
-Encoders load lazily, on the engine thread, the first time their model is asked for.
+While rows decode, the encoder earns time with their steps and gets at most ``share`` of
+the thread (a batch runs when the earned time is positive, then pays what it took), so a
+steady embedding load cannot starve decoding. Encoders load lazily, on the engine thread,
+the first time their model is asked for.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,9 +44,15 @@ class EmbeddingCounters:
 class EmbeddingService:
     """Waiting requests and loaded encoders of one engine (engine thread only)."""
 
-    def __init__(self, window: float, max_batch: int) -> None:
+    def __init__(self, window: float, max_batch: int, share: float = 1.0, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """``clock`` times encoder calls (a test seam)."""
         self.batcher = EmbeddingBatcher(window, max_batch)
         self.counters = EmbeddingCounters()
+        self.share = share
+        self._clock = clock
+        self._credit = 0.0  # encoder seconds earned by decode steps, less those spent
+        self._last_batch = 0.0
         self._encoders: dict[Path, Encoder] = {}
 
     @property
@@ -55,17 +65,31 @@ class EmbeddingService:
     def due_at(self) -> float | None:
         return self.batcher.due_at()
 
-    def run_due(self) -> float:
-        """Drop cancelled requests, run at most one due batch; the seconds it took."""
+    def run_due(self, step_seconds: float = 0.0) -> float:
+        """Drop cancelled requests, run at most one due batch; the seconds it took.
+
+        ``step_seconds``: the decode steps of this turn (0 when no row decodes).
+        """
         now = time.monotonic()
         self.counters.cancelled += len(self.batcher.drop_finished(now))
+        decoding = step_seconds > 0 and self.share < 1.0
+        if decoding:
+            earned = self._credit + step_seconds * self.share / (1.0 - self.share)
+            self._credit = min(earned, max(self._last_batch, step_seconds))  # save little
+            if self._credit <= 0:
+                return 0.0  # decoding keeps the thread until the encoder has earned a turn
+        else:
+            self._credit = 0.0
         batch = self.batcher.take(now)
         if batch is None:
             return 0.0
-        started = time.perf_counter()
+        started = self._clock()
         self._run(batch)
-        seconds = time.perf_counter() - started
+        seconds = self._clock() - started
         self.counters.seconds += seconds
+        self._last_batch = seconds
+        if decoding:
+            self._credit -= seconds
         return seconds
 
     def fail_all(self, error: BaseException) -> None:

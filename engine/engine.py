@@ -125,7 +125,8 @@ class Engine:
         self._held: list[_Command] = []  # commands a chatless loop left for the chat loop
         self._embedding_paths: dict[ModelSpec, Path] = {}
         self._embeddings = EmbeddingService(self.config.embed_window,
-                                            self.config.embed_max_batch)
+                                            self.config.embed_max_batch,
+                                            self.config.embed_share)
         # Engine-thread state below: touched only by the engine thread once it runs
         # (the model and preparer are read-only for callers after loading).
         self._model: LoadedModel | None = None
@@ -384,12 +385,13 @@ class Engine:
             if self._held:
                 return True
 
-    def _run_embeddings(self) -> float:
-        """At most one due embedding batch; the seconds it took."""
+    def _run_embeddings(self, step_seconds: float = 0.0) -> float:
+        """At most one due embedding batch; the seconds it took. ``step_seconds``: this
+        turn's decode steps, which earn the encoder its share of the thread."""
         if not self._embeddings.pending:
             return 0.0
         self._touched_mlx = True  # an encoder may be loaded and run on this thread
-        seconds = self._embeddings.run_due()
+        seconds = self._embeddings.run_due(step_seconds)
         counters = self._embeddings.counters
         with self._stats_lock:
             stats = self._stats
@@ -436,7 +438,7 @@ class Engine:
             if len(lane):
                 stepping += self._step(kind, lane)
         scheduler.fit_cache()  # heads and finished rows may have been stored
-        stepping += self._run_embeddings()  # between steps: no decode runs beside it
+        stepping += self._run_embeddings(stepping)  # between steps, never beside one
         self._publish_stats(time.perf_counter() - started - stepping)
         if probe is not None:
             probe.turn_ended(TurnReport(admitted, *peak, self.stats()))

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
 
 import pytest
 
 from engine import RequestCancelledError, RequestTimeoutError, check_texts
 from engine.embedding_batcher import EmbeddingBatcher
+from engine.embedding_service import EmbeddingService
 from engine.embeddings import EmbeddingRequest
 
 A, B = Path("/models/a"), Path("/models/b")
@@ -89,3 +93,46 @@ def test_good_texts() -> None:
     assert check_texts([]) == ()
     assert check_texts(("a", "")) == ("a", "")
     assert len(check_texts(["x"] * 2048)) == 2048
+
+
+
+class _FakeEncoder:
+    """Stands in for the MLX encoder: each call advances a fake clock by ``cost`` seconds."""
+
+    def __init__(self, clock: list[float], cost: float) -> None:
+        self.clock, self.cost = clock, cost
+
+    def encode(self, texts: list[str]) -> SimpleNamespace:
+        self.clock[0] += self.cost
+        return SimpleNamespace(vectors=np.zeros((len(texts), 4), np.float32),
+                               lengths=tuple(1 for _ in texts))
+
+
+def _service(share: float, cost: float) -> EmbeddingService:
+    clock = [0.0]
+    service = EmbeddingService(window=0.0, max_batch=4, share=share, clock=lambda: clock[0])
+    service._encoders[A] = _FakeEncoder(clock, cost)  # type: ignore[assignment]
+    return service
+
+
+def _batches_run(service: EmbeddingService, turns: int, step_seconds: float) -> int:
+    for i in range(turns):  # a steady load: a request is always waiting
+        if not service.pending:
+            service.add(request(4, 0.0, request_id=i))
+        service.run_due(step_seconds)
+    return service.counters.batches
+
+
+def test_beside_decoding_the_encoder_gets_its_share_of_the_thread() -> None:
+    # A batch costs 0.3 s (fake clock), a decode step 0.1 s: at share 0.5 the encoder runs
+    # one turn in three, so its time matches the decode steps' to within one batch.
+    capped = _service(share=0.5, cost=0.3)
+    assert _batches_run(capped, 40, 0.1) == 14
+    assert abs(capped.counters.seconds - 40 * 0.1) <= 0.3 + 1e-9
+    quarter = _service(share=0.25, cost=0.3)  # a third of the decode steps' time
+    assert abs(_batches_run(quarter, 90, 0.1) * 0.3 - 90 * 0.1 / 3) <= 0.3 + 1e-9
+    assert _batches_run(_service(share=1.0, cost=0.3), 40, 0.1) == 40  # uncapped
+
+
+def test_with_no_row_decoding_embeddings_run_every_turn() -> None:
+    assert _batches_run(_service(share=0.5, cost=0.3), 10, 0.0) == 10
