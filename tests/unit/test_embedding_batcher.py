@@ -1,4 +1,4 @@
-"""The embedding batcher and the checks on texts: pure, no model."""
+"""The embedding batcher, the share policy and the checks on texts: no model, no mlx."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-
 import pytest
 
 from engine import RequestCancelledError, RequestTimeoutError, check_texts
