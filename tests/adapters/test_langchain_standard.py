@@ -3,12 +3,12 @@
 The integration suite runs on the tiny random-weight model (fast, deterministic, tool
 capable): everything that needs plumbing passes there. Tests that need a model that
 understands its prompt are marked ``xfail`` on it with what it cannot do, and the
-decisive ones run again on the real default model, SmolLM2-135M-Instruct.
+decisive ones run again on the real default model, SmolLM2-135M-Instruct
+(``tests/real``, ``make test-real``).
 """
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,10 @@ RANDOM_WEIGHTS = "the tiny test model has random weights and cannot read the pro
 TINY_XFAILS: dict[str, str] = {
     "test_tool_calling": RANDOM_WEIGHTS + "the grammar forces well-formed magic_function calls, "
     "but it writes several with arbitrary inputs (456, ...) instead of one with the 3 asked "
-    "for (passes on SmolLM2, see TestChatMLXBatchSmolLM2)",
+    "for (passes on SmolLM2, see tests/real/test_langchain_smollm2_batched.py)",
     "test_tool_calling_async": RANDOM_WEIGHTS + "the grammar forces well-formed magic_function "
     "calls, but it writes several with arbitrary inputs (456, ...) instead of one with the 3 "
-    "asked for (passes on SmolLM2, see TestChatMLXBatchSmolLM2)",
+    "asked for (passes on SmolLM2, see tests/real/test_langchain_smollm2_batched.py)",
     "test_agent_loop": RANDOM_WEIGHTS + "with tool_choice='auto' it does not decide to call "
     "get_weather",
     "test_json_mode": RANDOM_WEIGHTS + "json_mode only forces some JSON object; it cannot pick "
@@ -125,44 +125,6 @@ class TestChatMLXBatchIntegration(CacheReadUsage, ChatModelIntegrationTests):
     @property
     def model_override_value(self) -> str:
         return str(self.override_dir)
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
-
-
-@pytest.mark.slow
-class TestChatMLXBatchSmolLM2:
-    """Standard tests the random-weight model cannot pass, on SmolLM2-135M-Instruct.
-
-    Only these: on this CPU SmolLM2 decodes a few tokens per second. The sync and async
-    tests run at the same time, so their requests share the engine's batch.
-    """
-
-    async def test_tool_calling_sync_and_async(self) -> None:
-        # A user's settings: the engine ends a forced-call row that repeats its call, so the
-        # answer holds exactly the one call without a tight max_tokens.
-        smol = ChatMLXBatch(max_tokens=256, temperature=0)
-        suite = _Suite()
-        await asyncio.gather(asyncio.to_thread(suite.test_tool_calling, smol),
-                             suite.test_tool_calling_async(smol))
-
-    async def test_structured_output_pydantic_sync_and_async(self) -> None:
-        # Grammar-constrained JSON (the default json_schema method), greedy, no penalty:
-        # SmolLM2-135M loops on "a cat is a cat, ..." inside "setup" unless the engine's JSON
-        # string loop guard (json_string_ngram, on by default) refuses the repeat.
-        smol = ChatMLXBatch(max_tokens=256, temperature=0)
-        suite = _Suite()
-        await asyncio.gather(asyncio.to_thread(suite.test_structured_output, smol, "pydantic"),
-                             suite.test_structured_output_async(smol, "pydantic"))
-
-
-class _Suite(ChatModelIntegrationTests):
-    """The standard suite's settings, to call its test bodies with another model."""
-
-    @property
-    def chat_model_class(self) -> type[BaseChatModel]:
-        return ChatMLXBatch
 
     @property
     def supports_json_mode(self) -> bool:
