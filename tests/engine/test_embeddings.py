@@ -223,3 +223,30 @@ def test_bad_models_and_empty_input(embedding_engine: Engine, tmp_path: Path) ->
         embedding_engine.embed(["x"], tmp_path / "missing")
     empty = embedding_engine.embed([]).result(timeout=1)
     assert empty.vectors.shape[0] == 0 and empty.prompt_tokens == 0
+
+
+def test_trio_callers_await_embeddings(embedding_engine: Engine,
+                                       embedding_model_dir: Path) -> None:
+    trio = pytest.importorskip("trio", reason="trio (the dev extra) is not installed")
+
+    async def main() -> np.ndarray:
+        return (await embedding_engine.embed(SENTENCES[:2], embedding_model_dir).aresult()).vectors
+
+    pair = trio.run(main)
+    assert float(pair[0] @ pair[1]) == pytest.approx(0.7553, abs=0.0005)
+
+
+def test_the_process_embeds_on_the_engine_serving_chat(tiny_model_dir: Path) -> None:
+    from engine import get_embedding_engine, get_engine
+    from engine.registry import close_all
+
+    close_all()
+    try:
+        idle = get_engine()  # never asked for chat: not preferred
+        chat = get_engine(tiny_model_dir).start()
+        assert get_embedding_engine() is chat
+        chat.close()
+        assert get_embedding_engine() is idle  # a closed engine is passed over
+        assert not idle.stats().loaded
+    finally:
+        close_all()
