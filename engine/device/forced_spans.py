@@ -39,12 +39,15 @@ def last_logits(model: Any, tokens: mx.array, cache: list[Any],
                 positions: mx.array) -> mx.array:
     """Logits at one position per row (``positions``), computing the head only there."""
     rows = mx.arange(tokens.shape[0])
+    logits: mx.array
     if type(model).__module__ not in _BACKBONE_THEN_HEAD:
-        return model(tokens, cache=cache)[rows, positions]
-    hidden = model.model(tokens, cache)[rows, positions]
-    if model.args.tie_word_embeddings:
-        return model.model.embed_tokens.as_linear(hidden)
-    return model.lm_head(hidden)
+        logits = model(tokens, cache=cache)[rows, positions]
+    else:
+        hidden = model.model(tokens, cache)[rows, positions]
+        head = (model.model.embed_tokens.as_linear if model.args.tie_word_embeddings
+                else model.lm_head)
+        logits = head(hidden)
+    return logits
 
 
 def spans_supported(model: Any, max_kv_size: int | None) -> bool:
