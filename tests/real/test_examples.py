@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HARD_TIMEOUT = 600.0
 # example -> (its arguments, text its last lines must hold)
 EXAMPLES = {
+    "demo.py": ([], "One engine for both frameworks and both models"),
     "langchain_parallel.py": ([], "peak rows decoding together"),
     "llama_index_agents.py": ([], "6 agents in"),
     "server.py": ([], "previous_response_id"),
