@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -28,9 +28,11 @@ class EngineConfig(BaseModel):
         default=512, ge=8, le=65536,
         description="Prompt tokens per prefill step; bounds how long decoding rows wait.",
     )
-    kv_budget_bytes: int | None = Field(
-        default=None, ge=1,
-        description="Cap on the worst-case KV bytes of all running rows (None = no cap).",
+    kv_budget_bytes: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        default="auto",
+        description="Cap on the worst-case KV bytes of all running rows plus the prefix "
+        "store, which gives way first. 'auto': a quarter of the memory left beside the "
+        "weights (RAM, cgroup limit or GPU working set); None = no cap. See docs/memory.md.",
     )
     max_kv_size: int | None = Field(
         default=None, ge=16,
@@ -41,9 +43,16 @@ class EngineConfig(BaseModel):
         description="Keep quantized weights (True) or dequantize to float32 (False); "
         "None picks per backend (float32 on CPU, quantized on Metal/CUDA).",
     )
-    prefix_cache_bytes: int = Field(
-        default=1 << 30, ge=0,
-        description="Byte cap of the reusable prompt-prefix KV cache (0 = off).",
+    prefix_cache_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        default="auto",
+        description="Byte cap of the reusable prompt-prefix KV cache (0 = off), inside the "
+        "KV budget. 'auto': an eighth of the machine's automatic KV budget, at most 1 GiB "
+        "and never above kv_budget_bytes.",
+    )
+    buffer_cache_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        default="auto",
+        description="Cap on the freed buffers MLX keeps for reuse (mx.set_cache_limit, "
+        "process-wide). 'auto': a sixteenth of the KV budget, 32 MiB to 1 GiB.",
     )
     prefix_cache_ttl: float | None = Field(
         default=600.0, gt=0, description="Seconds a stored prefix may be reused (None = no TTL).",

@@ -37,6 +37,14 @@ class EngineStats:
     # prefix store) and freed buffers it keeps for reuse (mx.clear_cache releases them).
     mlx_active_bytes: int = 0
     mlx_cache_bytes: int = 0
+    # The process's resident set, read each turn, and the bounds the settings give it
+    # (engine.memory): resident ~= weights + KV budget + buffer cache limit + runtime.
+    resident_bytes: int = 0
+    weights_bytes: int = 0
+    kv_budget_bytes: int = 0  # running rows' worst-case KV plus the prefix store (0 = no cap)
+    prefix_cache_limit_bytes: int = 0
+    buffer_cache_limit_bytes: int = 0  # mx.set_cache_limit
+    resident_bound_bytes: int = 0  # the formula's sum (with no KV cap: without KV)
     # Embeddings, run on the engine thread between decode steps (engine.embed).
     embed_requests: int = 0  # finished with vectors
     embed_texts: int = 0

@@ -21,6 +21,13 @@ from engine.config import EngineConfig
 from engine.device.batch_lane import BatchLane
 from engine.device.cache_layout import footprint_of
 from engine.device.distributed import Channel, Group, Link, ReplicatedLane
+from engine.device.memory import (
+    device_memory,
+    limit_buffer_cache,
+    release_free_memory,
+    usable_memory_bytes,
+    weights_bytes,
+)
 from engine.device.prefix_reuse import PrefixReuse, reuse_policy
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
@@ -28,6 +35,7 @@ from engine.errors import EngineDeadError
 from engine.footprint import ModelFootprint
 from engine.grammar import GrammarCompiler
 from engine.lane import Lane
+from engine.memory import MemoryBounds, resident_bytes, resolve_bounds
 from engine.models import config_context_limit
 from engine.prefix_cache import PrefixStore
 
@@ -41,6 +49,7 @@ class LoadedModel:
     footprint: ModelFootprint
     stream: Any
     vocab_size: int
+    bounds: MemoryBounds
     group: Group | None = None  # set when the model is sharded over a group of ranks
 
 
@@ -70,7 +79,12 @@ class Lanes:
     @staticmethod
     def device_memory() -> tuple[int, int]:
         """MLX's allocator now: bytes in live arrays, bytes it keeps cached for reuse."""
-        return int(mx.get_active_memory()), int(mx.get_cache_memory())
+        return device_memory()
+
+    @staticmethod
+    def release_memory() -> None:
+        """Give freed buffers back to the OS (call only when no row runs)."""
+        release_free_memory()
 
 
 def load_model(path: Path, config: EngineConfig, group: Group | None = None) -> LoadedModel:
@@ -96,7 +110,18 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None) -> 
     args = getattr(model, "args", None)
     vocab = int(args.vocab_size) if args is not None else len(tokenizer)
     footprint = ModelFootprint.of(layers, config_context_limit(path))
-    return LoadedModel(model, tokenizer, footprint, stream, vocab, group)
+    bounds = memory_bounds(model, config)
+    return LoadedModel(model, tokenizer, footprint, stream, vocab, bounds, group)
+
+
+def memory_bounds(model: Any, config: EngineConfig) -> MemoryBounds:
+    """The settings' bounds for this model on this machine; applies the buffer-cache cap."""
+    bounds = resolve_bounds(config.kv_budget_bytes, config.prefix_cache_bytes,
+                            config.buffer_cache_bytes, memory_bytes=usable_memory_bytes(),
+                            weights_bytes=weights_bytes(model),
+                            resident_at_load=resident_bytes())
+    limit_buffer_cache(bounds.buffer_cache_bytes)
+    return bounds
 
 
 def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarCompiler,
@@ -108,7 +133,8 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
     """
     samplers = SamplerCache()
     sharded = loaded.group is not None
-    store = PrefixStore(0 if sharded else config.prefix_cache_bytes, config.prefix_cache_ttl,
+    store = PrefixStore(0 if sharded else loaded.bounds.prefix_cache_bytes,
+                        config.prefix_cache_ttl,
                         min_tokens=config.prefix_min_tokens)
     reuse = PrefixReuse(store, reuse_policy(loaded.footprint))
     batch = BatchLane(loaded.model, loaded.stream, compiler, samplers, reuse,

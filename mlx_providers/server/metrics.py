@@ -33,6 +33,23 @@ class _EngineCollector(Collector):
             "kv_bytes_projected": ("mlx_engine_kv_bytes",
                                    "Worst-case KV bytes of the running rows."),
             "prefix_bytes": ("mlx_engine_prefix_cache_bytes", "KV bytes the prefix cache holds."),
+            # Memory against its bound (docs/memory.md): what is held, then what may be.
+            "mlx_active_bytes": ("mlx_engine_mlx_active_bytes",
+                                 "Bytes in MLX's live arrays (weights, KV, prefix store)."),
+            "mlx_cache_bytes": ("mlx_engine_mlx_cache_bytes",
+                                "Freed bytes MLX's allocator keeps for reuse."),
+            "resident_bytes": ("mlx_engine_process_resident_bytes",
+                               "The process's resident set size."),
+            "weights_bytes": ("mlx_engine_weights_bytes", "Bytes of the model's weights."),
+            "kv_budget_bytes": ("mlx_engine_kv_budget_bytes",
+                                "Bound on running rows' KV plus the prefix cache (0 = none)."),
+            "prefix_cache_limit_bytes": ("mlx_engine_prefix_cache_limit_bytes",
+                                         "Bound on the prefix cache's bytes."),
+            "buffer_cache_limit_bytes": ("mlx_engine_mlx_cache_limit_bytes",
+                                         "Bound on MLX's cache of freed buffers."),
+            "resident_bound_bytes": ("mlx_engine_resident_bound_bytes",
+                                     "What the settings let the process hold: weights + KV "
+                                     "budget + buffer cache limit + runtime."),
         }
         counters = {
             "generated_tokens": ("mlx_engine_generated_tokens", "Tokens generated."),

@@ -32,7 +32,7 @@ MLX = ("mlx", "mlx_lm")
 PURE = ("scheduler", "request", "streams", "update", "lane", "rows", "text", "footprint",
         "errors", "stats", "config", "prefix_cache", "channels", "tools", "constraints",
         "schemas", "tool_formats", "string_repeats", "step_probe", "replication",
-        "embeddings", "embedding_batcher")
+        "embeddings", "embedding_batcher", "memory")
 # No exception to (b): engine/_platform/blas.py must run before mlx.core is loaded, and it
 # only locates libmlx as a file (its GOT, ``"mlx.core" in sys.modules``); it has no
 # ``import mlx`` statement, so engine/_platform is held to the same rule as the rest.
