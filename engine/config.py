@@ -52,7 +52,8 @@ class EngineConfig(BaseModel):
     buffer_cache_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         default="auto",
         description="Cap on the freed buffers MLX keeps for reuse (mx.set_cache_limit, "
-        "process-wide). 'auto': a sixteenth of the KV budget, 32 MiB to 1 GiB.",
+        "process-wide). 'auto': on a GPU a sixteenth of the KV budget, 32 MiB to 1 GiB; "
+        "on CPU 32 MiB (MLX's CPU default).",
     )
     prefix_cache_ttl: float | None = Field(
         default=600.0, gt=0, description="Seconds a stored prefix may be reused (None = no TTL).",

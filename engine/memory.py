@@ -33,8 +33,9 @@ KV_BUDGET_SHARE = 0.25
 # way to running rows anyway, so its cap only bounds what idle time keeps resident.
 PREFIX_SHARE = 0.125
 PREFIX_CAP_MAX = 1 * GiB  # past this, more entries rarely pay for their lookups
-# "auto" MLX buffer cache: this share of the KV budget, at least MLX's CPU default (32 MiB)
-# and never above 1 GiB (on Metal MLX's own default is its whole memory limit).
+# "auto" MLX buffer cache on an accelerator: this share of the KV budget, 32 MiB to 1 GiB
+# (MLX's own default there is its whole memory limit). On CPU, MLX's CPU default (32 MiB):
+# its buffers are malloc'd, and a larger cache only kept freed KV resident longer.
 BUFFER_CACHE_SHARE = 0.0625
 BUFFER_CACHE_MIN = 32 * MiB
 BUFFER_CACHE_MAX = 1 * GiB
@@ -71,14 +72,16 @@ def auto_prefix_cap(kv_budget_bytes: int) -> int:
     return min(PREFIX_CAP_MAX, int(kv_budget_bytes * PREFIX_SHARE))
 
 
-def auto_buffer_cache(kv_budget_bytes: int) -> int:
+def auto_buffer_cache(kv_budget_bytes: int, accelerator: bool = True) -> int:
+    if not accelerator:
+        return BUFFER_CACHE_MIN
     share = int(kv_budget_bytes * BUFFER_CACHE_SHARE)
     return max(BUFFER_CACHE_MIN, min(BUFFER_CACHE_MAX, share))
 
 
 def resolve_bounds(kv_budget: int | str | None, prefix_cache: int | str,
                    buffer_cache: int | str, *, memory_bytes: int, weights_bytes: int,
-                   resident_at_load: int) -> MemoryBounds:
+                   resident_at_load: int, accelerator: bool = True) -> MemoryBounds:
     """The settings' ``auto`` values made numbers; ``kv_budget`` None stays unbounded (0).
 
     The prefix cap is cut to the budget: the scheduler never lets the store hold more.
@@ -93,7 +96,8 @@ def resolve_bounds(kv_budget: int | str | None, prefix_cache: int | str,
     if budget is not None:
         prefix = min(prefix, budget)
     if buffer_cache == "auto":
-        cache = auto_buffer_cache(budget if budget is not None else 0)
+        cache = auto_buffer_cache(budget if budget is not None else machine_budget,
+                                  accelerator)
     else:
         assert isinstance(buffer_cache, int)
         cache = buffer_cache

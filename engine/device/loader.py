@@ -24,6 +24,7 @@ from engine.device.distributed import Channel, Group, Link, ReplicatedLane
 from engine.device.memory import (
     device_memory,
     limit_buffer_cache,
+    on_accelerator,
     release_free_memory,
     usable_memory_bytes,
     weights_bytes,
@@ -119,7 +120,8 @@ def memory_bounds(model: Any, config: EngineConfig) -> MemoryBounds:
     bounds = resolve_bounds(config.kv_budget_bytes, config.prefix_cache_bytes,
                             config.buffer_cache_bytes, memory_bytes=usable_memory_bytes(),
                             weights_bytes=weights_bytes(model),
-                            resident_at_load=resident_bytes())
+                            resident_at_load=resident_bytes(),
+                            accelerator=on_accelerator())
     limit_buffer_cache(bounds.buffer_cache_bytes)
     return bounds
 

@@ -32,6 +32,11 @@ def weights_bytes(model: Any) -> int:
     return total
 
 
+def on_accelerator() -> bool:
+    """Whether arrays live on a GPU (Metal, CUDA) rather than in malloc'd CPU memory."""
+    return bool(mx.default_device() == mx.gpu)
+
+
 def usable_memory_bytes() -> int:
     """Memory the model and its KV live in: the accelerator's, else RAM (cgroup-limited)."""
     info = mx.device_info()

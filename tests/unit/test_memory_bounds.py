@@ -45,6 +45,14 @@ def test_auto_scales_to_the_memory_left_beside_the_weights() -> None:
     assert _bounds(memory=512 * GiB).buffer_cache_bytes == BUFFER_CACHE_MAX
 
 
+def test_on_cpu_the_buffer_cache_stays_at_mlx_cpu_default() -> None:
+    bounds = resolve_bounds("auto", "auto", "auto", memory_bytes=24 * GiB,
+                            weights_bytes=540 * MiB, resident_at_load=666 * MiB,
+                            accelerator=False)
+    assert bounds.buffer_cache_bytes == BUFFER_CACHE_MIN == 32 * MiB
+    assert bounds.kv_budget_bytes == _bounds().kv_budget_bytes
+
+
 def test_a_machine_smaller_than_its_weights_still_gets_a_budget() -> None:
     assert _bounds(memory=256 * MiB).kv_budget_bytes == 64 * MiB
 
