@@ -2,23 +2,34 @@
 
 Owned by the engine thread (``run_due`` runs MLX through ``engine.device.encoder``); the
 engine calls it between its decode steps, one batch per turn, so a generating row only
-waits one bounded batch (``embed_max_batch`` texts) and its tokens are not touched.
+waits one bounded batch (``embed_max_batch`` texts) and its tokens are not touched. A
+request with more texts runs as several batches, one per turn; its vectors are gathered
+here and it finishes with the last one (cancelled in between, the rest never runs).
 While rows decode, the encoder earns time with their steps and gets at most ``share`` of
 the thread (a batch runs when the earned time is positive, then pays what it took), so a
 steady embedding load cannot starve decoding. Encoders load lazily, on the engine thread,
 the first time their model is asked for.
+
+The one exception to engine-thread ownership is ``register``/``fail_registered``: they keep
+their own lock, so a thread that cannot wait for the engine thread (the sharded watchdog,
+while the engine thread is stuck in a collective) can fail every unfinished request
+without touching the batcher.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.embedding_batcher import EmbeddingBatch, EmbeddingBatcher
+import numpy as np
+
+from engine.embedding_batcher import EmbeddingBatch, EmbeddingBatcher, Span
 from engine.embeddings import EmbeddingRequest, Embeddings
 
 if TYPE_CHECKING:
@@ -41,16 +52,30 @@ class EmbeddingCounters:
     seconds: float = 0.0  # in encoder calls, on the engine thread
 
 
+@dataclass
+class _Progress:
+    """The vectors of a split request's spans run so far, in order."""
+
+    parts: list[np.ndarray] = field(default_factory=list)
+    tokens: int = 0
+
+
 class EmbeddingService:
     """Waiting requests and loaded encoders of one engine (engine thread only)."""
 
     def __init__(self, window: float, max_batch: int, share: float = 1.0, *,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        """``clock`` times encoder calls (a test seam)."""
+                 clock: Callable[[], float] = time.perf_counter,
+                 now: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` times encoder calls, ``now`` is the requests' time (test seams)."""
         self.batcher = EmbeddingBatcher(window, max_batch)
         self.counters = EmbeddingCounters()
         self.share = share
         self._clock = clock
+        self._now = now
+        self._progress: dict[EmbeddingRequest, _Progress] = {}  # split requests, part-run
+        # Every request handed to this service that may still be unfinished; any thread.
+        self._registered: weakref.WeakSet[EmbeddingRequest] = weakref.WeakSet()
+        self._registered_lock = threading.Lock()
         self._credit = 0.0  # encoder seconds earned by decode steps, less those spent
         self._last_batch = 0.0
         self._encoders: dict[Path, Encoder] = {}
@@ -62,6 +87,23 @@ class EmbeddingService:
     def add(self, request: EmbeddingRequest) -> None:
         self.batcher.add(request.model_path, request)
 
+    def register(self, request: EmbeddingRequest) -> None:
+        """Note a request on its way to this service (any thread; see ``fail_registered``)."""
+        with self._registered_lock:
+            self._registered.add(request)
+
+    def fail_registered(self, error: BaseException) -> int:
+        """Finish every registered unfinished request with ``error``; how many it finished.
+
+        Safe from any thread: it only finishes requests (each has its own lock) and never
+        touches the batcher or the counters, which stay the engine thread's. A request that
+        later reaches the engine thread is found finished there and skipped.
+        """
+        with self._registered_lock:
+            requests = list(self._registered)
+            self._registered.clear()
+        return sum(request.finish(error=error) for request in requests)
+
     def due_at(self) -> float | None:
         return self.batcher.due_at()
 
@@ -70,8 +112,10 @@ class EmbeddingService:
 
         ``step_seconds``: the decode steps of this turn (0 when no row decodes).
         """
-        now = time.monotonic()
-        self.counters.cancelled += len(self.batcher.drop_finished(now))
+        now = self._now()
+        for request in self.batcher.drop_finished(now):
+            self._progress.pop(request, None)  # a split request's spans so far are dropped
+            self.counters.cancelled += request.cancelled  # else failed by whoever finished it
         decoding = step_seconds > 0 and self.share < 1.0
         if decoding:
             earned = self._credit + step_seconds * self.share / (1.0 - self.share)
@@ -97,34 +141,58 @@ class EmbeddingService:
         for request in self.batcher.drain():
             if request.finish(error=error):
                 self.counters.failed += 1
+        self._progress.clear()
 
     def _run(self, batch: EmbeddingBatch) -> None:
-        requests = [r for r in batch.requests if not r.finished]
-        self.counters.cancelled += len(batch.requests) - len(requests)
-        if not requests:
+        spans = [span for span in batch.spans if not span.request.finished]
+        for span in batch.spans:
+            if span.request.finished:  # cancelled since ``take``: skipped unrun
+                self._forget(span)
+                self.counters.cancelled += 1
+        if not spans:
             return
-        texts = [text for request in requests for text in request.texts]
+        texts = [text for span in spans for text in span.texts]
         try:
-            encoded = self._encoder(requests[0].model_path).encode(texts)
+            encoded = self._encoder(spans[0].request.model_path).encode(texts)
         except Exception as exc:  # this batch's requests fail; the engine goes on
             log.error("embedding batch failed: %r", exc)
-            for request in requests:
-                self.counters.failed += request.finish(error=exc)
+            for span in spans:
+                self._forget(span)
+                self.counters.failed += span.request.finish(error=exc)
             return
         self.counters.batches += 1
         self.counters.peak_batch_texts = max(self.counters.peak_batch_texts, len(texts))
         start = 0
-        for request in requests:
-            end = start + len(request.texts)
-            result = Embeddings(encoded.vectors[start:end], sum(encoded.lengths[start:end]),
-                                request.model_name)
-            if request.finish(result):
-                self.counters.requests += 1
-                self.counters.texts += end - start
-                self.counters.tokens += result.prompt_tokens
-            else:  # cancelled or timed out while it ran: its vectors are dropped
-                self.counters.cancelled += 1
+        for span in spans:
+            end = start + span.end - span.start
+            vectors, tokens = encoded.vectors[start:end], sum(encoded.lengths[start:end])
             start = end
+            request = span.request
+            if request.finished:  # cancelled or timed out while it ran: vectors dropped
+                self._forget(span)
+                self.counters.cancelled += 1
+                continue
+            if not span.whole:  # one span of a split request: gather, finish with the last
+                progress = self._progress.setdefault(request, _Progress())
+                progress.parts.append(vectors)
+                progress.tokens += tokens
+                if not span.last:
+                    continue
+                del self._progress[request]
+                vectors, tokens = np.concatenate(progress.parts), progress.tokens
+            if request.finish(Embeddings(vectors, tokens, request.model_name)):
+                self.counters.requests += 1
+                self.counters.texts += len(request.texts)
+                self.counters.tokens += tokens
+            else:  # cancelled between the check above and now
+                self.counters.cancelled += 1
+
+    def _forget(self, span: Span) -> None:
+        """Drop what ran of the span's request and what of it still waits: it will not
+        finish here, so its remaining spans must not run."""
+        self._progress.pop(span.request, None)
+        if not span.last:
+            self.batcher.discard(span.request)
 
     def _encoder(self, path: Path) -> Encoder:
         encoder = self._encoders.get(path)

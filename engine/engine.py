@@ -230,6 +230,7 @@ class Engine:
                                        embedding_model_name(model), now,
                                        None if timeout is None else now + timeout)
             if checked:
+                self._embeddings.register(request)  # what _abandon fails from the watchdog
                 self._commands.put(_Embed(request))
         if checked:
             self._ensure_thread()
@@ -703,16 +704,23 @@ class Engine:
 
         The engine thread is stuck inside a collective and touches no row meanwhile (if
         the collective ever returns, the lane raises ``dead`` and the thread dies); every
-        waiter learns now, and later submits raise at once.
+        waiter learns now, and later submits raise at once. Rows are ended from here
+        because the thread is parked: ``Link._hang`` calls this holding the lock the
+        thread's ``Link.end`` must take first. Embedding requests are failed through the
+        service's own lock instead, never through the batcher, so they are safe whatever
+        the engine thread is doing.
         """
         with self._lock:
             if self._dead is not None:
                 return
             self._dead = dead
             self._abandoned = True
-        self._fail_everything(dead, FinishReason.ERROR)
+        failed = self._embeddings.fail_registered(dead)
+        self._fail_everything(dead, FinishReason.ERROR, engine_thread=False)
         with self._stats_lock:
             self._stats.running = self._stats.pending = 0
+            self._stats.embed_failed += failed
+            self._stats.embed_pending = 0
 
     def _reset_lanes(self) -> None:
         """Release every row (and its grammar matcher): the engine is going away."""
@@ -720,7 +728,10 @@ class Engine:
             self._lanes.batch.reset()
             self._lanes.serial.reset()
 
-    def _fail_everything(self, error: BaseException, reason: FinishReason) -> None:
+    def _fail_everything(self, error: BaseException, reason: FinishReason, *,
+                         engine_thread: bool = True) -> None:
+        """Fail every row and request; ``engine_thread=False`` (the watchdog) leaves the
+        embedding batcher and counters alone: its caller failed those requests already."""
         # Rows known to the engine thread, then submits still sitting in the queue.
         if self._scheduler is not None:
             self._scheduler.drain()
@@ -734,9 +745,11 @@ class Engine:
                 break
             if isinstance(command, _Submit):
                 self._end(Ending(command.row, reason, error))
-            elif isinstance(command, _Embed) and command.request.finish(error=error):
+            elif (isinstance(command, _Embed) and command.request.finish(error=error)
+                  and engine_thread):
                 self._embeddings.counters.failed += 1
-        self._embeddings.fail_all(error)
+        if engine_thread:
+            self._embeddings.fail_all(error)
 
 
 class _LoadFailure(Exception):

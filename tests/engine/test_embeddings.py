@@ -1,5 +1,7 @@
 """Embeddings on the engine thread: equal to an independent numpy BERT, batched == alone,
-truncation, batching across threads, beside generating rows, cancellation, bad input."""
+truncation, batching across threads, beside generating rows, a large request split into
+chunks, cancellation (waiting and mid-batch), the sharded watchdog's failure path, bad
+input."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from engine import (
     Engine,
     EngineClosedError,
     EngineConfig,
+    EngineDeadError,
     RequestCancelledError,
     RequestTimeoutError,
     StepProbe,
@@ -136,6 +139,117 @@ def test_beside_generating_rows_their_tokens_are_unchanged(
     ran_beside = [b for (running, b), (_, prev) in zip(turns[1:], turns, strict=False)
                   if running > 0 and b > prev]
     assert ran_beside, "no embedding batch ran while rows were generating"
+
+
+def test_a_large_request_runs_in_chunks_between_decode_steps(
+        make_engine: Callable[..., Engine], embedding_engine: Engine,
+        embedding_model_dir: Path) -> None:
+    texts = [*SENTENCES, LONG, *(f"chunk sentence number {i}." for i in range(6))]  # 14
+    unsplit = vectors(embedding_engine, embedding_model_dir, texts)  # embed_max_batch 64
+    turns: list[tuple[int, int]] = []
+    probe = StepProbe(lambda r: turns.append((r.stats.running, r.stats.embed_batches)))
+    eng = make_engine(probe=probe, max_batch=4, embed_window=0.0, embed_max_batch=4,
+                      embed_share=1.0)
+    prompts = [f"Count from {i} to {i + 30}:" for i in range(3)]
+    params = greedy(max_tokens=40, ignore_eos=True)
+    alone = [eng.submit(p, params).result(timeout=60).token_ids for p in prompts]
+    eng.embed(["warm up"], embedding_model_dir).result(timeout=60)  # the encoder loads
+    probe.slow_steps(0.01)
+    handles = [eng.submit(p, params) for p in prompts]
+    wait_until(lambda: eng.stats().running == len(prompts))
+    before = eng.stats().embed_batches
+    result = eng.embed(texts, embedding_model_dir).result(timeout=60)
+    assert [h.result(timeout=60).token_ids for h in handles] == alone
+    np.testing.assert_allclose(result.vectors, unsplit, atol=2e-6)  # split == unsplit
+    stats = eng.stats()
+    assert stats.embed_batches - before == 4 and stats.embed_peak_batch_texts == 4
+    assert result.prompt_tokens == embedding_engine.embed(
+        texts, embedding_model_dir).result(timeout=60).prompt_tokens
+    ran = [b - prev for (_, b), (_, prev) in zip(turns[1:], turns, strict=False)]
+    assert max(ran) == 1  # one chunk per turn, never the whole request at once
+    beside = sum(b - prev for (running, b), (_, prev) in zip(turns[1:], turns, strict=False)
+                 if running > 0)
+    assert beside >= 2, "the chunks did not run between the rows' decode steps"
+
+
+def test_a_request_cancelled_while_its_batch_runs_gets_no_vectors(
+        tiny_model_dir: Path, embedding_engine: Engine, embedding_model_dir: Path) -> None:
+    texts = SENTENCES[:3]
+    alone = [vectors(embedding_engine, embedding_model_dir, [t])[0] for t in texts]
+    # Three one-text requests fill a batch of three: due together, long before the window.
+    with Engine(tiny_model_dir, EngineConfig(embed_window=1.0, embed_max_batch=3)) as eng:
+        eng.embed(texts, embedding_model_dir).result(timeout=60)  # loads the encoder
+        encoder = next(iter(eng._embeddings._encoders.values()))
+        real, started, go = encoder.encode, threading.Event(), threading.Event()
+        calls: list[list[str]] = []
+
+        def encode(batch: list[str]) -> object:  # holds the batch on the engine thread
+            calls.append(list(batch))
+            started.set()
+            assert go.wait(30)
+            return real(batch)
+
+        encoder.encode = encode  # type: ignore[method-assign,assignment]
+        first, cancelled, last = (eng.embed([t], embedding_model_dir) for t in texts)
+        assert started.wait(30)
+        cancelled.cancel()  # its batch is running now
+        go.set()
+        with pytest.raises(RequestCancelledError):
+            cancelled.result(timeout=30)
+        for handle, want in ((first, alone[0]), (last, alone[2])):
+            np.testing.assert_allclose(handle.result(timeout=30).vectors[0], want, atol=2e-6)
+        assert calls == [texts]  # all three were in the running batch
+        wait_until(lambda: eng.stats().embed_cancelled == 1)
+        stats = eng.stats()
+        assert (stats.embed_requests, stats.embed_texts) == (3, 5)  # the warm-up's 3 + 2
+
+
+class _StuckStep(StepProbe):
+    """Parks the engine thread in a lane step once armed, as a collective no other rank
+    joins does; released, the step raises ``EngineDeadError`` as the sharded lane does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed, self.parked, self.release = (threading.Event() for _ in range(3))
+
+    def before_step(self, lane: str) -> None:
+        if self.armed.is_set():
+            self.parked.set()
+            self.release.wait(30)
+            raise EngineDeadError("the collective returned after the watchdog gave up")
+        super().before_step(lane)
+
+
+def test_the_watchdog_fails_waiting_embeddings_without_touching_the_batcher(
+        tiny_model_dir: Path, embedding_model_dir: Path) -> None:
+    stuck = _StuckStep()
+    eng = Engine(tiny_model_dir, EngineConfig(embed_window=1.0), probe=stuck).start()
+    try:
+        eng.embed(["warm up"] * 64, embedding_model_dir).result(timeout=60)  # a full batch
+        waiting = eng.embed(["waiting for its window"], embedding_model_dir)
+        wait_until(lambda: eng.stats().embed_pending == 1)  # in the engine thread's batcher
+        stuck.armed.set()
+        row = eng.submit("Hello", greedy(max_tokens=4))
+        assert stuck.parked.wait(30)
+        assert not waiting.done, "precondition: the window passed before the step parked"
+        dead = EngineDeadError("a rank of the sharded engine did not answer")
+        eng._abandon(dead)  # what the watchdog thread calls (here: the test's thread)
+        with pytest.raises(EngineDeadError):
+            waiting.result(timeout=10)
+        with pytest.raises(EngineDeadError):
+            row.result(timeout=10)
+        with pytest.raises(EngineDeadError):
+            eng.embed(["after"], embedding_model_dir)
+        # The batcher is the engine thread's: the watchdog left it as it was.
+        assert len(eng._embeddings.batcher) == 1 and eng.stats().embed_failed == 1
+        stuck.release.set()  # the step "returns": the engine thread dies and drains it
+        assert eng._thread is not None
+        eng._thread.join(30)
+        assert not eng._thread.is_alive() and len(eng._embeddings.batcher) == 0
+        assert eng._embeddings.counters.failed == 0  # already failed: not counted again
+    finally:
+        stuck.release.set()
+        eng.close()
 
 
 def test_chat_can_start_after_embeddings(tiny_model_dir: Path,
