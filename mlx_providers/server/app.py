@@ -78,7 +78,7 @@ def create_app(models: Engine | Mapping[str, Engine], *,
         store = ResponseStore(ttl_seconds=settings.store_ttl_seconds,
                               max_bytes=settings.store_max_bytes)
     host = next(iter(by_name.values()))  # one engine runs chat and embeddings
-    served_embeddings = {name: ServedEmbedding(name, host, model)
+    served_embeddings = {name: ServedEmbedding(name, host, model, max_queue=settings.max_queue)
                          for name, model in (embeddings or {}).items()}
     ctx = ServerContext(settings, served_models, metrics, store, served_embeddings)
 

@@ -47,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--temperature", type=float, default=0.0,
                        help="temperature when a request sets none (0 = greedy)")
     serve.add_argument("--max-queue", type=int, default=64,
-                       help="requests per model beyond max_batch before answering 429")
+                       help="requests per model beyond max_batch (embedding models: beyond "
+                       "embed_max_batch) before answering 429")
     serve.add_argument("--store-ttl", type=float, default=3600.0,
                        help="seconds a stored response can be continued")
     serve.add_argument("--store-max-bytes", type=int, default=64 << 20)

@@ -29,7 +29,7 @@ class ServerSettings:
     max_body_bytes: int = 8 << 20
     default_max_tokens: int = 512
     default_temperature: float = 0.0  # greedy unless asked: rows then share one sampler
-    max_queue: int = 64  # requests per model beyond max_batch before 429
+    max_queue: int = 64  # requests per model beyond max_batch (or embed_max_batch) before 429
     store_ttl_seconds: float | None = 3600.0
     store_max_bytes: int = 64 << 20
 

@@ -4,13 +4,18 @@ base64 vectors out, usage), answered by an embedding model hosted on the server'
 Input is refused as OpenAI refuses it: an empty string, an empty list, more than 2048
 inputs, or anything but strings (token-id arrays are not supported) is a 400 naming
 ``input``. Texts past the model's ``max_seq_length`` are truncated, not refused.
+
+Requests are admitted as chat requests are (``embed_max_batch + max_queue`` at once per
+embedding model, else 429 with ``Retry-After``), and a client that disconnects while its
+request waits or runs cancels it: a waiting one never runs, a running one's vectors (and
+a split request's remaining chunks) are dropped.
 """
 
 from __future__ import annotations
 
 import base64
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -21,18 +26,31 @@ from starlette.responses import JSONResponse, Response
 from engine import Embeddings, Engine, EngineError, check_texts
 from mlx_providers.server.context import ServerContext, read_json, validate
 from mlx_providers.server.errors import APIError, from_engine
+from mlx_providers.server.generation import ClientGone, unless_disconnected
+from mlx_providers.server.served import Admission
 
 ENDPOINT = "embeddings"
+CLIENT_CLOSED = 499  # as the chat endpoint answers a client that left (never read)
 EmbeddingModel = str | os.PathLike[str] | None
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class ServedEmbedding:
-    """An embedding model served under ``name``, run by ``engine`` (the chat model's)."""
+    """An embedding model served under ``name``, run by ``engine`` (the chat model's);
+    admits ``embed_max_batch + max_queue`` requests at once."""
 
     name: str
     engine: Engine
     model: EmbeddingModel  # None: all-MiniLM-L6-v2
+    max_queue: int = 64
+    retry_after_seconds: int = 1
+    admission: Admission = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # One batch runs at most embed_max_batch requests; beyond that they queue.
+        self.admission = Admission(self.name,
+                                   self.engine.config.embed_max_batch + self.max_queue,
+                                   self.retry_after_seconds)
 
     def warm_up(self) -> None:
         """Fetch the model and load its encoder before the first request (blocking)."""
@@ -99,11 +117,17 @@ async def create_embeddings(request: Request) -> Response:
                        f"server; it serves {sorted(ctx.embeddings)}", param="model",
                        code="model_not_found")
     texts = _texts(body.input)
+    slot = served.admission.admit()
     try:
         handle = served.engine.embed(texts, served.model)
-        result = await handle.aresult()
+        result = await unless_disconnected(request, handle, handle.aresult)
+    except ClientGone:
+        ctx.metrics.count(ENDPOINT, "disconnected")
+        return Response(status_code=CLIENT_CLOSED)
     except EngineError as exc:
         raise from_engine(exc, prompt_param="input") from exc
+    finally:
+        slot.release()
     if body.dimensions is not None and body.dimensions != result.vectors.shape[1]:
         raise APIError(400, f"dimensions: {served.name} gives {result.vectors.shape[1]} "
                        "dimensions and cannot shorten them", param="dimensions",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -63,7 +63,13 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def unless_disconnected(request: Request, handle: RequestHandle,
+class Cancellable(Protocol):
+    """What a client's disconnect cancels: a generation's or an embedding's handle."""
+
+    def cancel(self) -> None: ...
+
+
+async def unless_disconnected(request: Request, handle: Cancellable,
                               work: Callable[[], Awaitable[T]]) -> T:
     """``await work()``; if the client disconnects first, cancel ``handle``, raise ClientGone."""
     result: list[T] = []

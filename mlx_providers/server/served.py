@@ -2,8 +2,9 @@
 
 A request's ``model`` is looked up here and nowhere else: it can only name a model the
 server holds, never a path or hub id to load. Each model admits at most ``max_batch +
-max_queue`` requests at once; past that the client gets 429 with ``Retry-After`` instead
-of an ever-growing queue.
+max_queue`` requests at once (an embedding model ``embed_max_batch + max_queue``: what
+one batch runs, plus the queue); past that the client gets 429 with ``Retry-After``
+instead of an ever-growing queue.
 """
 
 from __future__ import annotations
@@ -18,43 +19,22 @@ from engine import Engine
 from mlx_providers.server.errors import APIError
 
 
-class Slot:
-    """One admitted request; ``release`` is idempotent (streams and handlers both call it)."""
+class Admission:
+    """At most ``capacity`` requests of one served model in flight (thread-safe)."""
 
-    def __init__(self, model: ServedModel) -> None:
-        self._model: ServedModel | None = model
-
-    def release(self) -> None:
-        model, self._model = self._model, None
-        if model is not None:
-            model._release()
-
-    def __del__(self) -> None:
-        # A stream body that was never iterated (the client left first) still frees it.
-        self.release()
-
-
-@dataclass(eq=False)
-class ServedModel:
-    """One engine served under ``name``."""
-
-    name: str
-    engine: Engine
-    max_queue: int = 64
-    retry_after_seconds: int = 1
-    _in_flight: int = field(default=0, init=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
-
-    @property
-    def capacity(self) -> int:
-        return self.engine.config.max_batch + self.max_queue
+    def __init__(self, name: str, capacity: int, retry_after_seconds: int = 1) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.retry_after_seconds = retry_after_seconds
+        self._in_flight = 0
+        self._lock = threading.Lock()
 
     @property
     def in_flight(self) -> int:
         return self._in_flight
 
     def admit(self) -> Slot:
-        """A slot for one request, or 429 when the model's queue is full."""
+        """A slot for one request, or 429 with ``Retry-After`` when the model is full."""
         with self._lock:
             if self._in_flight >= self.capacity:
                 raise APIError(429, f"the server is at capacity for model {self.name!r} "
@@ -64,9 +44,52 @@ class ServedModel:
             self._in_flight += 1
         return Slot(self)
 
-    def _release(self) -> None:
+    def release(self) -> None:
         with self._lock:
             self._in_flight -= 1
+
+
+class Slot:
+    """One admitted request; ``release`` is idempotent (streams and handlers both call it)."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission: Admission | None = admission
+
+    def release(self) -> None:
+        admission, self._admission = self._admission, None
+        if admission is not None:
+            admission.release()
+
+    def __del__(self) -> None:
+        # A stream body that was never iterated (the client left first) still frees it.
+        self.release()
+
+
+@dataclass(eq=False)
+class ServedModel:
+    """One engine served under ``name``; admits ``max_batch + max_queue`` requests."""
+
+    name: str
+    engine: Engine
+    max_queue: int = 64
+    retry_after_seconds: int = 1
+    admission: Admission = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.name, self.engine.config.max_batch + self.max_queue,
+                                   self.retry_after_seconds)
+
+    @property
+    def capacity(self) -> int:
+        return self.admission.capacity
+
+    @property
+    def in_flight(self) -> int:
+        return self.admission.in_flight
+
+    def admit(self) -> Slot:
+        """A slot for one request, or 429 when the model's queue is full."""
+        return self.admission.admit()
 
     @cached_property
     def _tokenizer(self) -> Any:

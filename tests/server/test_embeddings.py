@@ -1,9 +1,13 @@
-"""``POST /v1/embeddings`` through the real ``openai`` SDK over loopback, and its errors."""
+"""``POST /v1/embeddings`` through the real ``openai`` SDK over loopback, its errors, its
+admission (429 past capacity) and clients that disconnect (their requests cancelled)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,9 +16,10 @@ import numpy as np
 import openai
 import pytest
 
-from engine import Engine
-from mlx_providers.server import create_app
+from engine import Engine, EngineConfig
+from mlx_providers.server import ServerSettings, create_app
 from mlx_providers.server.cli import embedding_models, parser
+from tests.conftest import wait_until
 from tests.server.conftest import LiveServer
 
 NAME = "all-MiniLM-L6-v2"
@@ -110,3 +115,111 @@ def test_the_cli_serves_the_default_embedding_model_unless_told_not_to(tmp_path:
     args = parser().parse_args(["serve", "--embedding-model", "none"])
     assert args.embedding_model == "none"
     assert parser().parse_args(["serve"]).embedding_model is None
+
+
+class HeldEncoder:
+    """Wraps the engine's loaded encoder: each call is recorded, then waits for ``go``, so
+    a test decides when the running batch ends (the engine thread is held meanwhile)."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.encoder = next(iter(eng._embeddings._encoders.values()))
+        self.real = self.encoder.encode
+        self.calls: list[list[str]] = []
+        self.started, self.go = threading.Event(), threading.Event()
+        self.encoder.encode = self.encode  # type: ignore[method-assign,assignment]
+
+    def encode(self, texts: list[str]) -> object:
+        self.calls.append(list(texts))
+        self.started.set()
+        assert self.go.wait(30)
+        return self.real(texts)
+
+
+@pytest.fixture
+def held(tiny_model_dir: Path) -> Iterator[tuple[LiveServer, Engine, HeldEncoder]]:
+    """A fresh engine (one text per batch, so capacity is 1 + max_queue) and server, its
+    encoder held; ``max_queue=0``: one embedding request in flight at a time."""
+    eng = Engine(tiny_model_dir, EngineConfig(embed_window=0.0, embed_max_batch=1))
+    live = LiveServer(create_app({"tiny": eng}, settings=ServerSettings(max_queue=0),
+                                 embeddings={NAME: None})).start()  # warms the encoder up
+    encoder = HeldEncoder(eng)
+    try:
+        yield live, eng, encoder
+    finally:
+        encoder.go.set()
+        live.stop()
+        eng.close()
+
+
+def leaving_client(server: LiveServer, body: dict[str, object]) -> socket.socket:
+    """A client that sends its request and leaves whenever the test closes the socket."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                 % len(data) + data)
+    return sock
+
+
+def in_flight(server: LiveServer) -> int:
+    return int(server.app.state.ctx.embeddings[NAME].admission.in_flight)  # type: ignore[attr-defined]
+
+
+def test_a_client_that_leaves_while_its_batch_runs_cancels_it(
+        held: tuple[LiveServer, Engine, HeldEncoder]) -> None:
+    server, eng, encoder = held
+    before = eng.stats()
+    sock = leaving_client(server, {"model": NAME, "input": ["left while it ran"]})
+    assert encoder.started.wait(30)  # its batch is in the encoder now
+    sock.close()
+    wait_until(lambda: in_flight(server) == 0)  # the handler saw the disconnect, cancelled
+    encoder.go.set()
+    wait_until(lambda: eng.stats().embed_cancelled == before.embed_cancelled + 1)
+    after = eng.stats()
+    assert encoder.calls == [["left while it ran"]]
+    assert after.embed_requests == before.embed_requests  # its vectors were dropped
+
+
+def test_a_client_that_leaves_while_its_request_waits_cancels_it_unrun(
+        held: tuple[LiveServer, Engine, HeldEncoder]) -> None:
+    server, eng, encoder = held
+    server.app.state.ctx.embeddings[NAME].admission.capacity = 2  # type: ignore[attr-defined]
+    before = eng.stats()
+    answers: list[httpx.Response] = []
+    holder = threading.Thread(target=lambda: answers.append(httpx.post(
+        f"{server.base_url}/embeddings", json={"model": NAME, "input": ["holds the engine"]},
+        timeout=60)))
+    holder.start()
+    assert encoder.started.wait(30)  # the engine thread is busy with the holder's batch
+    sock = leaving_client(server, {"model": NAME, "input": ["never embedded"]})
+    wait_until(lambda: in_flight(server) == 2)
+    sock.close()
+    wait_until(lambda: in_flight(server) == 1)  # its handler cancelled it and returned
+    encoder.go.set()
+    holder.join(60)
+    assert answers and answers[0].status_code == 200
+    wait_until(lambda: eng.stats().embed_cancelled == before.embed_cancelled + 1)
+    assert encoder.calls == [["holds the engine"]]  # the one that left never ran
+    assert eng.stats().embed_requests == before.embed_requests + 1
+
+
+def test_past_capacity_embeddings_are_429_with_retry_after(
+        held: tuple[LiveServer, Engine, HeldEncoder]) -> None:
+    server, _, encoder = held
+    assert server.app.state.ctx.embeddings[NAME].admission.capacity == 1  # type: ignore[attr-defined]
+    body = {"model": NAME, "input": ["first"]}
+    answers: list[httpx.Response] = []
+    first = threading.Thread(target=lambda: answers.append(httpx.post(
+        f"{server.base_url}/embeddings", json=body, timeout=60)))
+    first.start()
+    assert encoder.started.wait(30)
+    refused = httpx.post(f"{server.base_url}/embeddings", json=body, timeout=30)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert server.app.state.ctx.models.get("tiny").in_flight == 0  # type: ignore[attr-defined]
+    encoder.go.set()
+    first.join(60)
+    assert answers and answers[0].status_code == 200
+    wait_until(lambda: in_flight(server) == 0)
+    again = httpx.post(f"{server.base_url}/embeddings", json=body, timeout=60)
+    assert again.status_code == 200  # the slot came back
