@@ -61,7 +61,8 @@ class _Progress:
 
 
 class EmbeddingService:
-    """Waiting requests and loaded encoders of one engine (engine thread only)."""
+    """Waiting requests and loaded encoders of one engine (engine thread only, but for
+    ``register``/``fail_registered``, which any thread may call)."""
 
     def __init__(self, window: float, max_batch: int, share: float = 1.0, *,
                  clock: Callable[[], float] = time.perf_counter,
