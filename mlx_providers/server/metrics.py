@@ -50,6 +50,8 @@ class _EngineCollector(Collector):
             "resident_bound_bytes": ("mlx_engine_resident_bound_bytes",
                                      "What the settings let the process hold: weights + KV "
                                      "budget + buffer cache limit + runtime."),
+            "embed_pending": ("mlx_engine_embed_pending_requests",
+                              "Embedding requests waiting on the engine thread."),
         }
         counters = {
             "generated_tokens": ("mlx_engine_generated_tokens", "Tokens generated."),
@@ -61,6 +63,19 @@ class _EngineCollector(Collector):
             "prefix_hit_tokens": ("mlx_engine_prefix_cache_hit_tokens",
                                   "Prompt tokens not prefilled thanks to the prefix cache."),
             "steps": ("mlx_engine_steps", "Engine steps."),
+            # The engine's own request outcomes (HTTP outcomes are mlx_server_requests).
+            "completed": ("mlx_engine_completed_requests", "Requests that finished."),
+            "cancelled": ("mlx_engine_cancelled_requests",
+                          "Requests cancelled (disconnects, timeouts, callers)."),
+            "failed": ("mlx_engine_failed_requests", "Requests that failed."),
+            "embed_requests": ("mlx_engine_embed_requests",
+                               "Embedding requests that finished with vectors."),
+            "embed_texts": ("mlx_engine_embed_texts", "Texts embedded."),
+            "embed_tokens": ("mlx_engine_embed_tokens", "Tokens the encoder read."),
+            "embed_batches": ("mlx_engine_embed_batches", "Encoder calls."),
+            "embed_cancelled": ("mlx_engine_embed_cancelled_requests",
+                                "Embedding requests cancelled or timed out."),
+            "embed_failed": ("mlx_engine_embed_failed_requests", "Embedding requests that failed."),
         }
         families: list[GaugeMetricFamily | CounterMetricFamily] = []
         snapshots = {name: engine.stats() for name, engine in self._engines().items()}

@@ -59,6 +59,24 @@ def test_float_and_base64_agree_with_the_engine(client: openai.OpenAI, server_en
         np.testing.assert_array_equal(np.frombuffer(base64.b64decode(p.embedding), "<f4"), want)
 
 
+def test_metrics_count_the_embeddings(client: openai.OpenAI, server: LiveServer,
+                                      server_engine: Engine) -> None:
+    """/metrics exports the engine's embedding counters beside its chat ones."""
+    from tests.server.test_metrics_and_cli import scrape
+
+    model = (("model", "tiny"),)
+    before = scrape(server).get(("mlx_engine_embed_texts_total", model), 0.0)
+    client.embeddings.create(model=NAME, input=PAIR)
+    # The service's counters reach stats() at the end of the engine's turn.
+    wait_until(lambda: server_engine.stats().embed_texts >= before + 2)
+    metrics = scrape(server)
+    stats = server_engine.stats()
+    assert metrics[("mlx_engine_embed_texts_total", model)] == stats.embed_texts == before + 2
+    assert metrics[("mlx_engine_embed_requests_total", model)] == stats.embed_requests >= 1
+    assert metrics[("mlx_engine_embed_batches_total", model)] == stats.embed_batches >= 1
+    assert metrics[("mlx_engine_embed_tokens_total", model)] == stats.embed_tokens > 0
+
+
 def test_a_string_input_gives_one_vector(client: openai.OpenAI) -> None:
     response = client.embeddings.create(model=NAME, input="just one")
     assert len(response.data) == 1 and len(response.data[0].embedding) == 384

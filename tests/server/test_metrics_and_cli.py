@@ -64,6 +64,12 @@ def test_metrics_count_requests_tokens_and_latencies(serve: Serve) -> None:
     assert metrics[("mlx_server_time_to_first_token_seconds_count", model)] == 4
     assert metrics[("mlx_server_time_per_output_token_seconds_count", model)] == 4
     assert metrics[("mlx_server_time_to_first_token_seconds_sum", model)] > 0
+    # The engine's own request outcomes, as stats() counts them.
+    assert metrics[("mlx_engine_completed_requests_total", model)] == stats.completed == 4
+    assert metrics[("mlx_engine_cancelled_requests_total", model)] == stats.cancelled == 0
+    assert metrics[("mlx_engine_failed_requests_total", model)] == stats.failed == 0
+    assert metrics[("mlx_engine_embed_requests_total", model)] == stats.embed_requests == 0
+    assert metrics[("mlx_engine_embed_pending_requests", model)] == 0
 
 
 def test_health_and_models(live_server: LiveServer) -> None:
