@@ -82,6 +82,11 @@ class EmbeddingService:
         self._encoders: dict[Path, Encoder] = {}
 
     @property
+    def weights_bytes(self) -> int:
+        """Bytes of the embedding models loaded so far (engine thread)."""
+        return sum(encoder.nbytes for encoder in self._encoders.values())
+
+    @property
     def pending(self) -> int:
         return len(self.batcher)
 

@@ -123,6 +123,8 @@ class Engine:
         self._stats = EngineStats()
         self._stats_lock = threading.Lock()
         self._chat_wanted = False  # set by start()/submit(); until then only embeddings run
+        self._chat_weights = 0  # the chat model's weights and resident bound, once loaded
+        self._chat_bound = 0
         self._held: list[_Command] = []  # commands a chatless loop left for the chat loop
         self._embedding_paths: dict[ModelSpec, Path] = {}
         self._embeddings = EmbeddingService(self.config.embed_window,
@@ -360,12 +362,12 @@ class Engine:
                                     bounds.kv_budget_bytes or None,
                                     cache_bytes=lambda: store.nbytes, reclaim=store.shrink_to)
         self._model = model
+        self._chat_weights, self._chat_bound = bounds.weights_bytes, bounds.resident_bound
         with self._stats_lock:
-            self._stats.weights_bytes = bounds.weights_bytes
             self._stats.kv_budget_bytes = bounds.kv_budget_bytes
             self._stats.prefix_cache_limit_bytes = store.max_bytes
             self._stats.buffer_cache_limit_bytes = bounds.buffer_cache_bytes
-            self._stats.resident_bound_bytes = bounds.resident_bound
+            self._count_weights()
             self._stats.loaded = True
             self._stats.batch_mode = self._scheduler.mode.value
             self._stats.context_limit = model.footprint.context_limit
@@ -408,7 +410,16 @@ class Engine:
             stats.embed_peak_batch_texts = counters.peak_batch_texts
             stats.embed_cancelled, stats.embed_failed = counters.cancelled, counters.failed
             stats.embed_seconds, stats.embed_pending = counters.seconds, self._embeddings.pending
+            self._count_weights()
         return seconds
+
+    def _count_weights(self) -> None:
+        """Weights and the resident bound: the chat model's plus the loaded embedding
+        models' (an encoder's weights are held as the chat model's are). Under the stats
+        lock, on the engine thread."""
+        extra = self._embeddings.weights_bytes
+        self._stats.weights_bytes = self._chat_weights + extra
+        self._stats.resident_bound_bytes = (self._chat_bound + extra) if self._chat_bound else 0
 
     def _serve_once(self) -> bool:
         """One turn of the loop: commands, plan, step each lane, publish."""

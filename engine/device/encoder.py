@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
 from engine.device.bert import Bert, load_bert
@@ -73,6 +74,9 @@ class Encoder:
         self.tokenizer.no_padding()  # padding is ours, per forward
         self.tokenizer.enable_truncation(self.pooling.max_seq_length)
         self.dimensions = self.model.shape.hidden_size
+        # Its weights count in the engine's memory formula beside the chat model's.
+        params: list[tuple[str, mx.array]] = tree_flatten(self.model.parameters())  # type: ignore[assignment]
+        self.nbytes: int = sum(int(array.nbytes) for _, array in params)
 
     @property
     def max_seq_length(self) -> int:

@@ -139,10 +139,17 @@ except KeyboardInterrupt:
 """
 
 
+def _sigint_as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupted(script: str) -> tuple[int, str, str]:
     """Run ``script``, send SIGINT once it says "ready"; its status, stdout, stderr."""
+    # A terminal's process gets Ctrl-C; one started in the background (``make test &``, some
+    # CI runners) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True,
+                             preexec_fn=_sigint_as_in_a_terminal)
     try:
         assert child.stdout is not None
         deadline = time.monotonic() + TIMEOUT

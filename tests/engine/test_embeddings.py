@@ -172,6 +172,13 @@ def test_a_large_request_runs_in_chunks_between_decode_steps(
     assert beside >= 2, "the chunks did not run between the rows' decode steps"
 
 
+def settled(eng: Engine, *, cancelled: int, requests: int) -> bool:
+    """The engine's embedding counts have reached these (stats() takes them at the end of
+    the turn that finished the handles, a moment after their callers wake)."""
+    stats = eng.stats()
+    return stats.embed_cancelled == cancelled and stats.embed_requests == requests
+
+
 def test_a_request_cancelled_while_its_batch_runs_gets_no_vectors(
         tiny_model_dir: Path, embedding_engine: Engine, embedding_model_dir: Path) -> None:
     texts = SENTENCES[:3]
@@ -199,7 +206,8 @@ def test_a_request_cancelled_while_its_batch_runs_gets_no_vectors(
         for handle, want in ((first, alone[0]), (last, alone[2])):
             np.testing.assert_allclose(handle.result(timeout=30).vectors[0], want, atol=2e-6)
         assert calls == [texts]  # all three were in the running batch
-        wait_until(lambda: eng.stats().embed_cancelled == 1)
+        # stats() takes the service's counts at the end of the turn that finished a handle.
+        wait_until(lambda: settled(eng, cancelled=1, requests=3))
         stats = eng.stats()
         assert (stats.embed_requests, stats.embed_texts) == (3, 5)  # the warm-up's 3 + 2
 
@@ -274,7 +282,7 @@ def test_a_cancelled_embedding_never_runs(tiny_model_dir: Path,
         with pytest.raises(RequestCancelledError):
             cancelled.result(timeout=5)
         eng.embed(["embedded"], embedding_model_dir).result(timeout=60)
-        wait_until(lambda: eng.stats().embed_cancelled == 1)
+        wait_until(lambda: settled(eng, cancelled=1, requests=1))
         stats = eng.stats()
         assert (stats.embed_texts, stats.embed_requests) == (1, 1)
 
@@ -290,7 +298,7 @@ async def test_cancelling_the_awaiting_task_cancels_the_embedding(
             await task
         assert handle.done
         await eng.embed(["embedded"], embedding_model_dir).aresult()
-        wait_until(lambda: eng.stats().embed_cancelled == 1)
+        wait_until(lambda: settled(eng, cancelled=1, requests=1))
         assert eng.stats().embed_texts == 1
 
 
@@ -305,7 +313,7 @@ def test_a_timed_out_embedding_never_runs(tiny_model_dir: Path, embedding_model_
             else:
                 asyncio.run(handle.aresult())
         eng.embed(["in time"], embedding_model_dir).result(timeout=60)
-        wait_until(lambda: eng.stats().embed_cancelled == 1)
+        wait_until(lambda: settled(eng, cancelled=1, requests=1))
         assert eng.stats().embed_texts == 1
 
 
