@@ -66,25 +66,32 @@ def _kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> Non
         pass
 
 
+def _launch_ranks(tmp_path: Path, argv: list[str], logs: list[Path],
+                  env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
+    """The same program on two ranks over loopback (rank 1 first), each in its own process
+    group with its output in ``logs[rank]``; returns [rank 1, rank 0]."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
+    base = {**os.environ, "MLX_HOSTFILE": str(hostfile), **(env or {})}
+    procs = []
+    for rank in (1, 0):
+        with logs[rank].open("wb") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, *argv], env={**base, "MLX_RANK": str(rank)}, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT))
+    return procs
+
+
 def run_ranks(tmp_path: Path, model: Path, shard: str, scenario: str, *,
               distributed_timeout: float = 60.0,
               signal_follower: int | None = None,
               signal_leader: int | None = None) -> RankRun:
     """Both ranks to the end (or killed at HARD_TIMEOUT); ``signal_follower`` is sent to
     rank 1 (``signal_leader`` to rank 0) once rank 0 prints DECODING."""
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
-    env = {**os.environ, "MLX_HOSTFILE": str(hostfile),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = []
-    for rank in (1, 0):
-        with logs[rank].open("wb") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(RANK_MAIN), str(model), shard, scenario,
-                 str(distributed_timeout)],
-                env={**env, "MLX_RANK": str(rank)}, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, cwd=ROOT))
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = _launch_ranks(tmp_path, [str(RANK_MAIN), str(model), shard, scenario,
+                                     str(distributed_timeout)], logs, env)
     follower, leader = procs
     deadline = time.monotonic() + HARD_TIMEOUT
     killed_at = follower_seconds = 0.0
@@ -312,18 +319,9 @@ def test_stopped_rank0_ends_the_follower_within_its_patience(
 def test_the_sharded_example_runs_on_two_ranks(tmp_path: Path,
                                               shardable_model_dir: Path) -> None:
     """``examples/sharded.py`` as its docstring runs it by hand: one line per rank."""
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
-    env = {**os.environ, "MLX_HOSTFILE": str(hostfile)}
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
-    procs = []
-    for rank in (1, 0):
-        with logs[rank].open("wb") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(ROOT / "examples" / "sharded.py"),
-                 "--model", str(shardable_model_dir)],
-                env={**env, "MLX_RANK": str(rank)}, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, cwd=ROOT))
+    procs = _launch_ranks(tmp_path, [str(ROOT / "examples" / "sharded.py"),
+                                     "--model", str(shardable_model_dir)], logs)
     deadline = time.monotonic() + HARD_TIMEOUT
     try:
         for proc in procs:
