@@ -29,7 +29,7 @@ fuzz: $(STAMP)
 		tests/adapters/test_fuzz_adapters.py tests/server/test_fuzz_server.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check engine mlx_providers tests bench examples
+	$(BIN)/ruff check engine mlx_providers tests testkit bench examples
 	$(BIN)/mypy
 
 bench: $(STAMP)

@@ -133,7 +133,7 @@ def main() -> None:
         return
     model = args.model
     if model is None:
-        from tests.tiny_model import build_tiny_model
+        from testkit.tiny_model import build_tiny_model
 
         model = str(Path(tempfile.gettempdir()) / "mlx-providers-bench-tiny-shardable")
         if not (Path(model) / "config.json").exists():

@@ -2,7 +2,7 @@
 
 Table 1: the MLX encoder on the engine thread (``Engine.embed``, one request of N
 sentences) at batch 1, 8, 32 and 128, against the independent numpy reference of the
-tests (tests/numpy_bert.py: float64, one sentence at a time; a correctness reference,
+tests (testkit/numpy_bert.py: float64, one sentence at a time; a correctness reference,
 not a tuned baseline), on the default all-MiniLM-L6-v2.
 
 Table 2: ``--rows`` greedy rows decode ``--tokens`` tokens each on the default chat model,
@@ -25,10 +25,10 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.numpy_bert
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for testkit.numpy_bert
 
 from engine import Engine, EngineConfig, SamplingParams, blas_info  # the fast BLAS first
-from tests.numpy_bert import NumpyBert
+from testkit.numpy_bert import NumpyBert
 
 WORDS = ["the", "a", "engine", "batch", "model", "river", "bright", "quickly", "sings",
          "under", "over", "data", "token", "cache", "small", "large", "green", "network",

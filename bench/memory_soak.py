@@ -31,7 +31,7 @@ import httpx
 
 import engine  # noqa: F401 - loads the fast BLAS before mlx
 from engine import Engine, EngineStats
-from engine.memory import resident_bytes
+from engine.core.memory import resident_bytes
 
 MB = 1 << 20
 DROP_AFTER = (3, 10, 40)  # chunks a dropped stream reads first

@@ -1,4 +1,4 @@
-"""Soak: the CI churn workload (tests/churn.py) for many rounds, with memory after each.
+"""Soak: the CI churn workload (testkit/churn.py) for many rounds, with memory after each.
 
 Every round sends ``--per-round`` requests of every kind from threads, asyncio and trio,
 cancelled at every stage, then waits for the engine to drain and prints: requests so far,
@@ -23,8 +23,8 @@ import engine  # noqa: F401 - loads the fast BLAS before mlx
 from engine import Engine, EngineConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.churn import Churn, rss_bytes
-from tests.tiny_model import build_tiny_model
+from testkit.churn import Churn, rss_bytes
+from testkit.tiny_model import build_tiny_model
 
 MB = 1 << 20
 

@@ -9,8 +9,11 @@ from engine._platform.blas import activate_fast_blas, blas_info
 activate_fast_blas()
 
 from engine.config import EngineConfig
-from engine.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
-from engine.embeddings import EmbeddingHandle, Embeddings, check_texts
+from engine.core.stats import EngineStats
+from engine.core.step_probe import StepProbe, TurnReport
+from engine.core.streams import RequestHandle
+from engine.distributed.follower import distributed_rank, follow
+from engine.embedding.request import EmbeddingHandle, Embeddings, check_texts
 from engine.engine import Engine
 from engine.errors import (
     ContextLengthError,
@@ -27,11 +30,11 @@ from engine.errors import (
     RequestTimeoutError,
     UnsupportedModelError,
 )
-from engine.follower import distributed_rank, follow
 from engine.models import resolve_model
 from engine.models.embedding_model import DEFAULT_EMBEDDING_NAME, embedding_model_name
 from engine.registry import get_embedding_engine, get_engine
-from engine.request import (
+from engine.requests.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
+from engine.requests.request import (
     Completion,
     FinishReason,
     SamplingParams,
@@ -39,10 +42,7 @@ from engine.request import (
     TokenLogprob,
     Usage,
 )
-from engine.stats import EngineStats
-from engine.step_probe import StepProbe, TurnReport
-from engine.streams import RequestHandle
-from engine.tools import InvalidToolCall, ToolCall
+from engine.requests.tools import InvalidToolCall, ToolCall
 
 __all__ = [
     "DEFAULT_EMBEDDING_NAME",

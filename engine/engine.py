@@ -33,15 +33,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.config import EngineConfig, checked_engine_args
-from engine.embedding_service import EmbeddingService
-from engine.embeddings import EmbeddingHandle, EmbeddingRequest, Embeddings, check_texts
+from engine.core.lane import Lane, LaneRow
+from engine.core.memory import resident_bytes
+from engine.core.rows import Row
+from engine.core.scheduler import BatchMode, LaneKind, Scheduler, StepPlan, Ticket
+from engine.core.stats import EngineStats
+from engine.core.step_probe import StepProbe, TurnReport
+from engine.core.streams import RequestHandle, RequestStream
+from engine.core.update import Ending, update
+from engine.distributed.protocol import check_replicable, heartbeat_seconds
+from engine.embedding.request import EmbeddingHandle, EmbeddingRequest, Embeddings, check_texts
+from engine.embedding.service import EmbeddingService
 from engine.errors import EngineClosedError, EngineDeadError, EngineError, RequestTimeoutError
-from engine.lane import Lane, LaneRow
-from engine.memory import resident_bytes
-from engine.models import config_context_limit
-from engine.prepare import Preparer, request_spec
-from engine.replication import check_replicable, heartbeat_seconds
-from engine.request import (
+from engine.models import config_context_limit, model_path_for
+from engine.requests.prepare import Preparer, request_spec
+from engine.requests.request import (
     FinishReason,
     Prompt,
     RequestStatus,
@@ -49,15 +55,10 @@ from engine.request import (
     TokenCallback,
     check_callbacks,
 )
-from engine.rows import Row
-from engine.scheduler import BatchMode, LaneKind, Scheduler, StepPlan, Ticket
-from engine.stats import EngineStats
-from engine.step_probe import StepProbe, TurnReport
-from engine.streams import RequestHandle, RequestStream
-from engine.update import Ending, update
 
 if TYPE_CHECKING:
     from engine.device.loader import Lanes, LoadedModel
+    from engine.distributed.link import Link
 
 log = logging.getLogger("engine")
 ModelSpec = str | os.PathLike[str] | None
@@ -135,6 +136,7 @@ class Engine:
         self._model: LoadedModel | None = None
         self._preparer: Preparer | None = None
         self._lanes: Lanes | None = None
+        self._link: Link | None = None  # rank 0 of a sharded engine: the followers' end
         self._scheduler: Scheduler | None = None
         self._rows: dict[int, Row] = {}
         self._consecutive_failures = 0
@@ -150,7 +152,7 @@ class Engine:
         # Its own lock: resolving may download and convert, and submit must not wait on it.
         with self._resolve_lock:
             if self._model_path is None:
-                self._model_path = _resolve(self.model_spec, self.config)
+                self._model_path = model_path_for(self.model_spec, self.config.quantized)
             return self._model_path
 
     @property
@@ -297,6 +299,16 @@ class Engine:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @property
+    def serves_chat(self) -> bool:
+        """Whether chat has been asked of this engine (its chat model loads, or has loaded)."""
+        return self._chat_wanted
+
+    @property
+    def usable(self) -> bool:
+        """False once the engine is closed or dead (every call would then raise)."""
+        return self._dead is None and not self._closed
+
     # ----- caller-side helpers ------------------------------------------------------
 
     def _raise_if_unusable(self) -> None:
@@ -350,11 +362,15 @@ class Engine:
 
         path = self.model_path
         group = _shard_group(self.config)
-        model = load_model(path, self.config, group)
+        model = load_model(path, self.config, group, config_context_limit(path))
         self._preparer = Preparer(model.tokenizer, path, model.vocab_size,
                                   self.config.json_string_ngram)
-        self._lanes = build_lanes(model, self.config, self._preparer.compiler,
-                                  on_hang=self._abandon)
+        self._lanes = build_lanes(model, self.config, self._preparer.compiler)
+        if self._lanes.channel is not None:  # rank 0 of a sharded engine
+            from engine.distributed.replicated_lane import replicate
+
+            self._link = replicate(self._lanes, self.config.distributed_timeout,
+                                   on_hang=self._abandon)
         store = self._lanes.store
         # Cached prefixes count against the KV budget and are the first thing to give way.
         bounds = model.bounds  # the settings' "auto" values resolved for this machine
@@ -427,7 +443,7 @@ class Engine:
         assert scheduler is not None and lanes is not None
         idle = scheduler.is_idle()
         commands = self._take_commands(block=idle)
-        link = lanes.link
+        link = self._link
         if idle and link is not None and link.silent_for() >= heartbeat_seconds(self.config):
             link.heartbeat()  # raises EngineDeadError if a follower is gone
         started = time.perf_counter()
@@ -504,9 +520,9 @@ class Engine:
     def _idle_wait(self) -> float | None:
         # Sleep until the next command, or until the nearest deadline must fire.
         deadlines = [r.deadline for r in self._rows.values() if r.deadline is not None]
-        if self._lanes is not None and self._lanes.link is not None:
+        if self._link is not None:
             # Sharded: wake to check on the followers, so a dead one is found while idle.
-            link = self._lanes.link
+            link = self._link
             deadlines.append(time.monotonic() + heartbeat_seconds(self.config)
                              - link.silent_for())
         due = self._embeddings.due_at()  # an embedding batch waiting for its window
@@ -682,8 +698,8 @@ class Engine:
         error = EngineClosedError("the engine was closed while the request ran")
         self._reset_lanes()
         self._fail_everything(error, FinishReason.CANCELLED)
-        if self._lanes is not None:
-            self._lanes.close()  # a sharded engine's followers stop too
+        if self._link is not None:
+            self._link.shutdown()  # a sharded engine's followers stop too
         self._publish_stats()
 
     def _die(self, exc: BaseException) -> None:
@@ -702,9 +718,9 @@ class Engine:
         except Exception:  # best effort on the way out
             log.exception("releasing rows after the engine died failed")
         self._fail_everything(dead, FinishReason.ERROR)
-        if self._lanes is not None:
+        if self._link is not None:
             try:
-                self._lanes.close()  # followers stop, unless a rank is what failed
+                self._link.shutdown()  # followers stop, unless a rank is what failed
             except Exception:
                 log.exception("stopping the followers failed")
         if self._scheduler is not None and self._lanes is not None:
@@ -788,7 +804,7 @@ def _shard_group(config: EngineConfig) -> Any:
     """The distributed group a sharded engine runs on (rank 0 only); None when not sharded."""
     if config.shard is None:
         return None
-    from engine.device.distributed import init_group
+    from engine.device.collectives import init_group
 
     group = init_group()
     if group.size() == 1:
@@ -800,13 +816,6 @@ def _shard_group(config: EngineConfig) -> Any:
                           f"engine.follow(model, config) there instead of using an Engine")
     return group
 
-
-def _resolve(spec: ModelSpec, config: EngineConfig) -> Path:
-    if spec is not None and Path(spec).is_dir():
-        return Path(spec)  # a local model directory needs no resolution
-    from engine.models.resolve import resolve_model
-
-    return resolve_model(spec, quantized=config.quantized)
 
 
 @atexit.register

@@ -34,7 +34,7 @@ def get_engine(model: ModelSpec = None, **config: Any) -> Engine:
     key = _key(model)
     with _lock:
         engine = _engines.get(key)
-        if engine is not None and not _usable(engine):
+        if engine is not None and not engine.usable:
             engine = None
         if engine is None:
             engine = Engine(model, wanted or EngineConfig())
@@ -58,19 +58,11 @@ def get_embedding_engine() -> Engine:
     for another model takes the next embedding calls over.
     """
     with _lock:
-        usable = [engine for engine in _engines.values() if _usable(engine)]
-    chatting = [engine for engine in usable if engine._chat_wanted]
+        usable = [engine for engine in _engines.values() if engine.usable]
+    chatting = [engine for engine in usable if engine.serves_chat]
     if chatting or usable:
         return (chatting or usable)[0]
     return get_engine()
-
-
-def _usable(engine: Engine) -> bool:
-    try:
-        engine._raise_if_unusable()
-    except Exception:  # closed or dead engines are replaced
-        return False
-    return True
 
 
 def _diff(have: EngineConfig, want: EngineConfig) -> str:

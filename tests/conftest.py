@@ -12,7 +12,7 @@ import pytest
 
 import engine  # noqa: F401 - loads the fast BLAS before anything imports mlx
 from engine import Engine, EngineConfig, SamplingParams, StepProbe
-from tests.tiny_model import build_tiny_model
+from testkit.tiny_model import build_tiny_model
 
 _build_lock = threading.Lock()
 

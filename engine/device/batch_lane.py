@@ -2,7 +2,7 @@
 
 Rows are keyed by request id; the generator's own uids never leave this module. The
 generator is given no stop sequences and no length limit of its own, so it never ends
-a row: ``engine.update`` decides, and the loop calls ``remove``. Before a row is
+a row: ``engine.core.update`` decides, and the loop calls ``remove``. Before a row is
 prefilled its prompt is looked up in the prefix cache (stored entries and running
 rows); the first row with a new shared head prefills it as its own segment, stores it,
 and the rows with the same head wait for it.
@@ -39,6 +39,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from engine.core.drafts import ShadowDraft
+from engine.core.lane import LaneRow, LaneStep, RowToken
+from engine.core.prefix_cache import common_prefix
 from engine.device.first_tokens import FirstToken, Sampler, SamplerTap
 from engine.device.forced_spans import forward_spans, spans_supported
 from engine.device.logprobs import forced_logprob, token_logprob
@@ -59,13 +62,10 @@ from engine.device.speculation import (
     eligible,
     speculate,
 )
-from engine.drafts import ShadowDraft
-from engine.grammar import GrammarCompiler, RowGrammar
-from engine.lane import LaneRow, LaneStep, RowToken
-from engine.prefix_cache import common_prefix
-from engine.request import LogitsProcessor
+from engine.requests.grammar import GrammarCompiler, RowGrammar
+from engine.requests.request import LogitsProcessor
 
-# The generator must never end a row by length itself (engine.update decides).
+# The generator must never end a row by length itself (engine.core.update decides).
 _NO_LIMIT = 1 << 62
 HeadKey = tuple[int, ...]
 # Rounds bound how long one step may be held by span forwards.

@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from engine.footprint import LayerFootprint
+from engine.core.footprint import LayerFootprint
 
 CacheAdapter = Callable[[Any], list[LayerFootprint]]
 

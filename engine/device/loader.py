@@ -8,7 +8,6 @@ with). ``build_lanes`` makes the batch and serial lanes over the loaded model.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,13 @@ from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.config import EngineConfig
+from engine.core.footprint import ModelFootprint
+from engine.core.lane import Lane
+from engine.core.memory import MemoryBounds, resident_bytes, resolve_bounds
+from engine.core.prefix_cache import PrefixStore
 from engine.device.batch_lane import BatchLane
 from engine.device.cache_layout import footprint_of
-from engine.device.distributed import Channel, Group, Link, ReplicatedLane
+from engine.device.collectives import Channel, Group
 from engine.device.memory import (
     device_memory,
     limit_buffer_cache,
@@ -32,13 +35,7 @@ from engine.device.memory import (
 from engine.device.prefix_reuse import PrefixReuse, reuse_policy
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
-from engine.errors import EngineDeadError
-from engine.footprint import ModelFootprint
-from engine.grammar import GrammarCompiler
-from engine.lane import Lane
-from engine.memory import MemoryBounds, resident_bytes, resolve_bounds
-from engine.models import config_context_limit
-from engine.prefix_cache import PrefixStore
+from engine.requests.grammar import GrammarCompiler
 
 
 @dataclass
@@ -62,8 +59,8 @@ class Lanes:
     serial: SerialLane
     store: PrefixStore
     channel: Channel | None = None  # sharded: rank 0's messages to the other ranks
-    link: Link | None = None  # rank 0 of a sharded engine: the followers' end of it
-    replicated: dict[str, Lane] = field(default_factory=dict)  # the lanes the loop drives
+    # Rank 0 of a sharded engine: the lanes the loop drives (engine.distributed.replicate).
+    replicated: dict[str, Lane] = field(default_factory=dict)
 
     def lane(self, name: str) -> Lane:
         """The lane the engine loop drives: replicated to the followers when sharded."""
@@ -71,11 +68,6 @@ class Lanes:
         if found is not None:
             return found
         return self.batch if name == "batch" else self.serial
-
-    def close(self) -> None:
-        """End the followers of a sharded engine (after the lanes were reset)."""
-        if self.link is not None:
-            self.link.shutdown()
 
     @staticmethod
     def device_memory() -> tuple[int, int]:
@@ -88,8 +80,11 @@ class Lanes:
         release_free_memory()
 
 
-def load_model(path: Path, config: EngineConfig, group: Group | None = None) -> LoadedModel:
+def load_model(path: Path, config: EngineConfig, group: Group | None = None,
+               context_limit: int | None = None) -> LoadedModel:
     """Load on this (the engine) thread; every later MLX call must come from it too.
+
+    ``context_limit``: the context length the model declares (its config.json), if any.
 
     With ``group`` (and ``config.shard``) each rank loads its shard; every rank must call
     this at the same time, since the warm-up forward pass runs the model's collectives.
@@ -110,7 +105,7 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None) -> 
     layers = [fp for layer in cache for fp in footprint_of(layer)]
     args = getattr(model, "args", None)
     vocab = int(args.vocab_size) if args is not None else len(tokenizer)
-    footprint = ModelFootprint.of(layers, config_context_limit(path))
+    footprint = ModelFootprint.of(layers, context_limit)
     bounds = memory_bounds(model, config)
     return LoadedModel(model, tokenizer, footprint, stream, vocab, bounds, group)
 
@@ -126,9 +121,8 @@ def memory_bounds(model: Any, config: EngineConfig) -> MemoryBounds:
     return bounds
 
 
-def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarCompiler,
-                on_hang: Callable[[EngineDeadError], None] | None = None) -> Lanes:
-    """The lanes over a loaded model; on rank 0 of a sharded one, replicated to the others.
+def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarCompiler) -> Lanes:
+    """The lanes over a loaded model; sharded, with the channel rank 0 replicates them over.
 
     Sharded, prefix reuse is off: the store's expiry and shrinking depend on each rank's
     clock and memory, and the ranks' lanes must make the same decisions.
@@ -151,11 +145,6 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
     channel = lanes.channel = Channel(loaded.group, loaded.stream)
     # The same random draws on every rank: rank 0's seed for the shared PRNG.
     mx.random.seed(channel.share_seed(int(time.time_ns()) & 0xFFFFFFFF))
-    if loaded.group.rank() == 0:
-        link = Link(channel, config.distributed_timeout, on_hang)
-        lanes.link = link
-        lanes.replicated = {"batch": ReplicatedLane("batch", batch, link),
-                            "serial": ReplicatedLane("serial", serial, link)}
     return lanes
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.request import SamplingParams, TokenLogprob
+from engine.requests.request import SamplingParams, TokenLogprob
 
 
 def token_logprob(params: SamplingParams, token: int, logprobs: Any) -> TokenLogprob | None:

@@ -1,6 +1,6 @@
 """MLX's side of the memory bounds: weights' bytes, the device's memory, the buffer cache.
 
-The formula and its ``auto`` defaults are pure (``engine.memory``); this module reads the
+The formula and its ``auto`` defaults are pure (``engine.core.memory``); this module reads the
 numbers only MLX knows, applies the buffer-cache limit, and gives freed memory back.
 """
 
@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from engine._platform.heap import trim_heap
-from engine.memory import physical_memory_bytes
+from engine.core.memory import physical_memory_bytes
 
 # mx.device_info() keys naming the memory a model can use, best first: Metal's working set
 # (what the GPU may keep resident), a CUDA device's memory; on CPU neither exists.

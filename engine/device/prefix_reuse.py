@@ -15,8 +15,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 
-from engine.footprint import ModelFootprint
-from engine.prefix_cache import PrefixHit, PrefixStore, common_prefix
+from engine.core.footprint import ModelFootprint
+from engine.core.prefix_cache import PrefixHit, PrefixStore, common_prefix
 
 TRIM = "trim"  # any shared length
 EXACT = "exact"  # only a whole stored entry (recurrent state)

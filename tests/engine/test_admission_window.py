@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from engine import Engine, EngineClosedError, EngineConfig, SamplingParams, StepProbe
-from engine.step_probe import TurnReport
+from engine.core.step_probe import TurnReport
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0)
 

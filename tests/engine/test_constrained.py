@@ -8,8 +8,8 @@ import jsonschema
 import pytest
 
 from engine import Engine, FinishReason, SamplingParams
-from engine.constraints import JsonObject, JsonSchema, LarkGrammar, Regex
 from engine.errors import InvalidConstraintError
+from engine.requests.constraints import JsonObject, JsonSchema, LarkGrammar, Regex
 from tests.conftest import alone, greedy, prompts_of_lengths, wait_until
 
 TRIP = {

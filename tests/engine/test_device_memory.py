@@ -4,7 +4,7 @@ prefix store, not batch buffers pinned by reference cycles until Python's GC run
 from __future__ import annotations
 
 from engine import Engine, SamplingParams
-from tests.churn import Churn
+from testkit.churn import Churn
 from tests.conftest import wait_until
 
 

@@ -23,8 +23,8 @@ from engine import (
     StepProbe,
     TurnReport,
 )
+from testkit.numpy_bert import NumpyBert
 from tests.conftest import greedy, wait_until
-from tests.numpy_bert import NumpyBert
 
 SENTENCES = [
     "A man is eating food.",

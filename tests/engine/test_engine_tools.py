@@ -6,8 +6,8 @@ import jsonschema
 import pytest
 
 from engine import Engine, FinishReason, SamplingParams
-from engine.constraints import LarkGrammar
-from engine.tools import normalize_tool_choice, normalize_tools
+from engine.requests.constraints import LarkGrammar
+from engine.requests.tools import normalize_tool_choice, normalize_tools
 from tests.conftest import greedy
 from tests.unit.test_tools import WEATHER
 

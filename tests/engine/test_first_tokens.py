@@ -13,8 +13,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 
 from engine import SamplingParams
+from engine.core.lane import LaneRow
 from engine.device.first_tokens import SamplerTap
-from engine.lane import LaneRow
 
 from .lane_recorder import LaneFactory
 from .lane_recorder import random_rows as _rows

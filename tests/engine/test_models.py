@@ -124,7 +124,7 @@ def test_missing_path_like_spec_raises_file_not_found(
     def no_hub(repo_id: str) -> Path:
         raise AssertionError(f"{repo_id!r} must not be sent to the hub")
 
-    monkeypatch.setattr(models, "_from_hub", no_hub)
+    monkeypatch.setattr(models, "from_hub", no_hub)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_model(spec)
     with pytest.raises(FileNotFoundError):
@@ -320,7 +320,7 @@ def test_losing_the_rename_race_keeps_the_winner(
         (final / "config.json").write_text('{"winner": true}')
         return Path(out)
 
-    monkeypatch.setattr(models, "_exclusive", no_lock)
+    monkeypatch.setattr(models, "exclusive_lock", no_lock)
     monkeypatch.setattr(models, "convert_gguf", convert_while_another_process_wins)
     out = resolve_model(some_gguf, quantized=False)
     assert json.loads((out / "config.json").read_text()) == {"winner": True}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from engine import Engine
-from tests.churn import NEEDLES, Churn
+from testkit.churn import NEEDLES, Churn
 from tests.conftest import wait_until
 
 REQUESTS = int(os.environ.get("MLX_PROVIDERS_SOAK_REQUESTS", "2000"))

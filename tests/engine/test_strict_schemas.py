@@ -14,8 +14,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from engine import Engine, FinishReason, SamplingParams
-from engine.constraints import JsonSchema
-from engine.schemas import strict_schema
+from engine.requests.constraints import JsonSchema
+from engine.requests.schemas import strict_schema
 from tests.conftest import greedy
 
 # Nothing required below the top: the model chooses which declared keys to write.

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from engine import StepProbe
-from engine.step_probe import TurnReport
+from engine.core.step_probe import TurnReport
 
 ADMITTED: list[tuple[int, ...]] = []
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.drafts import Acceptance, ShadowDraft, lookup_draft
+from engine.core.drafts import Acceptance, ShadowDraft, lookup_draft
 
 
 def test_the_draft_is_what_followed_the_latest_match_of_the_tail() -> None:

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from engine import EngineDeadError, RequestCancelledError, RequestTimeoutError, check_texts
-from engine.embedding_batcher import EmbeddingBatcher
-from engine.embedding_service import EmbeddingService
-from engine.embeddings import EmbeddingRequest, Embeddings
+from engine.embedding.batcher import EmbeddingBatcher
+from engine.embedding.request import EmbeddingRequest, Embeddings
+from engine.embedding.service import EmbeddingService
 
 A, B = Path("/models/a"), Path("/models/b")
 

@@ -11,7 +11,12 @@ Rules, one test each:
     anything else is imported;
 (f) every name engine/__init__.py's ``__all__`` promises exists;
 (g) mlx_providers/server (HTTP) imports no framework: neither langchain* nor llama_index*,
-    nor the adapter modules that do.
+    nor the adapter modules that do;
+(h) the subpackages point one way: device (mlx) imports no models, distributed, embedding
+    or facade module; models and distributed may use device, never the reverse; request
+    preparation (engine/requests) imports nothing of the loop (engine/core);
+(i) no module imports another module's private (``_name``) names, and bench/ and
+    examples/ import nothing from tests/.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ ENGINE = ROOT / "engine"
 DEVICE = ENGINE / "device"
 FRAMEWORKS = ("langchain", "llama_index", "mlx_providers")  # langchain* covers langchain_core
 MLX = ("mlx", "mlx_lm")
-# The modules that must stay importable and testable without a model (engine/<name>.py).
-PURE = ("scheduler", "request", "streams", "update", "lane", "rows", "text", "footprint",
-        "errors", "stats", "config", "prefix_cache", "channels", "tools", "constraints",
-        "schemas", "tool_formats", "string_repeats", "step_probe", "replication",
-        "embeddings", "embedding_batcher", "memory")
+# The modules that must stay importable and testable without a model: the loop's pure parts
+# (engine/core), request preparation (engine/requests), and these (engine/<name>.py).
+PURE_PACKAGES = ("core", "requests")
+PURE = ("errors", "config", "embedding/request", "embedding/batcher",
+        "distributed/protocol",
+        *sorted(f"{pkg}/{p.stem}" for pkg in PURE_PACKAGES
+                for p in (ENGINE / pkg).glob("*.py") if p.stem != "__init__"))
 # No exception to (b): engine/_platform/blas.py must run before mlx.core is loaded, and it
 # only locates libmlx as a file (its GOT, ``"mlx.core" in sys.modules``); it has no
 # ``import mlx`` statement, so engine/_platform is held to the same rule as the rest.
@@ -142,6 +149,12 @@ def _imports_device(names: frozenset[str]) -> set[str]:
     return {n for n in names if n == "engine.device" or n.startswith("engine.device.")}
 
 
+def test_c_the_pure_packages_are_found() -> None:
+    """Guard against an empty PURE after a move: the loop and request preparation are in it."""
+    for expected in ("core/scheduler", "core/update", "requests/prepare", "requests/tools"):
+        assert expected in PURE
+
+
 @pytest.mark.parametrize("name", PURE)
 def test_c_pure_modules_import_nothing_from_engine_device(name: str) -> None:
     path = ENGINE / f"{name}.py"
@@ -153,7 +166,7 @@ def test_c_pure_modules_import_nothing_from_engine_device(name: str) -> None:
 @pytest.mark.parametrize("name", PURE)
 def test_c_pure_modules_reach_no_engine_device_through_other_modules(name: str) -> None:
     """The engine modules a pure module imports, transitively, import no engine.device."""
-    start = f"engine.{name}"
+    start = "engine." + name.replace("/", ".")
     via: dict[str, str] = {start: start}
     todo = [start]
     while todo:
@@ -235,3 +248,59 @@ def test_g_the_server_imports_no_framework(path: Path) -> None:
     bad = {n for n in names if n.split(".")[0].startswith(("langchain", "llama_index"))
            or n.startswith(FRAMEWORK_FACES)}
     assert not bad, f"{rel(path)} imports {sorted(bad)}"
+
+
+def _engine_imports(path: Path, prefixes: tuple[str, ...]) -> set[str]:
+    return {n for n in imports_of(path) if n.startswith(prefixes)}
+
+
+# (h) what each subpackage must not import: the arrows point from the facade down to device.
+FORBIDDEN = {
+    "device": ("engine.models", "engine.distributed", "engine.embedding", "engine.engine",
+               "engine.registry", "engine.core.engine"),
+    "requests": ("engine.core", "engine.device", "engine.distributed", "engine.embedding",
+                 "engine.engine", "engine.models"),
+    "core": ("engine.device", "engine.distributed", "engine.embedding", "engine.engine",
+             "engine.models", "engine.registry"),
+    "models": ("engine.core", "engine.requests", "engine.distributed", "engine.embedding",
+               "engine.engine", "engine.registry"),
+}
+LAYERED = [(pkg, p) for pkg in FORBIDDEN for p in sorted((ENGINE / pkg).rglob("*.py"))]
+
+
+def test_h_every_subpackage_is_found() -> None:
+    for pkg in (*FORBIDDEN, "distributed", "embedding", "_platform"):
+        assert (ENGINE / pkg / "__init__.py").is_file(), f"engine/{pkg}/ is gone"
+    assert len(LAYERED) > 20
+
+
+@pytest.mark.parametrize(("package", "path"), LAYERED, ids=lambda v: v if isinstance(
+    v, str) else rel(v))
+def test_h_subpackages_point_one_way(package: str, path: Path) -> None:
+    bad = _engine_imports(path, tuple(f"{f}." for f in FORBIDDEN[package])) | (
+        {n for n in imports_of(path) if n in FORBIDDEN[package]})
+    assert not bad, f"{rel(path)} (engine/{package}) imports {sorted(bad)}"
+
+
+FIRST_PARTY = ("engine", "mlx_providers", "testkit", "tests", "bench")
+SOURCE_FILES = [p for root in ("engine", "mlx_providers", "bench", "examples", "testkit")
+                for p in sorted((ROOT / root).rglob("*.py"))]
+
+
+@pytest.mark.parametrize("path", SOURCE_FILES, ids=rel)
+def test_i_no_module_imports_another_modules_private_names(path: Path) -> None:
+    own = module_name(path)
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                and node.module.split(".")[0] in FIRST_PARTY and node.module != own):
+            bad += [f"{node.module}.{a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, f"{rel(path)} imports private names {bad}"
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCE_FILES
+                                  if rel(p).startswith(("bench/", "examples/"))], ids=rel)
+def test_i_bench_and_examples_import_nothing_from_tests(path: Path) -> None:
+    bad = {n for n in imports_of(path) if n == "tests" or n.startswith("tests.")}
+    assert not bad, f"{rel(path)} imports {sorted(bad)}: shared scaffolding lives in testkit/"

@@ -1,11 +1,11 @@
-"""The memory formula and its ``auto`` defaults (engine.memory): pure arithmetic, no model."""
+"""The memory formula and its ``auto`` defaults (engine.core.memory): pure arithmetic, no model."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine import EngineConfig
-from engine.memory import (
+from engine.core.memory import (
     BUFFER_CACHE_MAX,
     BUFFER_CACHE_MIN,
     PREFIX_CAP_MAX,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.prefix_cache import PrefixStore
+from engine.core.prefix_cache import PrefixStore
 
 
 class Clock:

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.core.footprint import LayerFootprint, ModelFootprint
+from engine.core.scheduler import BatchMode, LaneKind, Scheduler, Ticket
 from engine.errors import ContextLengthError, KVBudgetError
-from engine.footprint import LayerFootprint, ModelFootprint
-from engine.scheduler import BatchMode, LaneKind, Scheduler, Ticket
 
 KV = ModelFootprint.of([LayerFootprint("KVCache", True, bytes_per_token=10)] * 2, 1000)
 

@@ -14,11 +14,11 @@ import pytest
 from pydantic import BaseModel, Field, TypeAdapter
 from typing_extensions import TypedDict  # pydantic needs it on Python < 3.12
 
-from engine.constraints import JsonObject, JsonSchema
 from engine.errors import InvalidConstraintError
-from engine.grammar import grammar_text, validate_constraint
-from engine.schemas import rebase_refs, strict_schema
-from engine.tools import forced_call_grammar, forced_call_schema, normalize_tools
+from engine.requests.constraints import JsonObject, JsonSchema
+from engine.requests.grammar import grammar_text, validate_constraint
+from engine.requests.schemas import rebase_refs, strict_schema
+from engine.requests.tools import forced_call_grammar, forced_call_schema, normalize_tools
 
 CLOSED: dict[str, Any] = {"additionalProperties": False}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.stats import EngineStats
-from engine.step_probe import StepProbe, TurnReport
+from engine.core.stats import EngineStats
+from engine.core.step_probe import StepProbe, TurnReport
 
 
 def test_an_unarmed_probe_never_raises() -> None:
@@ -73,7 +73,7 @@ def test_engine_takes_only_a_step_probe() -> None:
 
 def test_slow_steps_sleeps_before_each_step_until_undone(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.step_probe as module
+    import engine.core.step_probe as module
 
     slept: list[float] = []
     monkeypatch.setattr(module.time, "sleep", slept.append)

@@ -10,9 +10,9 @@ import time
 import anyio
 import pytest
 
+from engine.core.streams import RequestHandle, RequestStream
 from engine.errors import RequestTimeoutError
-from engine.request import Completion, FinishReason, StreamEvent, Usage
-from engine.streams import RequestHandle, RequestStream
+from engine.requests.request import Completion, FinishReason, StreamEvent, Usage
 
 
 def make_handle() -> tuple[RequestHandle, RequestStream, list[int]]:

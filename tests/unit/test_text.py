@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.text import RowText
+from engine.requests.text import RowText
 
 
 class PiecesDetokenizer:

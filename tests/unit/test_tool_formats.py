@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.channels import TOOL, ChannelSplitter, RowChannels
-from engine.prompts import PromptRenderer
-from engine.tool_formats import SMOLLM2, detect_tool_format, split_call_list
-from engine.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec
+from engine.requests.channels import TOOL, ChannelSplitter, RowChannels
+from engine.requests.prompts import PromptRenderer
+from engine.requests.tool_formats import SMOLLM2, detect_tool_format, split_call_list
+from engine.requests.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec
 
 WEATHER = ToolSpec("get_weather", "Get the weather.",
                    {"type": "object", "properties": {"location": {"type": "string"}},

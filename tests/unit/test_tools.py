@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.channels import ChannelSplitter, RowChannels
-from engine.tools import forced_call_grammar, normalize_tools
+from engine.requests.channels import ChannelSplitter, RowChannels
+from engine.requests.tools import forced_call_grammar, normalize_tools
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city.",

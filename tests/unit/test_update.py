@@ -1,6 +1,6 @@
-"""engine.update: how a row ends, from hand-built rows and lane steps (no mlx, no model).
+"""engine.core.update: how a row ends, from hand-built rows and lane steps (no mlx, no model).
 
-The precedence under test is the one engine/update.py documents: the row's own failure ->
+The precedence under test is the one engine/core/update.py documents: the row's own failure ->
 error; a stop token -> stop; a stop string -> stop; ``max_tokens`` -> length; grammar
 complete -> stop; a tool call repeating an earlier one -> stop (the repeat dropped);
 ``on_token`` returned False -> stop, or raised -> error; a stop with calls -> tool_calls.
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.channels import ChannelSplitter, RowChannels
-from engine.lane import LaneStep, RowToken
-from engine.prepare import PreparedRequest, RequestSpec
-from engine.request import (
+from engine.core.lane import LaneStep, RowToken
+from engine.core.rows import Row
+from engine.core.streams import RequestStream
+from engine.core.update import Ending, StepOutcome, take_token, update
+from engine.requests.channels import ChannelSplitter, RowChannels
+from engine.requests.prepare import PreparedRequest, RequestSpec
+from engine.requests.request import (
     Completion,
     FinishReason,
     RequestStatus,
@@ -22,10 +25,7 @@ from engine.request import (
     TokenCallback,
     TokenLogprob,
 )
-from engine.rows import Row
-from engine.streams import RequestStream
-from engine.text import RowText
-from engine.update import Ending, StepOutcome, take_token, update
+from engine.requests.text import RowText
 
 EOS = 0
 VOCAB = {
@@ -53,7 +53,7 @@ OPEN, CALL, CLOSE, NL, OTHER, REORDERED, DONE, OTHER_TOOL = range(11, 19)
 
 
 class FakeDetokenizer:
-    """Maps each token id to a fixed piece of text (engine.text.StreamingDetokenizer)."""
+    """Maps each token id to a fixed piece of text (engine.requests.text.StreamingDetokenizer)."""
 
     def __init__(self) -> None:
         self.seen: list[int] = []

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from engine.embeddings import EmbeddingRequest
+from engine.embedding.request import EmbeddingRequest
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from typing import Any
 
 import sniffio
 
-from engine.request import Completion, StreamEvent
+from engine.requests.request import Completion, StreamEvent
 
 
-def _async_waiter() -> tuple[Callable[[], Any], Callable[[], None]]:
+def async_waiter() -> tuple[Callable[[], Any], Callable[[], None]]:
     """An awaitable wait on the running loop and a notify callable for any thread."""
     library = sniffio.current_async_library()
     if library == "trio":
@@ -103,7 +103,7 @@ class RequestStream:
                     return self._events.popleft()
                 if self._finished.is_set():
                     return None
-                wait, notify = _async_waiter()
+                wait, notify = async_waiter()
                 self._notifiers.append(notify)
             await wait()
 
@@ -117,7 +117,7 @@ class RequestStream:
             with self._lock:
                 if self._finished.is_set():
                     break
-                wait, notify = _async_waiter()
+                wait, notify = async_waiter()
                 self._notifiers.append(notify)
             await wait()
         return self._final()
@@ -167,12 +167,12 @@ class RequestHandle:
         try:
             return await self._stream.await_completion()
         except BaseException as exc:
-            if _is_cancellation(exc):
+            if is_cancellation(exc):
                 self.cancel()
             raise
 
 
-def _is_cancellation(exc: BaseException) -> bool:
+def is_cancellation(exc: BaseException) -> bool:
     if isinstance(exc, asyncio.CancelledError | GeneratorExit):
         return True
     return type(exc).__name__ == "Cancelled" and type(exc).__module__.startswith("trio")
@@ -222,7 +222,7 @@ class _AsyncEvents(AsyncIterator[StreamEvent]):
         try:
             event = await self._handle._stream.anext_event()
         except BaseException as exc:
-            if _is_cancellation(exc):
+            if is_cancellation(exc):
                 self._handle.cancel()
             raise
         if event is None:

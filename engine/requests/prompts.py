@@ -14,10 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.channels import CONTENT, REASONING, TOOL
-from engine.request import ChatMessage, Prompt
-from engine.tool_formats import ToolFormat, detect_tool_format
-from engine.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec, with_fallback_tool_prompt
+from engine.requests.channels import CONTENT, REASONING, TOOL
+from engine.requests.request import ChatMessage, Prompt
+from engine.requests.tool_formats import ToolFormat, detect_tool_format
+from engine.requests.tools import (
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    ToolSpec,
+    with_fallback_tool_prompt,
+)
 
 # Roles chat templates know (OpenAI's, with the legacy "function" result role).
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -190,7 +195,8 @@ class PromptRenderer:
 
         Tools are rendered by the chat template when it knows how; otherwise they are
         described in the system message: in the family's trained format where it is known
-        (``engine.tool_formats``), else ``engine.tools.fallback_tool_prompt``. The head
+        (``engine.requests.tool_formats``), else
+        ``engine.requests.tools.fallback_tool_prompt``. The head
         is the leading system message(s) with the tools: what parallel agent branches
         share, and what the prefix cache stores on its own.
         """

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.constraints import LarkGrammar
-from engine.schemas import rebase_refs, strict_schema
+from engine.requests.constraints import LarkGrammar
+from engine.requests.schemas import rebase_refs, strict_schema
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"

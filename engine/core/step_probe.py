@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.stats import EngineStats
+from engine.core.stats import EngineStats
 
 
 @dataclass(frozen=True)

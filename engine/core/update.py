@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine.lane import LaneStep, RowToken
-from engine.request import FinishReason, RequestStatus, StreamEvent, TokenLogprob
-from engine.rows import Row
+from engine.core.lane import LaneStep, RowToken
+from engine.core.rows import Row
+from engine.requests.request import FinishReason, RequestStatus, StreamEvent, TokenLogprob
 
 
 @dataclass(frozen=True)

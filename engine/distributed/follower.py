@@ -16,17 +16,18 @@ from __future__ import annotations
 import logging
 
 from engine.config import EngineConfig, checked_engine_args
-from engine.engine import ModelSpec, _resolve
+from engine.distributed.protocol import follower_patience
+from engine.engine import ModelSpec
 from engine.errors import EngineError
-from engine.prepare import Preparer
-from engine.replication import follower_patience
+from engine.models import config_context_limit, model_path_for
+from engine.requests.prepare import Preparer
 
 log = logging.getLogger("engine")
 
 
 def distributed_rank() -> int:
     """This process's rank in the ``mx.distributed`` group (0 when not distributed)."""
-    from engine.device.distributed import rank
+    from engine.device.collectives import rank
 
     return rank()
 
@@ -48,15 +49,16 @@ def follow(model: ModelSpec = None, config: EngineConfig | None = None, *,
     config = checked_engine_args(model, config)
     if config.shard is None:
         return False
-    from engine.device.distributed import follow_lanes, init_group
+    from engine.device.collectives import init_group
     from engine.device.loader import build_lanes, load_model, release_streams
+    from engine.distributed.replay import follow_lanes
 
     group = init_group()
     if group.size() == 1 or group.rank() == 0:
         return False
-    path = _resolve(model, config)
+    path = model_path_for(model, config.quantized)
     try:
-        loaded = load_model(path, config, group)
+        loaded = load_model(path, config, group, config_context_limit(path))
         preparer = Preparer(loaded.tokenizer, path, loaded.vocab_size, config.json_string_ngram)
         lanes = build_lanes(loaded, config, preparer.compiler)
         if lanes.channel is None:

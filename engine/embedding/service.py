@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.embedding_batcher import EmbeddingBatch, EmbeddingBatcher, Span
-from engine.embeddings import EmbeddingRequest, Embeddings
+from engine.embedding.batcher import EmbeddingBatch, EmbeddingBatcher, Span
+from engine.embedding.request import EmbeddingRequest, Embeddings
 
 if TYPE_CHECKING:
     from engine.device.encoder import Encoder

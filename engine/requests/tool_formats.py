@@ -3,7 +3,7 @@
 When a chat template ignores ``tools=``, the engine describes the tools in the system
 message. For families whose published tool format is known, that description is the
 one the family was trained with, detected from text the chat template carries; other
-families get ``engine.tools.fallback_tool_prompt``. Assistant tool calls and tool
+families get ``engine.requests.tools.fallback_tool_prompt``. Assistant tool calls and tool
 results in the history are rewritten to plain text in the family's format, since such a
 template cannot render them. No model, no mlx.
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec
+from engine.requests.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import json
 
-from engine.tool_formats import split_call_list
-from engine.tools import InvalidToolCall, ToolCall, ToolParser, ToolSpec, new_call_id, parse_call
+from engine.requests.tool_formats import split_call_list
+from engine.requests.tools import (
+    InvalidToolCall,
+    ToolCall,
+    ToolParser,
+    ToolSpec,
+    new_call_id,
+    parse_call,
+)
 
 CONTENT = "content"
 REASONING = "reasoning"
@@ -86,7 +93,7 @@ class RowChannels:
 
     A call is parsed the moment its closing marker arrives. A call identical to one the
     row already made (same name, same arguments as parsed JSON) is not kept: it counts in
-    ``repeated_calls``, which ``engine.update`` reads to end the row there. Whitespace
+    ``repeated_calls``, which ``engine.core.update`` reads to end the row there. Whitespace
     around calls is not an answer: whitespace-only content before the first call, between
     calls and after the last one is held back and dropped (released if text follows).
     """

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from engine.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
-from engine.tools import InvalidToolCall, ToolCall
+from engine.requests.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
+from engine.requests.tools import InvalidToolCall, ToolCall
 
 ChatMessage = dict[str, Any]
 Prompt = str | Sequence[int] | Sequence[ChatMessage]

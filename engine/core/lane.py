@@ -4,7 +4,7 @@ A lane holds rows keyed by request id and does the only device work: ``insert`` 
 rows, ``step`` advances every row it holds by one unit (a prefill chunk or one token;
 a constrained row may also append the tokens its grammar forces),
 ``remove`` lets rows go at any stage. A lane never decides that a row has ended: it
-reports tokens, and ``engine.update`` decides. Two implementations: the shared batch
+reports tokens, and ``engine.core.update`` decides. Two implementations: the shared batch
 (``BatchLane``) and one row at a time for what cannot batch (``SerialLane``).
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.request import SamplingParams, TokenLogprob
+from engine.requests.request import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)

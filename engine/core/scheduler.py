@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from engine.core.footprint import ModelFootprint
 from engine.errors import ContextLengthError, KVBudgetError
-from engine.footprint import ModelFootprint
 
 
 class LaneKind(Enum):

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from engine.channels import TOOL, ChannelSplitter, RowChannels
-from engine.constraints import Constraint, JsonSchema
-from engine.grammar import GrammarCompiler, validate_constraint
-from engine.prompts import PromptRenderer, checked_prompt
-from engine.request import Prompt, SamplingParams, check_template_options
-from engine.string_repeats import DEFAULT_NGRAM
-from engine.text import RowText
-from engine.tools import (
+from engine.requests.channels import TOOL, ChannelSplitter, RowChannels
+from engine.requests.constraints import Constraint, JsonSchema
+from engine.requests.grammar import GrammarCompiler, validate_constraint
+from engine.requests.prompts import PromptRenderer, checked_prompt
+from engine.requests.request import Prompt, SamplingParams, check_template_options
+from engine.requests.string_repeats import DEFAULT_NGRAM
+from engine.requests.text import RowText
+from engine.requests.tools import (
     ToolSpec,
     forced_call_grammar,
     forced_call_schema,
@@ -121,7 +121,7 @@ def request_spec(
     params = params if params is not None else SamplingParams()
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-    prompt = checked_prompt(prompt)  # a checked private copy (engine.prompts)
+    prompt = checked_prompt(prompt)  # a checked private copy (engine.requests.prompts)
     template_kwargs = check_template_options(parallel_tool_calls, chat_template_kwargs)
     specs = normalize_tools(tools)
     choice = normalize_tool_choice(tool_choice, specs)

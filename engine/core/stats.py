@@ -38,7 +38,7 @@ class EngineStats:
     mlx_active_bytes: int = 0
     mlx_cache_bytes: int = 0
     # The process's resident set, read each turn, and the bounds the settings give it
-    # (engine.memory): resident ~= weights + KV budget + buffer cache limit + runtime.
+    # (engine.core.memory): resident ~= weights + KV budget + buffer cache limit + runtime.
     resident_bytes: int = 0
     weights_bytes: int = 0
     kv_budget_bytes: int = 0  # running rows' worst-case KV plus the prefix store (0 = no cap)

@@ -2,7 +2,7 @@
 
 ``Row`` owns everything per request that is not device work: its status, the text
 state (stop strings, channels), ids, logprobs, timings; it turns tokens into
-``StreamEvent``s and builds the final ``Completion``. ``engine.update`` decides when a
+``StreamEvent``s and builds the final ``Completion``. ``engine.core.update`` decides when a
 row ends; the loop decides when it starts.
 """
 
@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.channels import RowChannels
-from engine.prepare import PreparedRequest, RequestSpec
-from engine.request import (
+from engine.core.scheduler import LaneKind
+from engine.core.streams import RequestStream
+from engine.requests.channels import RowChannels
+from engine.requests.prepare import PreparedRequest, RequestSpec
+from engine.requests.request import (
     Completion,
     FinishReason,
     RequestStatus,
@@ -22,9 +24,7 @@ from engine.request import (
     TokenLogprob,
     Usage,
 )
-from engine.scheduler import LaneKind
-from engine.streams import RequestStream
-from engine.text import RowText
+from engine.requests.text import RowText
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Row:
         return bool(self.channels is not None and self.channels.calls)
 
     def take_text(self, delta: str) -> None:
-        """Sort new text into the row's channels (``engine.update`` feeds every delta)."""
+        """Sort new text into the row's channels (``engine.core.update`` feeds every delta)."""
         if self.channels is not None and delta:
             self.channels.feed(delta)
 
@@ -87,7 +87,7 @@ class Row:
             StreamEvent, Completion]:
         """The last event and the whole completion; held-back channel text is released.
 
-        ``delta`` has been through ``take_text`` already (``engine.update`` releases the
+        ``delta`` has been through ``take_text`` already (``engine.core.update`` releases the
         text held back for stop strings when it ends a row); endings made elsewhere
         (errors, cancellation) carry no text.
         """

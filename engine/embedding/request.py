@@ -18,8 +18,8 @@ from typing import Any
 import anyio
 import numpy as np
 
+from engine.core.streams import async_waiter, is_cancellation
 from engine.errors import RequestCancelledError, RequestTimeoutError
-from engine.streams import _async_waiter, _is_cancellation
 
 MAX_INPUTS = 2048  # per request, as OpenAI's embeddings endpoint allows
 
@@ -114,7 +114,7 @@ class EmbeddingRequest:
             with self._lock:
                 if self._done.is_set():
                     break
-                wait, notify = _async_waiter()
+                wait, notify = async_waiter()
                 self._notifiers.append(notify)
             await wait()
 
@@ -166,7 +166,7 @@ class EmbeddingHandle:
                 if not request.finished:
                     request.time_out()
         except BaseException as exc:
-            if _is_cancellation(exc):
+            if is_cancellation(exc):
                 request.cancel()
             raise
         return request.outcome()
