@@ -30,18 +30,16 @@ where prompt-lookup drafts are accepted; they rejoin when load rises or drafts m
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from engine.core.drafts import ShadowDraft
 from engine.core.lane import LaneRow, LaneStep, RowToken
-from engine.core.prefix_cache import common_prefix
+from engine.core.prefill_planner import HeadKey, PrefillPlanner, cluster_heads
 from engine.device.first_tokens import FirstToken, Sampler, SamplerTap
 from engine.device.forced_spans import forward_spans, spans_supported
 from engine.device.logprobs import forced_logprob, token_logprob
@@ -67,7 +65,6 @@ from engine.requests.request import LogitsProcessor
 
 # The generator must never end a row by length itself (engine.core.update decides).
 _NO_LIMIT = 1 << 62
-HeadKey = tuple[int, ...]
 # Rounds bound how long one step may be held by span forwards.
 _SPAN_ROUNDS = 4
 
@@ -106,8 +103,12 @@ class _BatchRow:
         return len(self.output)
 
     @property
-    def head(self) -> HeadKey | None:
-        return tuple(self.row.prompt[: self.head_len]) if self.head_len else None
+    def request_id(self) -> int:
+        return self.row.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.row.prompt
 
 
 @dataclass(eq=False)
@@ -133,7 +134,6 @@ class BatchLane:
         self._samplers = samplers
         self.reuse = reuse
         self._group = min(prefill_batch, max_batch)
-        self._chunk = prefill_chunk
         self._options = dict(completion_batch_size=max_batch,
                              prefill_batch_size=self._group,
                              prefill_step_size=prefill_chunk, max_kv_size=max_kv_size)
@@ -142,15 +142,9 @@ class BatchLane:
         self._rows: dict[int, _BatchRow] = {}
         self._uid_to_request: dict[int, int] = {}
         self._request_to_uid: dict[int, int] = {}
-        # A row prefilling a shared head ("leader") makes rows with the same head wait.
-        self._heads_in_flight: dict[HeadKey, int] = {}
-        self._head_of_leader: dict[int, HeadKey] = {}
-        self._deferred: dict[HeadKey, list[_BatchRow]] = {}
+        # When admitted rows prefill, and how (shared heads, one group at a time): pure policy.
+        self._planner: PrefillPlanner[_BatchRow] = PrefillPlanner(self._group, prefill_chunk)
         self._cached_report: dict[int, int] = {}
-        # Rows admitted but not yet given to the generator, and those given to it that
-        # have not produced a token yet: request id -> prompt tokens it has left to prefill.
-        self._queued: deque[_BatchRow] = deque()
-        self._awaiting_first: dict[int, int] = {}
         # First tokens reported before the generator returns them: request id -> token.
         self._tap = SamplerTap()
         self._early: dict[int, int] = {}
@@ -176,7 +170,8 @@ class BatchLane:
 
     def insert(self, rows: Sequence[LaneRow]) -> None:
         held = [_BatchRow(row, head_len=row.head_len) for row in rows]
-        self._share_heads(held)
+        if self.reuse.enabled:  # rows admitted together that share a prefix prefill it once
+            cluster_heads(held, self.reuse.store.min_tokens)
         for held_row in held:
             params = held_row.row.params
             if params.constraint is not None:
@@ -184,66 +179,23 @@ class BatchLane:
             self._rows[held_row.row.request_id] = held_row
         self._start(held)
 
-    def _share_heads(self, rows: list[_BatchRow]) -> None:
-        """Rows admitted together that share a prompt prefix prefill it once.
-
-        Greedy clustering in arrival order: a row joins the first group whose common prefix
-        with it is long enough to store and longer than every member's chat head, which
-        shortens that group's key to what they all share. A group of two or more gets that
-        prefix as its head: its first row prefills and stores it, the others wait for it
-        (as for a chat head) and reuse it. A row that shares no more than its chat head
-        keeps that head, which groups it with its twins as before.
-        """
-        if not self.reuse.enabled or len(rows) < 2:
-            return
-        least = self.reuse.store.min_tokens
-        # (key, members, the longest chat head among them)
-        groups: list[tuple[np.ndarray[Any, Any], list[_BatchRow], int]] = []
-        for row in rows:
-            prompt = np.asarray(row.row.prompt)
-            for i, (key, members, floor) in enumerate(groups):
-                shared = common_prefix(key, prompt)
-                if shared >= least and shared > max(floor, row.head_len):
-                    groups[i] = (key[:shared], [*members, row], max(floor, row.head_len))
-                    break
-            else:
-                groups.append((prompt[:-1], [row], row.head_len))
-        for key, members, _ in groups:
-            if len(members) > 1:
-                for member in members:
-                    member.head_len = int(key.shape[0])
-
     def _start(self, rows: list[_BatchRow], *, joining: bool = False) -> None:
         """Queue rows for the generator; ``joining`` rows may join the group in flight."""
-        if joining:
-            self._queued.extendleft(reversed(rows))
-        else:
-            self._queued.extend(rows)
+        self._planner.queue(rows, joining=joining)
         self._feed(joining)
 
     def _feed(self, joining: bool = False) -> None:
-        """Give the generator queued rows unless that would delay a group's first tokens.
+        """Give the generator the rows the planner says may prefill now.
 
-        Rows are held while any row in flight is within a chunk of its prompt's end and
-        has no token yet, and join at most ``prefill_batch`` rows in flight. Twins released
-        by a stored head join the leader's group while it has room: they were admitted
-        with it, and waiting for the leader's first token would cost them two steps.
+        Twins released by a stored head (``joining``) join the leader's group while it
+        has room: they were admitted with it, and waiting for the leader's first token
+        would cost them two steps.
         """
-        if not joining and any(left <= self._chunk for left in self._awaiting_first.values()):
+        taken = self._planner.take_ready(self._prefill_plan, joining)
+        if not taken:
             return
-        room = self._group - len(self._awaiting_first)
-        ready: list[_BatchRow] = []
-        plans = []
-        while self._queued and len(ready) < room:
-            row = self._queued.popleft()  # in order: a row with a new head leads it
-            head = row.head
-            if head is not None and head in self._heads_in_flight:
-                self._deferred.setdefault(head, []).append(row)
-            else:
-                plans.append(self._prefill_plan(row))
-                ready.append(row)
-        if not ready:
-            return
+        ready = [row for row, _ in taken]
+        plans = [plan for _, plan in taken]
         for row in ready:
             row.sampler = self._tap.wrap(self._samplers.for_params(row.row.params))
         uids = self._generator.insert_segments(
@@ -260,7 +212,7 @@ class BatchLane:
             self._uid_to_request[uid] = request_id
             self._request_to_uid[request_id] = uid
             self._cached_report[request_id] = row.cached_tokens
-            self._awaiting_first[request_id] = sum(len(part) for part in segments)
+            self._planner.started(request_id, sum(len(part) for part in segments))
 
     def _processors(self, row: _BatchRow) -> list[LogitsProcessor]:
         processors = [guarded(row, p) for p in penalty_processors(row.row.params)]
@@ -278,13 +230,8 @@ class BatchLane:
         if found is not None:
             cache, reused = found
         row.cached_tokens = reused
-        head, key = row.head_len, row.head
-        if key is not None and self.reuse.enabled and reused < head < len(prompt) - 1:
-            # Stop at the head boundary once, store it there, and let its twins wait.
-            self._heads_in_flight[key] = row.row.request_id
-            self._head_of_leader[row.row.request_id] = key
-            return [prompt[reused:head], prompt[head:]], cache, prompt[:reused]
-        return [prompt[reused:]], cache, prompt[:reused]
+        segments = self._planner.segments(row, reused, self.reuse.enabled)
+        return segments, cache, prompt[:reused]
 
     def _extract(self, request_id: int) -> tuple[list[Any], list[int]] | None:
         uid = self._request_to_uid.get(request_id)
@@ -298,10 +245,7 @@ class BatchLane:
 
     def _head_stored(self, key: HeadKey) -> None:
         """The head's prefill ended (stored or abandoned): start the rows waiting on it."""
-        leader = self._heads_in_flight.pop(key, None)
-        if leader is not None:
-            self._head_of_leader.pop(leader, None)
-        waiting = self._deferred.pop(key, [])
+        waiting = self._planner.head_done(key)
         if waiting:
             self._start(waiting, joining=True)
 
@@ -327,33 +271,23 @@ class BatchLane:
         uid = self._request_to_uid.pop(request_id, None)
         if uid is not None:
             self._uid_to_request.pop(uid, None)
-        self._awaiting_first.pop(request_id, None)
         self._early.pop(request_id, None)
         self._echo.pop(request_id, None)
         row = self._rows.pop(request_id, None)
-        if row is not None:
-            if row in self._queued:
-                self._queued.remove(row)
-            if row.grammar is not None:
-                row.grammar.close()
-            key = row.head
-            waiting = self._deferred.get(key) if key is not None else None
-            if waiting is not None and row in waiting:
-                waiting.remove(row)
         self._cached_report.pop(request_id, None)
-        head = self._head_of_leader.get(request_id)
-        if head is not None:
-            self._head_stored(head)  # abandoned: a waiting twin becomes the leader
+        if row is None:
+            return
+        if row.grammar is not None:
+            row.grammar.close()
+        released = self._planner.forget(row)  # a leader abandoned: a twin leads now
+        if released:
+            self._start(released, joining=True)
 
     def reset(self) -> list[int]:
         dropped = list(self._rows)
-        self._queued.clear()
-        self._awaiting_first.clear()
+        self._planner.reset()
         self._early.clear()
         self._echo.clear()
-        self._deferred.clear()
-        self._heads_in_flight.clear()
-        self._head_of_leader.clear()
         self._speculating.clear()
         for request_id in dropped:
             self._forget(request_id)
@@ -373,9 +307,9 @@ class BatchLane:
         result = LaneStep(width=len(responses))
         for prompt_response in progress:
             request_id = self._uid_to_request.get(prompt_response.uid)
-            if request_id in self._awaiting_first:
+            if request_id is not None:
                 done, total = prompt_response.progress
-                self._awaiting_first[request_id] = total - done
+                self._planner.progressed(request_id, total - done)
             if prompt_response.end_of_segment and not prompt_response.end_of_prompt:
                 self._maybe_store_head(prompt_response.uid)
         decoded: list[int] = []  # rows whose token came from the generator's decode
@@ -383,7 +317,7 @@ class BatchLane:
             request_id = self._uid_to_request.get(response.uid)
             row = None
             if request_id is not None:
-                self._awaiting_first.pop(request_id, None)
+                self._planner.first_token(request_id)
                 row = self._rows.get(request_id)
             if row is None or row.failure is not None:
                 continue
@@ -406,7 +340,7 @@ class BatchLane:
                 grammar_done=row.grammar is not None and row.grammar.done))
         for row, first in firsts:
             request_id = row.row.request_id
-            self._awaiting_first.pop(request_id, None)
+            self._planner.first_token(request_id)
             self._early[request_id] = first.token
             result.tokens.append(RowToken(
                 request_id, first.token,
@@ -653,7 +587,7 @@ class BatchLane:
 
     def _maybe_store_head(self, uid: int) -> None:
         request_id = self._uid_to_request.get(uid)
-        key = self._head_of_leader.get(request_id) if request_id is not None else None
+        key = self._planner.leader_head(request_id) if request_id is not None else None
         if key is None or request_id is None:
             return
         found = self._extract(request_id)
