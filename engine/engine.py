@@ -1,13 +1,12 @@
-"""Engine: one thread that owns all MLX work, fed by a command queue.
+"""Engine: the public facade; one thread that owns all MLX work, fed by a command queue.
 
 Callers on any thread or event loop only enqueue ``_Submit`` / ``_Cancel`` /
-``_Shutdown``. The engine thread runs one loop, one step at a time:
+``_Shutdown``. The engine thread loads the model, then runs one loop, one turn at a time:
 
-    plan    = scheduler.plan()          # cancellations first, then admissions
-    step    = lane.step()               # the only device work (batch lane, serial lane)
-    outcome = update(rows, step, now)   # every way a row ends is decided there
-    publish                             # events to streams; the engine never waits on one
+    commands                            # accepted rows and cancellations, to the step core
+    turn = core.turn()                  # plan -> step -> update -> publish (core/step_core.py)
     embed                               # at most one due embedding batch, between steps
+    stats                               # the turn's figures, written in one place (StatsBook)
 
 One engine hosts the chat model and any embedding models, on the same thread: embeddings
 never run MLX beside a decode step. The chat model loads only once chat is asked for
@@ -26,31 +25,31 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engine.config import EngineConfig, checked_engine_args
-from engine.core.lane import Lane, LaneRow
 from engine.core.memory import resident_bytes
 from engine.core.rows import Row
-from engine.core.scheduler import BatchMode, LaneKind, Scheduler, StepPlan, Ticket
-from engine.core.stats import EngineStats
+from engine.core.scheduler import BatchMode, Scheduler
+from engine.core.stats import EngineStats, StatsBook
+from engine.core.step_core import StepCore, end_row
 from engine.core.step_probe import StepProbe, TurnReport
 from engine.core.streams import RequestHandle, RequestStream
-from engine.core.update import Ending, update
+from engine.core.update import Ending
+from engine.distributed.group import shard_group
 from engine.distributed.protocol import check_replicable, heartbeat_seconds
 from engine.embedding.request import EmbeddingHandle, EmbeddingRequest, Embeddings, check_texts
 from engine.embedding.service import EmbeddingService
-from engine.errors import EngineClosedError, EngineDeadError, EngineError, RequestTimeoutError
+from engine.errors import EngineClosedError, EngineDeadError
 from engine.models import config_context_limit, model_path_for
 from engine.requests.prepare import Preparer, request_spec
 from engine.requests.request import (
     FinishReason,
     Prompt,
-    RequestStatus,
     SamplingParams,
     TokenCallback,
     check_callbacks,
@@ -121,8 +120,7 @@ class Engine:
         self._dead: BaseException | None = None
         self._abandoned = False  # a sharded step never returned (see _abandon)
         self._model_path: Path | None = None
-        self._stats = EngineStats()
-        self._stats_lock = threading.Lock()
+        self._book = StatsBook()  # the one writer of stats(), safe from any thread
         self._chat_wanted = False  # set by start()/submit(); until then only embeddings run
         self._chat_weights = 0  # the chat model's weights and resident bound, once loaded
         self._chat_bound = 0
@@ -138,9 +136,7 @@ class Engine:
         self._lanes: Lanes | None = None
         self._link: Link | None = None  # rank 0 of a sharded engine: the followers' end
         self._scheduler: Scheduler | None = None
-        self._rows: dict[int, Row] = {}
-        self._consecutive_failures = 0
-        self._ended_since_collect = False
+        self._core: StepCore | None = None  # plan -> step -> update -> publish, once loaded
         self._touched_mlx = False
         _live_engines.add(self)
 
@@ -276,8 +272,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """A consistent snapshot of the engine's counters (safe from any thread)."""
-        with self._stats_lock:
-            return replace(self._stats)
+        return self._book.snapshot()
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Cancel everything in flight, stop the thread, release the model."""
@@ -361,7 +356,7 @@ class Engine:
         from engine.device.loader import build_lanes, load_model
 
         path = self.model_path
-        group = _shard_group(self.config)
+        group = shard_group(self.config)
         model = load_model(path, self.config, group, config_context_limit(path))
         self._preparer = Preparer(model.tokenizer, path, model.vocab_size,
                                   self.config.json_string_ngram)
@@ -377,16 +372,18 @@ class Engine:
         self._scheduler = Scheduler(model.footprint, self.config.max_batch,
                                     bounds.kv_budget_bytes or None,
                                     cache_bytes=lambda: store.nbytes, reclaim=store.shrink_to)
+        lanes = self._lanes
+        self._core = StepCore(self._scheduler, lanes.lane, self._preparer, self._book,
+                              prefix_bytes=lambda: store.nbytes,
+                              max_consecutive_failures=self.config.max_consecutive_step_failures,
+                              probe=self._probe)
         self._model = model
         self._chat_weights, self._chat_bound = bounds.weights_bytes, bounds.resident_bound
-        with self._stats_lock:
-            self._stats.kv_budget_bytes = bounds.kv_budget_bytes
-            self._stats.prefix_cache_limit_bytes = store.max_bytes
-            self._stats.buffer_cache_limit_bytes = bounds.buffer_cache_bytes
-            self._count_weights()
-            self._stats.loaded = True
-            self._stats.batch_mode = self._scheduler.mode.value
-            self._stats.context_limit = model.footprint.context_limit
+        self._book.set(kv_budget_bytes=bounds.kv_budget_bytes,
+                       prefix_cache_limit_bytes=store.max_bytes,
+                       buffer_cache_limit_bytes=bounds.buffer_cache_bytes,
+                       loaded=True, batch_mode=self._scheduler.mode.value,
+                       context_limit=model.footprint.context_limit, **self._weights())
         if self._scheduler.mode is BatchMode.SERIAL:
             log.warning("model caches (%s) cannot batch: requests run one at a time",
                         ", ".join(model.footprint.non_batchable_kinds))
@@ -419,28 +416,26 @@ class Engine:
         self._touched_mlx = True  # an encoder may be loaded and run on this thread
         seconds = self._embeddings.run_due(step_seconds)
         counters = self._embeddings.counters
-        with self._stats_lock:
-            stats = self._stats
-            stats.embed_requests, stats.embed_texts = counters.requests, counters.texts
-            stats.embed_tokens, stats.embed_batches = counters.tokens, counters.batches
-            stats.embed_peak_batch_texts = counters.peak_batch_texts
-            stats.embed_cancelled, stats.embed_failed = counters.cancelled, counters.failed
-            stats.embed_seconds, stats.embed_pending = counters.seconds, self._embeddings.pending
-            self._count_weights()
+        self._book.set(
+            embed_requests=counters.requests, embed_texts=counters.texts,
+            embed_tokens=counters.tokens, embed_batches=counters.batches,
+            embed_peak_batch_texts=counters.peak_batch_texts,
+            embed_cancelled=counters.cancelled, embed_failed=counters.failed,
+            embed_seconds=counters.seconds, embed_pending=self._embeddings.pending,
+            **self._weights())
         return seconds
 
-    def _count_weights(self) -> None:
+    def _weights(self) -> dict[str, int]:
         """Weights and the resident bound: the chat model's plus the loaded embedding
-        models' (an encoder's weights are held as the chat model's are). Under the stats
-        lock, on the engine thread."""
+        models' (an encoder's weights are held as the chat model's are)."""
         extra = self._embeddings.weights_bytes
-        self._stats.weights_bytes = self._chat_weights + extra
-        self._stats.resident_bound_bytes = (self._chat_bound + extra) if self._chat_bound else 0
+        return {"weights_bytes": self._chat_weights + extra,
+                "resident_bound_bytes": (self._chat_bound + extra) if self._chat_bound else 0}
 
     def _serve_once(self) -> bool:
-        """One turn of the loop: commands, plan, step each lane, publish."""
-        scheduler, lanes = self._scheduler, self._lanes
-        assert scheduler is not None and lanes is not None
+        """One turn of the loop: commands, the core's turn, embeddings, stats."""
+        scheduler, core = self._scheduler, self._core
+        assert scheduler is not None and core is not None
         idle = scheduler.is_idle()
         commands = self._take_commands(block=idle)
         link = self._link
@@ -456,32 +451,17 @@ class Engine:
             elif isinstance(command, _WantChat):
                 continue
             elif isinstance(command, _Submit):
-                self._accept(command.row)
-            elif command.request_id in self._rows:
-                scheduler.cancel(command.request_id)
-        self._expire_deadlines()
-        plan = scheduler.plan()
-        self._apply(plan)
-        scheduler.fit_cache()  # rows evicted by the plan may have stored their KV
-        probe = self._probe
-        if probe is not None:  # the turn's peak: right after admission, before any step
-            admitted = tuple(t.request_id for kind in LaneKind for t in plan.admitted(kind))
-            peak = (scheduler.kv_bytes_projected, lanes.store.nbytes)
-        stepping = 0.0
-        for kind in LaneKind:
-            lane = self._lane(kind)
-            if len(lane):
-                stepping += self._step(kind, lane)
-        scheduler.fit_cache()  # heads and finished rows may have been stored
+                core.accept(command.row)
+            else:
+                core.cancel(command.request_id)
+        turn = core.turn()
+        stepping = turn.step_seconds
         stepping += self._run_embeddings(stepping)  # between steps, never beside one
         self._publish_stats(time.perf_counter() - started - stepping)
-        if probe is not None:
-            probe.turn_ended(TurnReport(admitted, *peak, self.stats()))
+        if self._probe is not None:
+            self._probe.turn_ended(TurnReport(turn.admitted, turn.kv_bytes_projected,
+                                              turn.prefix_bytes, self.stats()))
         return True
-
-    def _lane(self, kind: LaneKind) -> Lane:
-        assert self._lanes is not None
-        return self._lanes.lane(kind.value)
 
     def _take_commands(self, block: bool, wait: float | None = None) -> list[_Command]:
         commands, self._held = self._held, []  # left by the embeddings-only loop
@@ -519,7 +499,7 @@ class Engine:
 
     def _idle_wait(self) -> float | None:
         # Sleep until the next command, or until the nearest deadline must fire.
-        deadlines = [r.deadline for r in self._rows.values() if r.deadline is not None]
+        deadlines = self._core.deadlines() if self._core is not None else []
         if self._link is not None:
             # Sharded: wake to check on the followers, so a dead one is found while idle.
             link = self._link
@@ -530,100 +510,15 @@ class Engine:
             deadlines.append(due)
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
-    def _accept(self, row: Row) -> None:
-        """Prepare a submitted request once; a request that cannot run fails alone."""
-        scheduler, preparer = self._scheduler, self._preparer
-        assert scheduler is not None and preparer is not None
-        self._rows[row.request_id] = row
-        try:
-            prepared = preparer.prepare(row.spec)
-            kv_bytes = scheduler.validate(len(prepared.prompt_ids), prepared.params.max_tokens)
-        except Exception as exc:
-            self._end(Ending(row, FinishReason.ERROR, exc))
-            return
-        row.prepared = prepared
-        row.text = preparer.row_text(prepared.params)
-        row.channels = preparer.row_channels(row.spec, prepared)
-        lane = scheduler.lane_for(prepared.params.needs_serial_lane)
-        scheduler.enqueue(Ticket(row.request_id, len(prepared.prompt_ids),
-                                 prepared.params.max_tokens, kv_bytes, lane))
-
-    def _expire_deadlines(self) -> None:
-        now = time.monotonic()
-        for row in self._rows.values():
-            if row.deadline is not None and row.deadline <= now and row.cancel_error is None:
-                row.cancel_error = RequestTimeoutError(
-                    f"request {row.request_id} timed out after "
-                    f"{row.deadline - row.submitted_at:.3g} s"
-                )
-                assert self._scheduler is not None
-                self._scheduler.cancel(row.request_id)
-
-    def _apply(self, plan: StepPlan) -> None:
-        """Carry out the plan: drop and evict cancelled rows, start admitted ones."""
-        if not plan:
-            return
-        cancelled = [self._rows[i] for i in (*plan.dropped, *plan.evict)]
-        for kind in LaneKind:
-            evicted = [r.request_id for r in cancelled if r.holds_lane and r.lane is kind]
-            if evicted:
-                self._lane(kind).remove(evicted)
-        for row in cancelled:
-            self._end(Ending(row, FinishReason.CANCELLED, row.cancel_error))
-        admitted = 0
-        for kind in LaneKind:
-            rows = [self._rows[t.request_id] for t in plan.admitted(kind)]
-            for row in rows:
-                row.status, row.lane = RequestStatus.PREFILLING, kind
-            if rows:
-                self._lane(kind).insert([_lane_row(row) for row in rows])
-                admitted += sum(len(row.prepared.prompt_ids) for row in rows
-                                if row.prepared is not None)
-        with self._stats_lock:
-            self._stats.prompt_tokens += admitted
-
-    def _step(self, kind: LaneKind, lane: Lane) -> float:
-        """Step one lane, decide what its tokens mean, publish; returns the step's seconds."""
-        started = time.perf_counter()
-        try:
-            if self._probe is not None:
-                self._probe.before_step(kind.value)
-            step = lane.step()
-        except EngineDeadError:  # a sharded engine's rank failed: nothing to contain
-            raise
-        except Exception as exc:  # contained below, or fatal after retries
-            self._model_failure(lane, exc)
-            return time.perf_counter() - started
-        seconds = time.perf_counter() - started
-        self._consecutive_failures = 0
-        outcome = update(self._rows, step, time.monotonic())
-        with self._stats_lock:
-            self._stats.steps += 1
-            self._stats.step_seconds += seconds
-            self._stats.peak_running = max(self._stats.peak_running, step.width)
-            self._stats.generated_tokens += outcome.tokens
-            self._stats.forced_tokens += outcome.forced
-            self._stats.drafted_tokens += outcome.drafted
-        for row, event in outcome.events:
-            row.stream.publish(event)
-        if outcome.endings:
-            ended = [ending.row.request_id for ending in outcome.endings]
-            lane.remove(ended)
-            assert self._scheduler is not None
-            self._scheduler.finish(ended)
-            for ending in outcome.endings:
-                self._end(ending)
-        return seconds
-
     def _collect_when_idle(self) -> None:
         # mlx-lm's finished batches (and failed rows' tracebacks) sit in reference cycles that
         # pin their KV arrays until Python's cyclic GC happens to run: ~6-16 MB of device
         # memory no counter showed after a 600-request storm on the tiny model. Collecting
         # once the engine has nothing to run returns it at no cost to any row's latency.
-        scheduler = self._scheduler
-        if (self._ended_since_collect and scheduler is not None
+        scheduler, core = self._scheduler, self._core
+        if (core is not None and core.ended_since_collect and scheduler is not None
                 and scheduler.running == 0 and scheduler.pending == 0):
-            self._ended_since_collect = False
+            core.ended_since_collect = False
             gc.collect()
             # The batch's freed KV otherwise stays in MLX's cache and malloc's arenas: the
             # process kept its peak (950 MB resident beside 514 MB of arrays, measured).
@@ -631,68 +526,22 @@ class Engine:
             self._lanes.release_memory()
             self._publish_stats()  # the memory figures after the collection
 
-    def _end(self, ending: Ending) -> None:
-        """A row's last event: the row leaves the engine, its consumer wakes last."""
-        row = ending.row
-        self._ended_since_collect = True
-        self._rows.pop(row.request_id, None)
-        was = row.status
-        event, completion = row.final(ending.reason, ending.error, ending.delta,
-                                      ending.token_ids, ending.logprobs)
-        with self._stats_lock:
-            if ending.reason is FinishReason.ERROR:
-                self._stats.failed += 1
-            elif ending.reason is FinishReason.CANCELLED:
-                self._stats.cancelled += 1
-            else:
-                self._stats.completed += 1
-            # Before the consumer wakes, so whoever holds a result sees its row gone; one
-            # row at a time, so the counts agree with completed/cancelled at every moment.
-            if was in (RequestStatus.PREFILLING, RequestStatus.DECODING):
-                self._stats.running = max(0, self._stats.running - 1)
-            elif was is RequestStatus.WAITING and row.prepared is not None:
-                self._stats.pending = max(0, self._stats.pending - 1)
-        row.stream.publish(event, completion)
-
-    def _model_failure(self, lane: Lane, exc: Exception) -> None:
-        """A model step failed: fail the lane's rows, then recover or die."""
-        log.error("model step failed: %r", exc)
-        self._consecutive_failures += 1
-        failed = lane.reset()
-        assert self._scheduler is not None
-        self._scheduler.finish(failed)
-        for request_id in failed:
-            row = self._rows.get(request_id)
-            if row is not None:
-                error = EngineError(f"the model step failed: {exc!r}")
-                error.__cause__ = exc
-                self._end(Ending(row, FinishReason.ERROR, error))
-        if self._consecutive_failures >= self.config.max_consecutive_step_failures:
-            raise EngineDeadError(
-                f"{self._consecutive_failures} model steps failed in a row; last: {exc!r}"
-            ) from exc
-
     def _publish_stats(self, overhead: float = 0.0) -> None:
         scheduler, lanes = self._scheduler, self._lanes
         assert scheduler is not None and lanes is not None
         store = lanes.store
         active, cached = lanes.device_memory()
-        with self._stats_lock:
-            self._stats.overhead_seconds += overhead
-            self._stats.running = scheduler.running
-            self._stats.pending = scheduler.pending
-            self._stats.kv_bytes_projected = scheduler.kv_bytes_projected
-            assert self._preparer is not None
-            self._stats.live_matchers = self._preparer.compiler.live_matchers
-            self._stats.prefix_hits = store.stats.hits
-            self._stats.prefix_misses = store.stats.misses
-            self._stats.prefix_hit_tokens = store.stats.hit_tokens
-            self._stats.prefix_evictions = store.stats.evictions + store.stats.expirations
-            self._stats.prefix_bytes = store.nbytes
-            self._stats.prefix_entries = len(store)
-            self._stats.mlx_active_bytes = active
-            self._stats.mlx_cache_bytes = cached
-            self._stats.resident_bytes = resident_bytes()
+        assert self._preparer is not None
+        self._book.add(overhead_seconds=overhead)
+        self._book.set(
+            running=scheduler.running, pending=scheduler.pending,
+            kv_bytes_projected=scheduler.kv_bytes_projected,
+            live_matchers=self._preparer.compiler.live_matchers,
+            prefix_hits=store.stats.hits, prefix_misses=store.stats.misses,
+            prefix_hit_tokens=store.stats.hit_tokens,
+            prefix_evictions=store.stats.evictions + store.stats.expirations,
+            prefix_bytes=store.nbytes, prefix_entries=len(store),
+            mlx_active_bytes=active, mlx_cache_bytes=cached, resident_bytes=resident_bytes())
 
     def _shutdown(self) -> None:
         error = EngineClosedError("the engine was closed while the request ran")
@@ -744,10 +593,8 @@ class Engine:
             self._abandoned = True
         failed = self._embeddings.fail_registered(dead)
         self._fail_everything(dead, FinishReason.ERROR, engine_thread=False)
-        with self._stats_lock:
-            self._stats.running = self._stats.pending = 0
-            self._stats.embed_failed += failed
-            self._stats.embed_pending = 0
+        self._book.set(running=0, pending=0, embed_pending=0)
+        self._book.add(embed_failed=failed)
 
     def _reset_lanes(self) -> None:
         """Release every row (and its grammar matcher): the engine is going away."""
@@ -760,10 +607,8 @@ class Engine:
         """Fail every row and request; ``engine_thread=False`` (the watchdog) leaves the
         embedding batcher and counters alone: its caller failed those requests already."""
         # Rows known to the engine thread, then submits still sitting in the queue.
-        if self._scheduler is not None:
-            self._scheduler.drain()
-        for row in list(self._rows.values()):
-            self._end(Ending(row, reason, error))
+        if self._core is not None:
+            self._core.fail_rows(error, reason)
         held, self._held = self._held, []  # left by the embeddings-only loop
         while True:
             try:
@@ -771,7 +616,7 @@ class Engine:
             except queue.Empty:
                 break
             if isinstance(command, _Submit):
-                self._end(Ending(command.row, reason, error))
+                end_row(Ending(command.row, reason, error), self._book)
             elif (isinstance(command, _Embed) and command.request.finish(error=error)
                   and engine_thread):
                 self._embeddings.counters.failed += 1
@@ -792,30 +637,6 @@ class _LoadFailure(Exception):
 def _load_error(exc: Exception, spec: ModelSpec) -> _LoadFailure:
     name = "the default model" if spec is None else repr(os.fspath(spec))
     return _LoadFailure(exc, name)
-
-
-def _lane_row(row: Row) -> LaneRow:
-    assert row.prepared is not None
-    prepared = row.prepared
-    return LaneRow(row.request_id, prepared.prompt_ids, prepared.params, prepared.head_len)
-
-
-def _shard_group(config: EngineConfig) -> Any:
-    """The distributed group a sharded engine runs on (rank 0 only); None when not sharded."""
-    if config.shard is None:
-        return None
-    from engine.device.collectives import init_group
-
-    group = init_group()
-    if group.size() == 1:
-        log.warning("shard=%r but this process is not part of a distributed group "
-                    "(MLX_HOSTFILE and MLX_RANK): running unsharded", config.shard)
-        return None
-    if group.rank() != 0:
-        raise EngineError(f"rank {group.rank()} of a sharded engine follows rank 0: call "
-                          f"engine.follow(model, config) there instead of using an Engine")
-    return group
-
 
 
 @atexit.register

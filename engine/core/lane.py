@@ -12,9 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
 
 from engine.requests.request import SamplingParams, TokenLogprob
+
+
+class LaneKind(Enum):
+    """The lanes, by one name everywhere: the scheduler's choice, the loop's lanes, the
+    messages a sharded engine's rank 0 sends. The shared batch, or rows alone between
+    batch steps (seeded sampling, caches that cannot merge)."""
+
+    BATCH = "batch"
+    SERIAL = "serial"
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.scheduler import LaneKind
+from engine.core.lane import LaneKind
 from engine.core.streams import RequestStream
 from engine.requests.channels import RowChannels
 from engine.requests.prepare import PreparedRequest, RequestSpec

@@ -14,14 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from engine.core.footprint import ModelFootprint
+from engine.core.lane import LaneKind
 from engine.errors import ContextLengthError, KVBudgetError
-
-
-class LaneKind(Enum):
-    """Where a request runs: in the shared batch, or alone between batch steps."""
-
-    BATCH = "batch"
-    SERIAL = "serial"
 
 
 class BatchMode(str, Enum):

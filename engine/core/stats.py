@@ -1,8 +1,17 @@
-"""EngineStats: a snapshot of what the engine is doing and has done."""
+"""EngineStats: a snapshot of what the engine is doing and has done; StatsBook keeps it.
+
+Every write to the engine's figures goes through ``StatsBook``, under its lock: counters
+the step core adds to as rows start, step and end, and gauges the engine sets each turn.
+Callers on any thread read a consistent copy (``Engine.stats()``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from engine.requests.request import FinishReason
 
 
 @dataclass
@@ -55,3 +64,69 @@ class EngineStats:
     embed_cancelled: int = 0  # cancelled or timed out: never run, or their vectors dropped
     embed_failed: int = 0
     embed_seconds: float = 0.0  # in encoder calls
+
+
+_FIELDS = frozenset(f.name for f in fields(EngineStats))
+
+
+class StatsBook:
+    """The one writer of an engine's ``EngineStats``; safe from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = EngineStats()
+
+    def snapshot(self) -> EngineStats:
+        """A consistent copy of every figure."""
+        with self._lock:
+            return replace(self._stats)
+
+    def set(self, **values: Any) -> None:
+        """Set gauges (what is true now: rows running, bytes held...) in one update."""
+        unknown = set(values) - _FIELDS
+        if unknown:
+            raise AttributeError(f"EngineStats has no field(s) {sorted(unknown)}")
+        with self._lock:
+            for name, value in values.items():
+                setattr(self._stats, name, value)
+
+    def add(self, **amounts: float) -> None:
+        """Add to counters (tokens, seconds, requests) in one update."""
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self._stats, name, getattr(self._stats, name) + amount)
+
+    def stepped(self, seconds: float, width: int, tokens: int, forced: int,
+                drafted: int) -> None:
+        """A lane step: its time and width, and the tokens it produced."""
+        with self._lock:
+            stats = self._stats
+            stats.steps += 1
+            stats.step_seconds += seconds
+            stats.peak_running = max(stats.peak_running, width)
+            stats.generated_tokens += tokens
+            stats.forced_tokens += forced
+            stats.drafted_tokens += drafted
+
+    def ended(self, reason: FinishReason, *, was_running: bool, was_pending: bool,
+              kv_bytes_projected: int | None = None) -> None:
+        """A row ended: counted by outcome, no longer running or pending, and (when given)
+        the running rows' worst-case KV without it.
+
+        Called before its consumer wakes, one row at a time, so whoever holds a result
+        sees its row gone and the counts agree with completed/cancelled at every moment.
+        """
+        with self._lock:
+            stats = self._stats
+            if reason is FinishReason.ERROR:
+                stats.failed += 1
+            elif reason is FinishReason.CANCELLED:
+                stats.cancelled += 1
+            else:
+                stats.completed += 1
+            if was_running:
+                stats.running = max(0, stats.running - 1)
+            elif was_pending:
+                stats.pending = max(0, stats.pending - 1)
+            if kv_bytes_projected is not None:
+                stats.kv_bytes_projected = kv_bytes_projected

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine.config import EngineConfig
 from engine.core.footprint import ModelFootprint
-from engine.core.lane import Lane
+from engine.core.lane import Lane, LaneKind
 from engine.core.memory import MemoryBounds, resident_bytes, resolve_bounds
 from engine.core.prefix_cache import PrefixStore
 from engine.device.batch_lane import BatchLane
@@ -60,14 +60,14 @@ class Lanes:
     store: PrefixStore
     channel: Channel | None = None  # sharded: rank 0's messages to the other ranks
     # Rank 0 of a sharded engine: the lanes the loop drives (engine.distributed.replicate).
-    replicated: dict[str, Lane] = field(default_factory=dict)
+    replicated: dict[LaneKind, Lane] = field(default_factory=dict)
 
-    def lane(self, name: str) -> Lane:
+    def lane(self, kind: LaneKind) -> Lane:
         """The lane the engine loop drives: replicated to the followers when sharded."""
-        found = self.replicated.get(name)
+        found = self.replicated.get(kind)
         if found is not None:
             return found
-        return self.batch if name == "batch" else self.serial
+        return self.batch if kind is LaneKind.BATCH else self.serial
 
     @staticmethod
     def device_memory() -> tuple[int, int]:

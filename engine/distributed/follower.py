@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from engine.config import EngineConfig, checked_engine_args
+from engine.core.lane import LaneKind
 from engine.distributed.protocol import follower_patience
 from engine.engine import ModelSpec
 from engine.errors import EngineError
@@ -64,7 +65,7 @@ def follow(model: ModelSpec = None, config: EngineConfig | None = None, *,
         if lanes.channel is None:
             raise EngineError("the sharded model did not load as a shard")
         log.info("rank %d follows rank 0 (%s split)", group.rank(), config.shard)
-        follow_lanes(lanes.channel, {"batch": lanes.batch, "serial": lanes.serial}, tokens,
+        follow_lanes(lanes.channel, {kind: lanes.lane(kind) for kind in LaneKind}, tokens,
                      follower_patience(config))
     finally:
         release_streams()

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from engine.config import EngineConfig
-from engine.core.lane import LaneRow
+from engine.core.lane import LaneKind, LaneRow
 from engine.requests.request import SamplingParams
 
-LaneName = Literal["batch", "serial"]
 LaneOp = Literal["insert", "remove", "reset", "step"]
 
 
@@ -28,7 +27,7 @@ LaneOp = Literal["insert", "remove", "reset", "step"]
 class LaneCall:
     """One lane method call on rank 0, to be repeated on every follower."""
 
-    lane: LaneName
+    lane: LaneKind
     op: LaneOp
     rows: tuple[LaneRow, ...] = ()
     request_ids: tuple[int, ...] = ()

@@ -12,14 +12,14 @@ import os
 import threading
 import time
 
-from engine.core.lane import Lane
+from engine.core.lane import Lane, LaneKind
 from engine.device.collectives import Channel
-from engine.distributed.protocol import LaneName, decode
+from engine.distributed.protocol import decode
 
 log = logging.getLogger("engine")
 
 
-def follow_lanes(channel: Channel, lanes: dict[LaneName, Lane],
+def follow_lanes(channel: Channel, lanes: dict[LaneKind, Lane],
                  tokens: dict[int, list[int]] | None = None,
                  patience: float | None = None) -> None:
     """A follower's loop: perform rank 0's calls on these lanes until it shuts down.
@@ -57,7 +57,7 @@ class _Patience:
         self._stop.set()
 
 
-def _follow(channel: Channel, lanes: dict[LaneName, Lane],
+def _follow(channel: Channel, lanes: dict[LaneKind, Lane],
             tokens: dict[int, list[int]] | None, alive: _Patience | None) -> None:
     while True:
         message = decode(channel.receive())

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from engine.core.lane import Lane, LaneRow, LaneStep
+from engine.core.lane import Lane, LaneKind, LaneRow, LaneStep
 from engine.device.loader import Lanes
 from engine.distributed.link import Link
-from engine.distributed.protocol import LaneCall, LaneName
+from engine.distributed.protocol import LaneCall
 from engine.errors import EngineDeadError
 
 
 class ReplicatedLane:
     """Rank 0's lane: every call is repeated on each follower's lane; implements ``Lane``."""
 
-    def __init__(self, name: LaneName, lane: Lane, link: Link) -> None:
-        self.name: LaneName = name
+    def __init__(self, name: LaneKind, lane: Lane, link: Link) -> None:
+        self.name = name
         self.inner = lane
         self._link = link
 
@@ -51,6 +51,6 @@ def replicate(lanes: Lanes, timeout: float,
     """Rank 0: the loop drives ``lanes`` through replicated lanes; the link to the others."""
     assert lanes.channel is not None, "replicate needs a sharded model's lanes"
     link = Link(lanes.channel, timeout, on_hang)
-    lanes.replicated = {"batch": ReplicatedLane("batch", lanes.batch, link),
-                        "serial": ReplicatedLane("serial", lanes.serial, link)}
+    lanes.replicated = {kind: ReplicatedLane(kind, lanes.lane(kind), link)
+                        for kind in LaneKind}
     return link

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core.footprint import LayerFootprint, ModelFootprint
-from engine.core.scheduler import BatchMode, LaneKind, Scheduler, Ticket
+from engine.core.lane import LaneKind
+from engine.core.scheduler import BatchMode, Scheduler, Ticket
 from engine.errors import ContextLengthError, KVBudgetError
 
 KV = ModelFootprint.of([LayerFootprint("KVCache", True, bytes_per_token=10)] * 2, 1000)
