@@ -121,11 +121,12 @@ PHASES = {
         probe.slow_steps(0.02)
         eng = Engine(MODEL, probe=probe).start()
         handle = eng.submit("hello", SamplingParams(max_tokens=1500, ignore_eos=True))
-        for event in handle:
+        events = iter(handle)  # one iterator: dropping one after a break cancels the row
+        for event in events:
             if eng.stats().generated_tokens >= 4:
                 say("ready")
                 break
-        for event in handle:
+        for event in events:
             pass
     """,
 }
