@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -12,10 +12,31 @@ import anyio
 
 from engine import EngineConfig, follow, get_engine
 
+_NO_CAP = "none"  # what `--kv-budget-bytes none` parses to until the config is built
+
+
+def _byte_count(*words: str) -> Callable[[str], int | str]:
+    """A byte count, or one of ``words`` ("auto": the engine sizes it; "none": no cap)."""
+    def parse(text: str) -> int | str:
+        word = text.strip().lower()
+        if word in words:
+            return word
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a number of bytes or one of {', '.join(words)}, got {text!r}"
+            ) from None
+    parse.__name__ = "bytes"  # argparse names the type in its error message
+    return parse
+
+
 # EngineConfig fields offered on the command line (the rest keep their defaults).
-_ENGINE_OPTIONS: dict[str, type] = {
-    "max_batch": int, "prefill_batch": int, "prefill_chunk": int, "kv_budget_bytes": int,
-    "max_kv_size": int, "prefix_cache_bytes": int, "prefix_cache_ttl": float,
+_ENGINE_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "max_batch": int, "prefill_batch": int, "prefill_chunk": int,
+    "kv_budget_bytes": _byte_count("auto", _NO_CAP),
+    "max_kv_size": int, "prefix_cache_bytes": _byte_count("auto"),
+    "buffer_cache_bytes": _byte_count("auto"), "prefix_cache_ttl": float,
     "shard": str, "distributed_timeout": float, "admission_window": float,
 }
 # Where the server's default differs from the engine's: HTTP requests sent together reach
@@ -77,8 +98,7 @@ def serve(args: argparse.Namespace) -> int:
     from mlx_providers.server.app import create_app, served_name
     from mlx_providers.server.context import ServerSettings
 
-    config: dict[str, Any] = {name: getattr(args, name) for name in _ENGINE_OPTIONS
-                              if getattr(args, name) is not None}
+    config = engine_config(args)
     # Sharded (--shard, every rank runs this same command): ranks 1..n-1 follow rank 0's
     # engine until it shuts down; rank 0 goes on to serve.
     if follow(args.model, EngineConfig(**config)):
@@ -101,6 +121,15 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def engine_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the command line set (``none`` spelled as no cap)."""
+    config: dict[str, Any] = {name: getattr(args, name) for name in _ENGINE_OPTIONS
+                              if getattr(args, name) is not None}
+    if config.get("kv_budget_bytes") == _NO_CAP:
+        config["kv_budget_bytes"] = None
+    return config
 
 
 def embedding_models(option: str | None) -> dict[str, str | None]:

@@ -14,8 +14,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import Engine
-from mlx_providers.server.cli import parser
+from engine import Engine, EngineConfig
+from mlx_providers.server.cli import engine_config, parser
 from tests.server.conftest import LiveServer
 
 Serve = Callable[..., tuple[LiveServer, Engine]]
@@ -85,6 +85,25 @@ def test_the_command_line_defaults_to_loopback() -> None:
     # An idle server waits briefly for a burst (the engine's own default is 0).
     assert args.admission_window == 0.025
     assert parser().parse_args(["serve", "--admission-window", "0"]).admission_window == 0
+
+
+def test_the_memory_bounds_take_bytes_auto_or_none() -> None:
+    """The budgets' three spellings reach EngineConfig as it takes them; absent = auto."""
+    def config(*flags: str) -> dict[str, object]:
+        return engine_config(parser().parse_args(["serve", *flags]))
+
+    assert "kv_budget_bytes" not in config()  # EngineConfig's default: "auto"
+    assert config("--kv-budget-bytes", "none")["kv_budget_bytes"] is None
+    assert config("--kv-budget-bytes", "AUTO")["kv_budget_bytes"] == "auto"
+    assert config("--kv-budget-bytes", "1048576")["kv_budget_bytes"] == 1 << 20
+    assert config("--prefix-cache-bytes", "0")["prefix_cache_bytes"] == 0
+    assert config("--buffer-cache-bytes", "auto")["buffer_cache_bytes"] == "auto"
+    for built in (config("--kv-budget-bytes", "none", "--prefix-cache-bytes", "0"),
+                  config("--buffer-cache-bytes", "4096")):
+        EngineConfig(**built)  # what serve() builds is a valid config
+    for bad in (["--kv-budget-bytes", "lots"], ["--prefix-cache-bytes", "none"]):
+        with pytest.raises(SystemExit):  # argparse names the option and exits 2
+            parser().parse_args(["serve", *bad])
 
 
 def test_the_command_serves_a_model(tiny_model_dir: Path) -> None:
