@@ -66,8 +66,10 @@ class EmbeddingService:
 
     def __init__(self, window: float, max_batch: int, share: float = 1.0, *,
                  clock: Callable[[], float] = time.perf_counter,
-                 now: Callable[[], float] = time.monotonic) -> None:
-        """``clock`` times encoder calls, ``now`` is the requests' time (test seams)."""
+                 now: Callable[[], float] = time.monotonic,
+                 before_encode: Callable[[list[str]], None] | None = None) -> None:
+        """``clock`` times encoder calls, ``now`` is the requests' time (test seams);
+        ``before_encode(texts)`` runs just before each batch is encoded (``StepProbe``)."""
         self.batcher = EmbeddingBatcher(window, max_batch)
         self.counters = EmbeddingCounters()
         self.share = share
@@ -80,6 +82,7 @@ class EmbeddingService:
         self._credit = 0.0  # encoder seconds earned by decode steps, less those spent
         self._last_batch = 0.0
         self._encoders: dict[Path, Encoder] = {}
+        self._before_encode = before_encode
 
     @property
     def weights_bytes(self) -> int:
@@ -159,7 +162,10 @@ class EmbeddingService:
             return
         texts = [text for span in spans for text in span.texts]
         try:
-            encoded = self._encoder(spans[0].request.model_path).encode(texts)
+            encoder = self._encoder(spans[0].request.model_path)
+            if self._before_encode is not None:
+                self._before_encode(texts)
+            encoded = encoder.encode(texts)
         except Exception as exc:  # this batch's requests fail; the engine goes on
             log.error("embedding batch failed: %r", exc)
             for span in spans:
