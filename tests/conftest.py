@@ -113,6 +113,24 @@ class Turns:
         return self.last
 
 
+class HeldEmbeddings:
+    """A probe's ``on_embed`` hook: once ``armed``, each embedding batch's texts are recorded
+    and the engine thread waits for ``go`` before encoding them, so a test decides when the
+    running batch ends (``StepProbe(on_embed=held)``)."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.armed = False
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def __call__(self, texts: list[str]) -> None:
+        if not self.armed:
+            return
+        self.calls.append(list(texts))
+        self.started.set()
+        assert self.go.wait(30)
+
+
 def kv_bytes_for(make_engine: Callable[..., Engine], tokens: int) -> int:
     """What the scheduler counts for a row of ``tokens`` (prompt + max_tokens) of KV: the
     projection a probe sees on the turn that admits one such row alone."""
