@@ -7,7 +7,8 @@ checked as the engine checks it (``request_spec``: bad tools, tool choices and s
 values raise at once, the same errors), recorded in ``calls``, and answered from its
 ``Reply``: one event per piece of content, then the final event with the completion, all
 published before ``submit`` returns (the handle's stream buffers them, so sync, asyncio
-and trio consumers read them as they would an engine's).
+and trio consumers read them as they would an engine's). A ``held`` reply never ends by
+itself: like a long row, it ends when its handle is cancelled (``calls[i].cancelled``).
 
 Put one behind the adapters with ``engine.registry.shared_engine(name, fake)``: every
 ``ChatMLXBatch(model=name)`` / ``MLXBatchLLM(model=name)`` then talks to it.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ class Reply:
     error: BaseException | None = None  # the request fails with this (final event's error)
     prompt_tokens: int = 7
     cached_tokens: int = 0
+    held: bool = False  # publish the pieces, then end only when cancelled (a long row)
 
 
 @dataclass
@@ -127,26 +129,33 @@ class ScriptedEngine:
         reply = self.reply(call) if callable(self.reply) else self.reply
         stream = RequestStream()
 
+        ids: list[int] = []
+        usage = Usage(prompt_tokens=reply.prompt_tokens, cached_tokens=reply.cached_tokens,
+                      time_to_first_token=0.01, decode_tokens_per_second=100.0)
+
+        def end(reason: FinishReason, error: BaseException | None) -> None:
+            text = "".join(reply.pieces)
+            final = replace(usage, completion_tokens=len(ids))
+            completion = Completion(text, tuple(ids), reason, final, content=text,
+                                    reasoning=reply.reasoning, tool_calls=reply.tool_calls,
+                                    invalid_tool_calls=reply.invalid_tool_calls)
+            stream.publish(StreamEvent("", (), None, reason, final, error,
+                                       completion=completion), completion)
+
         def cancel() -> None:
-            call.cancelled = True
+            if not call.cancelled:
+                call.cancelled = True
+                end(FinishReason.CANCELLED, None)
 
         call.handle = RequestHandle(next(self._ids), stream, cancel)
-        ids: list[int] = []
         for i, piece in enumerate(reply.pieces):
             ids.append(i + 1)
             if on_token is not None:
                 on_token(i + 1, piece)
             stream.publish(StreamEvent(piece, (i + 1,), content=piece))
-        usage = Usage(prompt_tokens=reply.prompt_tokens, completion_tokens=len(ids),
-                      cached_tokens=reply.cached_tokens, time_to_first_token=0.01,
-                      decode_tokens_per_second=100.0)
-        text = "".join(reply.pieces)
-        completion = Completion(text, tuple(ids), reply.finish_reason, usage, content=text,
-                                reasoning=reply.reasoning, tool_calls=reply.tool_calls,
-                                invalid_tool_calls=reply.invalid_tool_calls)
-        reason = FinishReason.ERROR if reply.error is not None else reply.finish_reason
-        stream.publish(StreamEvent("", (), None, reason, usage, reply.error,
-                                   completion=completion), completion)
+        if not reply.held:
+            end(FinishReason.ERROR if reply.error is not None else reply.finish_reason,
+                reply.error)
         return call.handle
 
 
