@@ -53,7 +53,7 @@ def get_engine(model: ModelSpec = None, **config: Any) -> Engine:
 @contextmanager
 def shared_engine(model: ModelSpec, engine: Engine) -> Iterator[Engine]:
     """While inside, ``engine`` is the process-wide engine for ``model``: ``get_engine(model)``,
-    and so every ``ChatMLXBatch``, ``MLXBatchLLM`` and server built for ``model``, uses it.
+    and so every ``ChatMLXBatch`` and ``MLXBatchLLM`` built for ``model``, uses it.
 
     For an engine built by hand (with a ``StepProbe``, say) and for tests' scripted
     stand-ins with ``Engine``'s public API. On exit the engine that was shared before, if
