@@ -67,9 +67,12 @@ class EmbeddingService:
     def __init__(self, window: float, max_batch: int, share: float = 1.0, *,
                  clock: Callable[[], float] = time.perf_counter,
                  now: Callable[[], float] = time.monotonic,
-                 before_encode: Callable[[list[str]], None] | None = None) -> None:
+                 before_encode: Callable[[list[str]], None] | None = None,
+                 load_encoder: Callable[[Path], Encoder] | None = None) -> None:
         """``clock`` times encoder calls, ``now`` is the requests' time (test seams);
-        ``before_encode(texts)`` runs just before each batch is encoded (``StepProbe``)."""
+        ``before_encode(texts)`` runs just before each batch is encoded (``StepProbe``);
+        ``load_encoder(path)`` loads a model's encoder (default: ``engine.device.encoder``;
+        anything with ``encode(texts)`` and ``nbytes``, so tests run without mlx)."""
         self.batcher = EmbeddingBatcher(window, max_batch)
         self.counters = EmbeddingCounters()
         self.share = share
@@ -83,6 +86,7 @@ class EmbeddingService:
         self._last_batch = 0.0
         self._encoders: dict[Path, Encoder] = {}
         self._before_encode = before_encode
+        self._load_encoder = load_encoder
 
     @property
     def weights_bytes(self) -> int:
@@ -92,6 +96,11 @@ class EmbeddingService:
     @property
     def pending(self) -> int:
         return len(self.batcher)
+
+    @property
+    def part_run(self) -> int:
+        """Split requests with some of their chunks run and the rest still to run."""
+        return len(self._progress)
 
     def add(self, request: EmbeddingRequest) -> None:
         self.batcher.add(request.model_path, request)
@@ -209,8 +218,12 @@ class EmbeddingService:
     def _encoder(self, path: Path) -> Encoder:
         encoder = self._encoders.get(path)
         if encoder is None:
-            from engine.device.encoder import Encoder
-
             log.info("loading embedding model %s", path)
-            encoder = self._encoders[path] = Encoder(path)
+            if self._load_encoder is not None:
+                encoder = self._load_encoder(path)
+            else:
+                from engine.device.encoder import Encoder
+
+                encoder = Encoder(path)
+            self._encoders[path] = encoder
         return encoder
