@@ -126,9 +126,9 @@ class Engine:
         self._chat_bound = 0
         self._held: list[_Command] = []  # commands a chatless loop left for the chat loop
         self._embedding_paths: dict[ModelSpec, Path] = {}
-        self._embeddings = EmbeddingService(self.config.embed_window,
-                                            self.config.embed_max_batch,
-                                            self.config.embed_share)
+        self._embeddings = EmbeddingService(
+            self.config.embed_window, self.config.embed_max_batch, self.config.embed_share,
+            before_encode=None if probe is None else probe.before_embed)
         # Engine-thread state below: touched only by the engine thread once it runs
         # (the model and preparer are read-only for callers after loading).
         self._model: LoadedModel | None = None
@@ -459,8 +459,11 @@ class Engine:
         stepping += self._run_embeddings(stepping)  # between steps, never beside one
         self._publish_stats(time.perf_counter() - started - stepping)
         if self._probe is not None:
+            lanes = self._lanes
+            assert lanes is not None
             self._probe.turn_ended(TurnReport(turn.admitted, turn.kv_bytes_projected,
-                                              turn.prefix_bytes, self.stats()))
+                                              turn.prefix_bytes, self.stats(),
+                                              lanes.rows_held(), lanes.batch_kv_bytes()))
         return True
 
     def _take_commands(self, block: bool, wait: float | None = None) -> list[_Command]:

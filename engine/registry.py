@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,30 @@ def get_engine(model: ModelSpec = None, **config: Any) -> Engine:
                 "config, or close it first"
             )
         return engine
+
+
+@contextmanager
+def shared_engine(model: ModelSpec, engine: Engine) -> Iterator[Engine]:
+    """While inside, ``engine`` is the process-wide engine for ``model``: ``get_engine(model)``,
+    and so every ``ChatMLXBatch`` and ``MLXBatchLLM`` built for ``model``, uses it.
+
+    For an engine built by hand (with a ``StepProbe``, say) and for tests' scripted
+    stand-ins with ``Engine``'s public API. On exit the engine that was shared before, if
+    any, is shared again; ``engine`` itself is left open (its owner closes it).
+    """
+    key = _key(model)
+    with _lock:
+        before = _engines.get(key)
+        _engines[key] = engine
+    try:
+        yield engine
+    finally:
+        with _lock:
+            if _engines.get(key) is engine:
+                if before is None:
+                    del _engines[key]
+                else:
+                    _engines[key] = before
 
 
 def get_embedding_engine() -> Engine:

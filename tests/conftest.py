@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import engine  # noqa: F401 - loads the fast BLAS before anything imports mlx
-from engine import Engine, EngineConfig, SamplingParams, StepProbe
+from engine import Engine, EngineConfig, SamplingParams, StepProbe, TurnReport
+from engine.requests.prompts import PromptRenderer
 from testkit.tiny_model import build_tiny_model
 
 _build_lock = threading.Lock()
@@ -82,6 +83,70 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not reached within {timeout:.1f} s")
         time.sleep(0.002)
+
+
+def threads_started_by(action: Callable[[], object]) -> set[threading.Thread]:
+    """The Python threads alive after ``action()`` that were not before it (an engine's
+    thread, seen from outside)."""
+    before = set(threading.enumerate())
+    action()
+    return set(threading.enumerate()) - before
+
+
+class Turns:
+    """Records an engine's ``TurnReport``s: pass ``turns.probe`` to the engine."""
+
+    def __init__(self, **hooks: Callable[..., None]) -> None:
+        self.reports: list[TurnReport] = []
+        self.probe = StepProbe(on_turn=self.reports.append, **hooks)
+
+    @property
+    def last(self) -> TurnReport:
+        assert self.reports, "no turn has ended yet"
+        return self.reports[-1]
+
+    def settled(self, timeout: float = 20.0) -> TurnReport:
+        """The report of the turn that left the engine with no row running or waiting
+        (every report is a consistent end-of-turn snapshot, unlike a bare ``stats()``)."""
+        wait_until(lambda: bool(self.reports) and self.last.stats.running == 0
+                   and self.last.stats.pending == 0, timeout)
+        return self.last
+
+
+class HeldEmbeddings:
+    """A probe's ``on_embed`` hook: once ``armed``, each embedding batch's texts are recorded
+    and the engine thread waits for ``go`` before encoding them, so a test decides when the
+    running batch ends (``StepProbe(on_embed=held)``)."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.armed = False
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def __call__(self, texts: list[str]) -> None:
+        if not self.armed:
+            return
+        self.calls.append(list(texts))
+        self.started.set()
+        assert self.go.wait(30)
+
+
+def kv_bytes_for(make_engine: Callable[..., Engine], tokens: int) -> int:
+    """What the scheduler counts for a row of ``tokens`` (prompt + max_tokens) of KV: the
+    projection a probe sees on the turn that admits one such row alone."""
+    turns = Turns()
+    eng = make_engine(probe=turns.probe)
+    eng.submit(prompts_of_lengths(eng, [10])[0], greedy(tokens - 10)).result(timeout=60)
+    return next(report.kv_bytes_projected for report in turns.reports if report.admitted)
+
+
+def prompt_renderer(eng: Engine) -> PromptRenderer:
+    """The engine's prompt rendering for its model, as a module of its own (what
+    ``submit`` encodes a prompt with)."""
+    import json
+
+    vocab = json.loads((eng.model_path / "config.json").read_text())["vocab_size"]
+    return PromptRenderer(eng.tokenizer, eng.model_path, vocab)
 
 
 def prompts_of_lengths(eng: Engine, lengths: list[int], seed: int = 0) -> list[list[int]]:

@@ -14,14 +14,21 @@ one per turn of its loop. Pure: it never touches the model and imports no mlx.
 - ``on_turn(report)``, if given, runs on the engine thread at the end of every turn of the
   loop with a ``TurnReport``. It must be quick and must not raise: an exception there kills
   the engine, as any bug in the loop would.
+- ``on_step(lane)``, if given, runs on the thread that steps a lane, just before the step
+  (after the delay, before an armed fault): which thread does the model work, which lanes
+  step. The same rules as ``on_turn``.
+- ``on_embed(texts)``, if given, runs on the engine thread just before an embedding batch
+  is encoded, with the batch's texts. It may block: the engine thread then waits as it
+  would for a slow encoder (tests hold a running batch this way). Raising fails that
+  batch's requests, as an encoder error would.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from engine.core.stats import EngineStats
 
@@ -34,15 +41,26 @@ class TurnReport:
     kv_bytes_projected: int  # worst-case KV bytes of the running rows right after admission
     prefix_bytes: int  # bytes the prefix cache held right after admission
     stats: EngineStats  # a snapshot at the end of the turn, after the lane steps
+    # At the end of the turn: rows each lane holds ("batch", "serial"), and the KV bytes
+    # held by the batch lane's mlx-lm generator (prompts waiting, prefilling, decoding;
+    # rows out of it to fast-forward or speculate are not counted). Rows that ended or
+    # were cancelled must be gone from both.
+    lane_rows: Mapping[str, int] = field(default_factory=dict)
+    batch_kv_bytes: int = 0
 
 
 class StepProbe:
     """Injects model-step faults and observes every turn; thread-safe to arm from anywhere."""
 
-    def __init__(self, on_turn: Callable[[TurnReport], None] | None = None) -> None:
-        if on_turn is not None and not callable(on_turn):
-            raise TypeError(f"on_turn must be callable, got {type(on_turn).__name__}")
+    def __init__(self, on_turn: Callable[[TurnReport], None] | None = None, *,
+                 on_step: Callable[[str], None] | None = None,
+                 on_embed: Callable[[list[str]], None] | None = None) -> None:
+        for name, hook in (("on_turn", on_turn), ("on_step", on_step), ("on_embed", on_embed)):
+            if hook is not None and not callable(hook):
+                raise TypeError(f"{name} must be callable, got {type(hook).__name__}")
         self.on_turn = on_turn
+        self.on_step = on_step
+        self.on_embed = on_embed
         self._lock = threading.Lock()
         self._error: Exception | None = None
         self._remaining = 0  # steps still to fail; -1: every step
@@ -90,6 +108,8 @@ class StepProbe:
             delay = self._delay
         if delay:
             time.sleep(delay)
+        if self.on_step is not None:
+            self.on_step(lane)
         with self._lock:
             error = self._error
             if error is None:
@@ -104,6 +124,11 @@ class StepProbe:
     def turn_ended(self, report: TurnReport) -> None:
         if self.on_turn is not None:
             self.on_turn(report)
+
+    def before_embed(self, texts: list[str]) -> None:
+        """An embedding batch of ``texts`` is about to be encoded (engine thread)."""
+        if self.on_embed is not None:
+            self.on_embed(texts)
 
 
 def _check_error(error: object) -> None:

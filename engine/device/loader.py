@@ -69,6 +69,14 @@ class Lanes:
             return found
         return self.batch if kind is LaneKind.BATCH else self.serial
 
+    def rows_held(self) -> dict[str, int]:
+        """Rows each lane holds now (the local lanes; a probe's ``TurnReport``)."""
+        return {LaneKind.BATCH.value: len(self.batch), LaneKind.SERIAL.value: len(self.serial)}
+
+    def batch_kv_bytes(self) -> int:
+        """KV bytes the batch lane's generator holds now, in every stage of a prompt."""
+        return int(self.batch.generator.prompt_cache_nbytes)
+
     @staticmethod
     def device_memory() -> tuple[int, int]:
         """MLX's allocator now: bytes in live arrays, bytes it keeps cached for reuse."""

@@ -66,8 +66,13 @@ class EmbeddingService:
 
     def __init__(self, window: float, max_batch: int, share: float = 1.0, *,
                  clock: Callable[[], float] = time.perf_counter,
-                 now: Callable[[], float] = time.monotonic) -> None:
-        """``clock`` times encoder calls, ``now`` is the requests' time (test seams)."""
+                 now: Callable[[], float] = time.monotonic,
+                 before_encode: Callable[[list[str]], None] | None = None,
+                 load_encoder: Callable[[Path], Encoder] | None = None) -> None:
+        """``clock`` times encoder calls, ``now`` is the requests' time (test seams);
+        ``before_encode(texts)`` runs just before each batch is encoded (``StepProbe``);
+        ``load_encoder(path)`` loads a model's encoder (default: ``engine.device.encoder``;
+        anything with ``encode(texts)`` and ``nbytes``, so tests run without mlx)."""
         self.batcher = EmbeddingBatcher(window, max_batch)
         self.counters = EmbeddingCounters()
         self.share = share
@@ -80,6 +85,8 @@ class EmbeddingService:
         self._credit = 0.0  # encoder seconds earned by decode steps, less those spent
         self._last_batch = 0.0
         self._encoders: dict[Path, Encoder] = {}
+        self._before_encode = before_encode
+        self._load_encoder = load_encoder
 
     @property
     def weights_bytes(self) -> int:
@@ -89,6 +96,11 @@ class EmbeddingService:
     @property
     def pending(self) -> int:
         return len(self.batcher)
+
+    @property
+    def part_run(self) -> int:
+        """Split requests with some of their chunks run and the rest still to run."""
+        return len(self._progress)
 
     def add(self, request: EmbeddingRequest) -> None:
         self.batcher.add(request.model_path, request)
@@ -159,7 +171,10 @@ class EmbeddingService:
             return
         texts = [text for span in spans for text in span.texts]
         try:
-            encoded = self._encoder(spans[0].request.model_path).encode(texts)
+            encoder = self._encoder(spans[0].request.model_path)
+            if self._before_encode is not None:
+                self._before_encode(texts)
+            encoded = encoder.encode(texts)
         except Exception as exc:  # this batch's requests fail; the engine goes on
             log.error("embedding batch failed: %r", exc)
             for span in spans:
@@ -203,8 +218,12 @@ class EmbeddingService:
     def _encoder(self, path: Path) -> Encoder:
         encoder = self._encoders.get(path)
         if encoder is None:
-            from engine.device.encoder import Encoder
-
             log.info("loading embedding model %s", path)
-            encoder = self._encoders[path] = Encoder(path)
+            if self._load_encoder is not None:
+                encoder = self._load_encoder(path)
+            else:
+                from engine.device.encoder import Encoder
+
+                encoder = Encoder(path)
+            self._encoders[path] = encoder
         return encoder

@@ -38,6 +38,7 @@ from pydantic import BaseModel, Field
 from engine import LarkGrammar, OutputTruncatedError, SamplingParams
 from mlx_providers import MLXBatchLLM
 from mlx_providers._chat import normalize_messages
+from tests.fake_engine import scripted
 
 ASK = [ChatMessage(role=MessageRole.USER, content="What is the weather in Paris?")]
 PLAIN_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -171,28 +172,21 @@ async def test_async_streams_carry_delta_and_accumulated_text(llm: MLXBatchLLM) 
     assert len(text_chunks) > 2  # really streamed, not one final chunk
 
 
-async def test_stream_requests_start_at_first_iteration(
-        llm: MLXBatchLLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    submitted: list[Any] = []
-    real_submit = llm.engine.submit
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        submitted.append(args)
-        return real_submit(*args, **kwargs)
-
-    monkeypatch.setattr(llm.engine, "submit", spy)
-    stream = await llm.astream_chat(ASK)
-    text_stream = await llm.astream_complete("Once upon a time")
-    sync_stream = llm.stream_chat(ASK)
-    assert submitted == []
-    first = await stream.__anext__()
-    assert len(submitted) == 1 and first.delta
-    await stream.aclose()
-    next(sync_stream)
-    assert len(submitted) == 2
-    sync_stream.close()
-    await text_stream.aclose()  # never iterated: nothing to submit or cancel
-    assert len(submitted) == 2
+async def test_stream_requests_start_at_first_iteration() -> None:
+    with scripted("li-lazy-streams") as fake:
+        llm = MLXBatchLLM("li-lazy-streams", max_tokens=16)
+        stream = await llm.astream_chat(ASK)
+        text_stream = await llm.astream_complete("Once upon a time")
+        sync_stream = llm.stream_chat(ASK)
+        assert fake.calls == []
+        first = await stream.__anext__()
+        assert len(fake.calls) == 1 and first.delta
+        await stream.aclose()
+        next(sync_stream)
+        assert len(fake.calls) == 2
+        sync_stream.close()
+        await text_stream.aclose()  # never iterated: nothing to submit or cancel
+        assert len(fake.calls) == 2
 
 
 def test_usage_feeds_llama_index_token_counting(llm: MLXBatchLLM, model_dir: Path) -> None:

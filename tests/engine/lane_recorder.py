@@ -23,8 +23,9 @@ from engine.requests.prepare import Preparer
 class Recorder:
     """The lane under test, and which step each row was fed in and first decoded in."""
 
-    def __init__(self, lane: BatchLane) -> None:
+    def __init__(self, lane: BatchLane, model: Any) -> None:
         self.lane = lane
+        self.model = model  # the loaded mlx-lm model the lane runs
         self.steps = 0
         self.fed_at: dict[int, int] = {}
         self.first_token_at: dict[int, int] = {}
@@ -71,7 +72,7 @@ def on_lane_thread(tiny_model_dir: Path) -> Callable[[Callable[[LaneFactory], No
         cfg = EngineConfig(prefix_cache_bytes=0, **config)
         loaded = load_model(tiny_model_dir, cfg)
         preparer = Preparer(loaded.tokenizer, tiny_model_dir, loaded.vocab_size, 0)
-        return Recorder(build_lanes(loaded, cfg, preparer.compiler).batch)
+        return Recorder(build_lanes(loaded, cfg, preparer.compiler).batch, loaded.model)
 
     def run(body: Callable[[LaneFactory], None]) -> None:
         failure: list[BaseException] = []

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -10,7 +12,8 @@ import pytest
 from engine import Engine, FinishReason, SamplingParams
 from engine.errors import InvalidConstraintError
 from engine.requests.constraints import JsonObject, JsonSchema, LarkGrammar, Regex
-from tests.conftest import alone, greedy, prompts_of_lengths, wait_until
+from engine.requests.grammar import GrammarCompiler
+from tests.conftest import Turns, alone, greedy, prompts_of_lengths, wait_until
 
 TRIP = {
     "type": "object",
@@ -90,12 +93,13 @@ def test_constrained_rows_on_the_serial_lane(tiny_engine: Engine) -> None:
 
 
 def test_matchers_are_released_on_every_exit_path(make_engine) -> None:  # type: ignore[no-untyped-def]
-    eng = make_engine(max_batch=2)
+    turns = Turns()
+    eng = make_engine(max_batch=2, probe=turns.probe)
     schema = greedy(60, constraint=JsonSchema(TRIP))
     long_schema = greedy(1000, constraint=Regex("[a-z ]{0,2000}"))
 
-    def live() -> int:
-        return eng._preparer.compiler.live_matchers
+    def live() -> int:  # matchers held once the engine has nothing left to run
+        return turns.settled().stats.live_matchers
 
     # finished
     eng.submit("a", schema).result()
@@ -108,13 +112,13 @@ def test_matchers_are_released_on_every_exit_path(make_engine) -> None:  # type:
     running = [eng.submit(f"r{i}", long_schema, on_token=lambda t, _: seen.append(t))
                for i in range(2)]
     pending = eng.submit("p", long_schema)
-    wait_until(lambda: len(seen) > 4 and eng.stats().pending == 1)
-    assert live() == 2
+    wait_until(lambda: len(seen) > 4 and turns.last.stats.running == 2
+               and turns.last.stats.pending == 1)
+    assert turns.last.stats.live_matchers == 2
     pending.cancel()
     for h in running:
         h.cancel()
     assert all(h.result().finish_reason is FinishReason.CANCELLED for h in [pending, *running])
-    wait_until(lambda: eng.stats().running == 0)
     assert live() == 0
 
     # failed (its logits processor raises)
@@ -124,21 +128,26 @@ def test_matchers_are_released_on_every_exit_path(make_engine) -> None:  # type:
     with pytest.raises(RuntimeError):
         eng.submit("f", greedy(20, constraint=Regex("[a-z]+"),
                                logits_processors=(explode,))).result()
-    wait_until(lambda: eng.stats().running == 0)
     assert live() == 0
     # engine shutdown with a constrained row in flight
     seen.clear()
     eng.submit("s", long_schema, on_token=lambda t, _: seen.append(t))
-    wait_until(lambda: len(seen) > 2)
-    compiler = eng._preparer.compiler
+    wait_until(lambda: len(seen) > 2 and turns.last.stats.live_matchers == 1)
     eng.close()
-    assert compiler.live_matchers == 0
+    assert eng.stats().live_matchers == 0  # taken after the shutdown released every row
 
 
-def test_compiled_grammars_are_cached_and_bounded(tiny_engine: Engine) -> None:
-    compiler = tiny_engine._preparer.compiler
+def test_compiled_grammars_are_cached_and_bounded(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    # The compiler the engine builds for its tokenizer, with the default cache size.
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_model_dir), vocab)
+    size = inspect.signature(GrammarCompiler).parameters["cache_size"].default
     first = compiler.compile(JsonSchema(TRIP))
     assert compiler.compile(JsonSchema(dict(TRIP))) is first
-    for i in range(compiler._cache_size + 5):
-        compiler.compile(Regex(f"x{i}"))
-    assert len(compiler._compiled) == compiler._cache_size
+    others = [compiler.compile(Regex(f"x{i}")) for i in range(size - 1)]  # full now
+    assert compiler.compile(Regex("x0")) is others[0]  # kept, and now the newest
+    compiler.compile(Regex("one more"))  # past the bound: the least recent goes
+    assert compiler.compile(Regex("x0")) is others[0]
+    assert compiler.compile(JsonSchema(TRIP)) is not first

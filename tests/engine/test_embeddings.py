@@ -24,7 +24,7 @@ from engine import (
     TurnReport,
 )
 from testkit.numpy_bert import NumpyBert
-from tests.conftest import greedy, wait_until
+from tests.conftest import HeldEmbeddings, greedy, threads_started_by, wait_until
 
 SENTENCES = [
     "A man is eating food.",
@@ -184,19 +184,12 @@ def test_a_request_cancelled_while_its_batch_runs_gets_no_vectors(
     texts = SENTENCES[:3]
     alone = [vectors(embedding_engine, embedding_model_dir, [t])[0] for t in texts]
     # Three one-text requests fill a batch of three: due together, long before the window.
-    with Engine(tiny_model_dir, EngineConfig(embed_window=1.0, embed_max_batch=3)) as eng:
+    held = HeldEmbeddings()
+    with Engine(tiny_model_dir, EngineConfig(embed_window=1.0, embed_max_batch=3),
+                probe=StepProbe(on_embed=held)) as eng:
         eng.embed(texts, embedding_model_dir).result(timeout=60)  # loads the encoder
-        encoder = next(iter(eng._embeddings._encoders.values()))
-        real, started, go = encoder.encode, threading.Event(), threading.Event()
-        calls: list[list[str]] = []
-
-        def encode(batch: list[str]) -> object:  # holds the batch on the engine thread
-            calls.append(list(batch))
-            started.set()
-            assert go.wait(30)
-            return real(batch)
-
-        encoder.encode = encode  # type: ignore[method-assign,assignment]
+        held.armed = True  # each batch from now on holds the engine thread until go
+        started, go, calls = held.started, held.go, held.calls
         first, cancelled, last = (eng.embed([t], embedding_model_dir) for t in texts)
         assert started.wait(30)
         cancelled.cancel()  # its batch is running now
@@ -231,7 +224,10 @@ class _StuckStep(StepProbe):
 def test_the_watchdog_fails_waiting_embeddings_without_touching_the_batcher(
         tiny_model_dir: Path, embedding_model_dir: Path) -> None:
     stuck = _StuckStep()
-    eng = Engine(tiny_model_dir, EngineConfig(embed_window=1.0), probe=stuck).start()
+    engines: list[Engine] = []
+    started = threads_started_by(lambda: engines.append(
+        Engine(tiny_model_dir, EngineConfig(embed_window=1.0), probe=stuck).start()))
+    eng = engines[0]
     try:
         eng.embed(["warm up"] * 64, embedding_model_dir).result(timeout=60)  # a full batch
         waiting = eng.embed(["waiting for its window"], embedding_model_dir)
@@ -251,9 +247,10 @@ def test_the_watchdog_fails_waiting_embeddings_without_touching_the_batcher(
         # The batcher is the engine thread's: the watchdog left it as it was.
         assert len(eng._embeddings.batcher) == 1 and eng.stats().embed_failed == 1
         stuck.release.set()  # the step "returns": the engine thread dies and drains it
-        assert eng._thread is not None
-        eng._thread.join(30)
-        assert not eng._thread.is_alive() and len(eng._embeddings.batcher) == 0
+        for thread in started:
+            thread.join(30)
+        assert not any(thread.is_alive() for thread in started)
+        assert len(eng._embeddings.batcher) == 0
         assert eng._embeddings.counters.failed == 0  # already failed: not counted again
     finally:
         stuck.release.set()

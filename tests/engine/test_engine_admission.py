@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import ContextLengthError, Engine, FinishReason, KVBudgetError
-from tests.conftest import alone, greedy, prompts_of_lengths, wait_until
+from tests.conftest import alone, greedy, kv_bytes_for, prompts_of_lengths, wait_until
 
 
 def test_context_overflow_is_rejected_and_nothing_else_is_affected(tiny_engine: Engine) -> None:
@@ -21,8 +21,7 @@ def test_context_overflow_is_rejected_and_nothing_else_is_affected(tiny_engine: 
 
 
 def test_kv_budget_rejects_what_cannot_fit_alone(make_engine) -> None:  # type: ignore[no-untyped-def]
-    probe = make_engine()
-    per_row = probe._scheduler.footprint.bytes_for(100)
+    per_row = kv_bytes_for(make_engine, 100)
     eng = make_engine(kv_budget_bytes=per_row)
     prompt = prompts_of_lengths(eng, [60])[0]
     with pytest.raises(KVBudgetError, match="kv_budget_bytes"):
@@ -31,10 +30,9 @@ def test_kv_budget_rejects_what_cannot_fit_alone(make_engine) -> None:  # type: 
 
 
 def test_kv_budget_makes_requests_wait_fifo_without_deadlock(make_engine) -> None:  # type: ignore[no-untyped-def]
-    probe = make_engine()
-    footprint = probe._scheduler.footprint
     # Room for two 100-token rows at once, not three.
-    eng = make_engine(kv_budget_bytes=footprint.bytes_for(100) * 2 + footprint.bytes_for(50))
+    eng = make_engine(kv_budget_bytes=kv_bytes_for(make_engine, 100) * 2
+                      + kv_bytes_for(make_engine, 50))
     prompts = prompts_of_lengths(eng, [50] * 6, seed=1)
     params = greedy(50)
     reference = alone(eng, prompts, params)

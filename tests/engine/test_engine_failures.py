@@ -15,8 +15,7 @@ from engine import (
     SamplingParams,
     StepProbe,
 )
-from engine.device.batch_lane import BatchLane
-from tests.conftest import alone, greedy, prompts_of_lengths, wait_until
+from tests.conftest import alone, greedy, prompts_of_lengths, threads_started_by, wait_until
 
 
 def test_raising_callback_fails_only_its_row(tiny_engine: Engine) -> None:
@@ -158,7 +157,9 @@ def test_load_failure_is_reported_not_hung(tmp_path) -> None:  # type: ignore[no
 
 
 def test_close_cancels_in_flight_and_rejects_later_submits(make_engine) -> None:  # type: ignore[no-untyped-def]
-    eng = make_engine()
+    engines: list[Engine] = []
+    started = threads_started_by(lambda: engines.append(make_engine()))
+    eng = engines[0]
     tokens: list[int] = []
     handle = eng.submit("a long one", greedy(1500), on_token=lambda t, _: tokens.append(t))
     wait_until(lambda: len(tokens) > 2)
@@ -167,7 +168,7 @@ def test_close_cancels_in_flight_and_rejects_later_submits(make_engine) -> None:
         handle.result(timeout=10)
     with pytest.raises(EngineClosedError):
         eng.submit("after", greedy(2))
-    assert not eng._thread.is_alive()
+    assert started and not any(thread.is_alive() for thread in started)
 
 
 def test_seeded_sampling_runs_serially_and_reproduces(tiny_engine: Engine) -> None:
@@ -249,20 +250,17 @@ def test_usage_and_stats_add_up(make_engine) -> None:  # type: ignore[no-untyped
         assert r.usage.total_tokens == r.usage.prompt_tokens + 7
 
 
-def test_engine_thread_is_the_only_one_touching_mlx(make_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_engine_thread_is_the_only_one_touching_mlx(make_engine) -> None:  # type: ignore[no-untyped-def]
     seen: set[str] = set()
-    real_step = BatchLane.step
-
-    def recording_step(self: BatchLane):  # type: ignore[no-untyped-def]
-        seen.add(threading.current_thread().name)
-        return real_step(self)
-
-    monkeypatch.setattr(BatchLane, "step", recording_step)
-    eng = make_engine()
+    engines: list[Engine] = []
+    started = threads_started_by(lambda: engines.append(make_engine(
+        probe=StepProbe(on_step=lambda _lane: seen.add(threading.current_thread().name)))))
+    eng = engines[0]
     threads = [threading.Thread(target=lambda: eng.submit("hi", greedy(5)).result())
                for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(seen) == 1 and next(iter(seen)).startswith("mlx-engine")
+    # Every lane step ran on the one thread the engine started, none on a caller's.
+    assert seen and seen == {thread.name for thread in started}

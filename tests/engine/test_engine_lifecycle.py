@@ -8,12 +8,14 @@ import textwrap
 from pathlib import Path
 
 from engine import Engine, FinishReason
-from tests.conftest import greedy, wait_until
+from tests.conftest import Turns, greedy, threads_started_by, wait_until
 
 
 def test_construction_is_cheap_and_loading_is_lazy(tiny_model_dir: Path) -> None:
-    eng = Engine(tiny_model_dir)
-    assert eng._thread is None and not eng.stats().loaded
+    engines: list[Engine] = []
+    assert not threads_started_by(lambda: engines.append(Engine(tiny_model_dir)))
+    eng = engines[0]
+    assert not eng.stats().loaded
     assert eng.submit("hello", greedy(4)).result(timeout=60).usage.completion_tokens == 4
     assert eng.stats().loaded and eng.stats().context_limit == 2048
     eng.close()
@@ -22,23 +24,23 @@ def test_construction_is_cheap_and_loading_is_lazy(tiny_model_dir: Path) -> None
 
 def test_context_manager_closes(tiny_model_dir: Path) -> None:
     with Engine(tiny_model_dir) as eng:
-        eng.start()
-        thread = eng._thread
-    assert thread is not None and not thread.is_alive()
+        started = threads_started_by(eng.start)
+    assert started and not any(thread.is_alive() for thread in started)
 
 
 def test_evicted_rows_release_their_kv_memory(make_engine) -> None:  # type: ignore[no-untyped-def]
-    eng = make_engine(max_batch=4)
+    turns = Turns()
+    eng = make_engine(max_batch=4, probe=turns.probe)
     tokens: list[int] = []
     handles = [eng.submit(f"row {i} " * 50, greedy(1500), on_token=lambda t, _: tokens.append(t))
                for i in range(3)]
     wait_until(lambda: len(tokens) > 30)
-    assert eng._lanes.batch.generator.prompt_cache_nbytes > 0
+    assert turns.last.batch_kv_bytes > 0
     for h in handles:
         h.cancel()
     assert all(h.result().finish_reason is FinishReason.CANCELLED for h in handles)
-    wait_until(lambda: eng.stats().running == 0)
-    assert eng._lanes.batch.generator.prompt_cache_nbytes == 0
+    settled = turns.settled()
+    assert settled.batch_kv_bytes == 0 and settled.lane_rows == {"batch": 0, "serial": 0}
 
 
 def test_stats_report_mlx_allocator_memory(make_engine, tiny_model_dir: Path) -> None:  # type: ignore[no-untyped-def]

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import jsonschema
 import pytest
 
 from engine import Engine, FinishReason, SamplingParams
 from engine.requests.constraints import LarkGrammar
 from engine.requests.tools import normalize_tool_choice, normalize_tools
-from tests.conftest import greedy
+from tests.conftest import greedy, prompt_renderer
 from tests.unit.test_tools import WEATHER
 
 CLOCK = {"type": "function", "function": {
@@ -74,27 +78,39 @@ def test_malformed_calls_are_reported_not_raised(tiny_engine: Engine) -> None:
 
 
 def test_tools_are_rendered_by_the_template_when_it_can(tiny_engine: Engine) -> None:
-    runner = tiny_engine._preparer
-    assert runner.prompts.template_renders_tools()
-    ids = runner.prompts.encode_request(ASK, normalize_tools([WEATHER]), {}).ids
+    renderer = prompt_renderer(tiny_engine)
+    assert renderer.template_renders_tools()
+    ids = renderer.encode_request(ASK, normalize_tools([WEATHER]), {}).ids
     text = tiny_engine.tokenizer.decode(ids)
     assert "# Tools" in text and "get_weather" in text
 
 
-def test_fallback_system_prompt_when_the_template_ignores_tools(tiny_engine: Engine) -> None:
-    runner = tiny_engine._preparer
-    runner.prompts._renders_tools = False
-    try:
-        messages = [{"role": "system", "content": "Be terse."}, *ASK]
-        ids = runner.prompts.encode_request(messages, normalize_tools([WEATHER]), {}).ids
-        text = tiny_engine.tokenizer.decode(ids)
-        assert "Be terse." in text and "<tools>" in text and "get_weather" in text
-        assert "# Tools" not in text  # not the template's own tool section
-        forced = tiny_engine.submit(messages, greedy(80), tools=[WEATHER],
-                                    tool_choice="get_weather").result()
-        assert forced.tool_calls and forced.tool_calls[0].name == "get_weather"
-    finally:
-        runner.prompts._renders_tools = None
+def without_tools_in_template(model_dir: Path, out: Path) -> Path:
+    """A copy of the tiny model whose chat template ignores ``tools``."""
+    shutil.copytree(model_dir, out)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    template = config["chat_template"]
+    start = template.index("{%- if tools -%}")
+    end = template.index("{%- endif -%}", start) + len("{%- endif -%}")
+    config["chat_template"] = template[:start] + template[end:]
+    config_path.write_text(json.dumps(config))
+    return out
+
+
+def test_fallback_system_prompt_when_the_template_ignores_tools(
+        make_engine, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    eng = make_engine(without_tools_in_template(tiny_model_dir, tmp_path / "no-tools"))
+    renderer = prompt_renderer(eng)
+    assert not renderer.template_renders_tools()
+    messages = [{"role": "system", "content": "Be terse."}, *ASK]
+    ids = renderer.encode_request(messages, normalize_tools([WEATHER]), {}).ids
+    text = eng.tokenizer.decode(ids)
+    assert "Be terse." in text and "<tools>" in text and "get_weather" in text
+    assert "# Tools" not in text  # not the template's own tool section
+    forced = eng.submit(messages, greedy(80), tools=[WEATHER],
+                        tool_choice="get_weather").result()
+    assert forced.tool_calls and forced.tool_calls[0].name == "get_weather"
 
 
 def test_bad_tools_and_choices_raise_at_submit(tiny_engine: Engine) -> None:

@@ -59,7 +59,7 @@ def _first_tokens_early(lane_factory: LaneFactory) -> None:
     # Step 1 prefills all but each prompt's last token; step 2 runs the last tokens and
     # samples the first ones. mlx-lm itself returns them from step 3.
     assert {rec.first_token_at[r.request_id] for r in rows} == {2}
-    reference = _reference(rec.lane._model, [r.prompt for r in rows])
+    reference = _reference(rec.model, [r.prompt for r in rows])
     assert [rec.tokens[r.request_id][:TOKENS] for r in rows] == reference
 
 
@@ -89,7 +89,7 @@ def _mixed_samplers(lane_factory: LaneFactory) -> None:
     rec.insert(rows)
     _decode(rec, rows)
     assert {rec.first_token_at[r.request_id] for r in rows} == {2}
-    reference, reference_logprobs = _reference_with_logprobs(rec.lane._model,
+    reference, reference_logprobs = _reference_with_logprobs(rec.model,
                                                              [r.prompt for r in rows])
     assert [rec.tokens[r.request_id][:TOKENS] for r in rows] == reference
     first = logprobs[12][0]  # read from the tap: the numbers mlx-lm returns a step later

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, EngineConfig
-from tests.conftest import greedy, wait_until
+from tests.conftest import greedy, kv_bytes_for, prompt_renderer, wait_until
 
 
 def system_head(words: int = 150) -> str:
@@ -53,8 +53,7 @@ def test_reuse_never_changes_greedy_output(tiny_model_dir: Path) -> None:
 
 def warm_head_len(model_dir: Path) -> int:
     with Engine(model_dir) as eng:
-        eng.start()
-        return eng._preparer.prompts.encode_request(conversation(0), (), {}).head_len
+        return prompt_renderer(eng).encode_request(conversation(0), (), {}).head_len
 
 
 def test_a_running_row_donates_its_prefix(make_engine) -> None:  # type: ignore[no-untyped-def]
@@ -72,9 +71,7 @@ def test_a_running_row_donates_its_prefix(make_engine) -> None:  # type: ignore[
 
 
 def test_cache_shrinks_before_a_request_waits(make_engine) -> None:  # type: ignore[no-untyped-def]
-    probe = make_engine()
-    footprint = probe._scheduler.footprint
-    budget = footprint.bytes_for(600)
+    budget = kv_bytes_for(make_engine, 600)
     eng = make_engine(kv_budget_bytes=budget, max_batch=4)
     for i in range(6):  # fill the cache with distinct finished conversations
         eng.submit([{"role": "user", "content": f"story {i} " * 30}], greedy(20)).result()

@@ -16,10 +16,10 @@ import numpy as np
 import openai
 import pytest
 
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, StepProbe
 from mlx_providers.server import ServerSettings, create_app
 from mlx_providers.server.cli import embedding_models, parser
-from tests.conftest import wait_until
+from tests.conftest import HeldEmbeddings, wait_until
 from tests.server.conftest import LiveServer
 
 NAME = "all-MiniLM-L6-v2"
@@ -135,32 +135,17 @@ def test_the_cli_serves_the_default_embedding_model_unless_told_not_to(tmp_path:
     assert parser().parse_args(["serve"]).embedding_model is None
 
 
-class HeldEncoder:
-    """Wraps the engine's loaded encoder: each call is recorded, then waits for ``go``, so
-    a test decides when the running batch ends (the engine thread is held meanwhile)."""
-
-    def __init__(self, eng: Engine) -> None:
-        self.encoder = next(iter(eng._embeddings._encoders.values()))
-        self.real = self.encoder.encode
-        self.calls: list[list[str]] = []
-        self.started, self.go = threading.Event(), threading.Event()
-        self.encoder.encode = self.encode  # type: ignore[method-assign,assignment]
-
-    def encode(self, texts: list[str]) -> object:
-        self.calls.append(list(texts))
-        self.started.set()
-        assert self.go.wait(30)
-        return self.real(texts)
-
-
 @pytest.fixture
-def held(tiny_model_dir: Path) -> Iterator[tuple[LiveServer, Engine, HeldEncoder]]:
+def held(tiny_model_dir: Path) -> Iterator[tuple[LiveServer, Engine, HeldEmbeddings]]:
     """A fresh engine (one text per batch, so capacity is 1 + max_queue) and server, its
-    encoder held; ``max_queue=0``: one embedding request in flight at a time."""
-    eng = Engine(tiny_model_dir, EngineConfig(embed_window=0.0, embed_max_batch=1))
+    embedding batches held (``HeldEmbeddings``: each call is recorded, then waits for
+    ``go``); ``max_queue=0``: one embedding request in flight at a time."""
+    encoder = HeldEmbeddings()
+    eng = Engine(tiny_model_dir, EngineConfig(embed_window=0.0, embed_max_batch=1),
+                 probe=StepProbe(on_embed=encoder))
     live = LiveServer(create_app({"tiny": eng}, settings=ServerSettings(max_queue=0),
                                  embeddings={NAME: None})).start()  # warms the encoder up
-    encoder = HeldEncoder(eng)
+    encoder.armed = True
     try:
         yield live, eng, encoder
     finally:
@@ -184,7 +169,7 @@ def in_flight(server: LiveServer) -> int:
 
 
 def test_a_client_that_leaves_while_its_batch_runs_cancels_it(
-        held: tuple[LiveServer, Engine, HeldEncoder]) -> None:
+        held: tuple[LiveServer, Engine, HeldEmbeddings]) -> None:
     server, eng, encoder = held
     before = eng.stats()
     sock = leaving_client(server, {"model": NAME, "input": ["left while it ran"]})
@@ -199,7 +184,7 @@ def test_a_client_that_leaves_while_its_batch_runs_cancels_it(
 
 
 def test_a_client_that_leaves_while_its_request_waits_cancels_it_unrun(
-        held: tuple[LiveServer, Engine, HeldEncoder]) -> None:
+        held: tuple[LiveServer, Engine, HeldEmbeddings]) -> None:
     server, eng, encoder = held
     server.app.state.ctx.embeddings[NAME].admission.capacity = 2  # type: ignore[attr-defined]
     before = eng.stats()
@@ -222,7 +207,7 @@ def test_a_client_that_leaves_while_its_request_waits_cancels_it_unrun(
 
 
 def test_past_capacity_embeddings_are_429_with_retry_after(
-        held: tuple[LiveServer, Engine, HeldEncoder]) -> None:
+        held: tuple[LiveServer, Engine, HeldEmbeddings]) -> None:
     server, _, encoder = held
     assert server.app.state.ctx.embeddings[NAME].admission.capacity == 1  # type: ignore[attr-defined]
     body = {"model": NAME, "input": ["first"]}

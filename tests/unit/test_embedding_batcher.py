@@ -132,9 +132,9 @@ class _FakeEncoder:
 
 def _service(share: float, cost: float) -> EmbeddingService:
     clock = [0.0]
-    service = EmbeddingService(window=0.0, max_batch=4, share=share, clock=lambda: clock[0])
-    service._encoders[A] = _FakeEncoder(clock, cost)  # type: ignore[assignment]
-    return service
+    encoder = _FakeEncoder(clock, cost)
+    return EmbeddingService(window=0.0, max_batch=4, share=share, clock=lambda: clock[0],
+                            load_encoder=lambda path: encoder)  # type: ignore[arg-type,return-value]
 
 
 def _batches_run(service: EmbeddingService, turns: int, step_seconds: float) -> int:
@@ -179,9 +179,9 @@ class _IndexEncoder:
 def _indexed(max_batch: int, now: list[float] | None = None
              ) -> tuple[EmbeddingService, _IndexEncoder]:
     clock = now if now is not None else [0.0]
-    service = EmbeddingService(window=0.0, max_batch=max_batch, now=lambda: clock[0])
     encoder = _IndexEncoder()
-    service._encoders[A] = encoder  # type: ignore[assignment]
+    service = EmbeddingService(window=0.0, max_batch=max_batch, now=lambda: clock[0],
+                               load_encoder=lambda path: encoder)  # type: ignore[arg-type,return-value]
     return service, encoder
 
 
@@ -209,7 +209,7 @@ def test_a_split_request_runs_one_chunk_per_turn_and_equals_the_unsplit_run() ->
     assert got.prompt_tokens == want.prompt_tokens == 20
     counters = split.counters
     assert (counters.requests, counters.texts, counters.batches) == (1, 10, 3)
-    assert counters.peak_batch_texts == 4 and not split._progress
+    assert counters.peak_batch_texts == 4 and not split.part_run
 
 
 def test_the_handle_finishes_only_with_the_last_chunk() -> None:
@@ -236,7 +236,7 @@ def test_cancelled_between_chunks_the_rest_never_runs() -> None:
         big.outcome()
     assert later.outcome().vectors.shape == (1, 2)
     assert (service.counters.cancelled, service.counters.requests) == (1, 1)
-    assert not service._progress
+    assert not service.part_run
 
 
 def test_timed_out_between_chunks_the_rest_never_runs() -> None:
@@ -263,7 +263,7 @@ def test_cancelled_while_its_chunk_runs_its_vectors_and_rest_are_dropped() -> No
 
     encoder.during = cancel
     service.run_due()
-    assert not service.pending and not service._progress  # nothing of it is left to run
+    assert not service.pending and not service.part_run  # nothing of it is left to run
     _run_to_end(service)
     assert len(encoder.calls) == 1 and service.counters.cancelled == 1
     with pytest.raises(RequestCancelledError):
@@ -282,7 +282,7 @@ def test_a_failed_chunk_fails_the_request_and_drops_its_rest() -> None:
     encoder.during = fail
     service.run_due()
     _run_to_end(service)
-    assert len(encoder.calls) == 2 and not service.pending and not service._progress
+    assert len(encoder.calls) == 2 and not service.pending and not service.part_run
     with pytest.raises(RuntimeError, match="encoder broke"):
         big.outcome()
     assert (service.counters.failed, service.counters.cancelled) == (1, 0)
@@ -325,5 +325,5 @@ def test_fail_registered_finishes_requests_from_another_thread_without_the_batch
             r.outcome()
     assert len(service.batcher) == 2  # engine-thread state: untouched by that thread
     _run_to_end(service)  # the engine thread later finds them finished and drops them
-    assert not service.pending and not service._progress
+    assert not service.pending and not service.part_run
     assert service.counters.cancelled == 0 and service.counters.requests == 0

@@ -59,9 +59,28 @@ def test_steps_must_be_a_positive_int(steps: object) -> None:
         StepProbe().fail_next(RuntimeError("x"), steps=steps)  # type: ignore[arg-type]
 
 
-def test_on_turn_must_be_callable() -> None:
-    with pytest.raises(TypeError, match="on_turn"):
-        StepProbe(on_turn=42)  # type: ignore[arg-type]
+@pytest.mark.parametrize("hook", ["on_turn", "on_step", "on_embed"])
+def test_hooks_must_be_callable(hook: str) -> None:
+    with pytest.raises(TypeError, match=hook):
+        StepProbe(**{hook: 42})  # type: ignore[arg-type]
+
+
+def test_on_step_sees_each_lane_step_before_its_fault() -> None:
+    seen: list[str] = []
+    probe = StepProbe(on_step=seen.append)
+    probe.before_step("batch")
+    probe.fail_next(RuntimeError("boom"))
+    with pytest.raises(RuntimeError):
+        probe.before_step("serial")
+    assert seen == ["batch", "serial"]
+
+
+def test_on_embed_sees_each_batch_and_may_fail_it() -> None:
+    seen: list[list[str]] = []
+    probe = StepProbe(on_embed=seen.append)
+    probe.before_embed(["a", "b"])
+    StepProbe().before_embed(["c"])  # no hook: nothing happens
+    assert seen == [["a", "b"]]
 
 
 def test_engine_takes_only_a_step_probe() -> None:

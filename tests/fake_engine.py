@@ -1,0 +1,168 @@
+"""A scripted stand-in for ``engine.Engine``: adapter plumbing tested without a model.
+
+``ScriptedEngine`` implements the part of ``Engine``'s public API the faces use (``submit``
+returning a real ``RequestHandle``, ``count_tokens``, ``tokenizer``, ``stats``, ``start``,
+``model_path``, ``context_limit``, ``usable``/``serves_chat``, ``close``). Each submit is
+checked as the engine checks it (``request_spec``: bad tools, tool choices and sampling
+values raise at once, the same errors), recorded in ``calls``, and answered from its
+``Reply``: one event per piece of content, then the final event with the completion, all
+published before ``submit`` returns (the handle's stream buffers them, so sync, asyncio
+and trio consumers read them as they would an engine's). A ``held`` reply never ends by
+itself: like a long row, it ends when its handle is cancelled (``calls[i].cancelled``).
+
+Put one behind the adapters with ``engine.registry.shared_engine(name, fake)``: every
+``ChatMLXBatch(model=name)`` / ``MLXBatchLLM(model=name)`` then talks to it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from engine import (
+    Completion,
+    EngineConfig,
+    EngineStats,
+    FinishReason,
+    InvalidToolCall,
+    RequestHandle,
+    SamplingParams,
+    StreamEvent,
+    ToolCall,
+    Usage,
+)
+from engine.core.streams import RequestStream
+from engine.registry import shared_engine
+from engine.requests.prepare import request_spec
+from engine.requests.request import check_callbacks
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a scripted request answers: content in ``pieces`` (one event each)."""
+
+    pieces: Sequence[str] = ("Hello", " from", " the", " script.")
+    finish_reason: FinishReason = FinishReason.STOP
+    tool_calls: tuple[ToolCall, ...] = ()
+    invalid_tool_calls: tuple[InvalidToolCall, ...] = ()
+    reasoning: str | None = None
+    error: BaseException | None = None  # the request fails with this (final event's error)
+    prompt_tokens: int = 7
+    cached_tokens: int = 0
+    held: bool = False  # publish the pieces, then end only when cancelled (a long row)
+
+
+@dataclass
+class Submitted:
+    """One ``submit`` as the scripted engine received it."""
+
+    prompt: Any
+    params: SamplingParams
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | None
+    parallel_tool_calls: bool
+    chat_template_kwargs: Mapping[str, Any] | None
+    timeout: float | None
+    handle: RequestHandle | None = None
+    cancelled: bool = False
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word (what ``get_num_tokens`` counts with)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [len(word) for word in text.split()]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join("w" * i for i in ids)
+
+
+@dataclass
+class ScriptedEngine:
+    """Answers every submit from ``reply`` (a ``Reply``, or a function of the call)."""
+
+    reply: Reply | Callable[[Submitted], Reply] = field(default_factory=Reply)
+    model_path: Path = Path("/scripted/fake-model")
+    context_limit: int | None = 2048
+    config: EngineConfig = field(default_factory=EngineConfig)
+    calls: list[Submitted] = field(default_factory=list)
+    usable: bool = True
+    serves_chat: bool = True
+    tokenizer: WordTokenizer = field(default_factory=WordTokenizer)
+    _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1))
+
+    def start(self, timeout: float | None = None) -> ScriptedEngine:
+        return self
+
+    def stats(self) -> EngineStats:
+        finished = [c for c in self.calls if not c.cancelled]
+        return EngineStats(loaded=True, context_limit=self.context_limit,
+                           completed=len(finished), cancelled=len(self.calls) - len(finished))
+
+    def count_tokens(self, prompt: Any, *, tools: Sequence[Mapping[str, Any]] | None = None,
+                     chat_template_kwargs: Mapping[str, Any] | None = None) -> int:
+        request_spec(prompt, None, tools, None, True, chat_template_kwargs)
+        if isinstance(prompt, str):
+            return len(prompt.split())
+        return sum(len(str(m.get("content") or "").split()) + 3 for m in prompt)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        self.usable = False
+
+    def submit(self, prompt: Any, params: SamplingParams | None = None, *,
+               on_token: Callable[[int, str], object] | None = None,
+               timeout: float | None = None,
+               tools: Sequence[Mapping[str, Any]] | None = None,
+               tool_choice: str | Mapping[str, Any] | None = None,
+               parallel_tool_calls: bool = True,
+               chat_template_kwargs: Mapping[str, Any] | None = None) -> RequestHandle:
+        check_callbacks(on_token, timeout)
+        spec = request_spec(prompt, params, tools, tool_choice, parallel_tool_calls,
+                            chat_template_kwargs)  # raises what the engine raises
+        call = Submitted(prompt, spec.params, tools, tool_choice, parallel_tool_calls,
+                         chat_template_kwargs, timeout)
+        self.calls.append(call)
+        reply = self.reply(call) if callable(self.reply) else self.reply
+        stream = RequestStream()
+
+        ids: list[int] = []
+        usage = Usage(prompt_tokens=reply.prompt_tokens, cached_tokens=reply.cached_tokens,
+                      time_to_first_token=0.01, decode_tokens_per_second=100.0)
+
+        def end(reason: FinishReason, error: BaseException | None) -> None:
+            text = "".join(reply.pieces)
+            final = replace(usage, completion_tokens=len(ids))
+            completion = Completion(text, tuple(ids), reason, final, content=text,
+                                    reasoning=reply.reasoning, tool_calls=reply.tool_calls,
+                                    invalid_tool_calls=reply.invalid_tool_calls)
+            stream.publish(StreamEvent("", (), None, reason, final, error,
+                                       completion=completion), completion)
+
+        def cancel() -> None:
+            if not call.cancelled:
+                call.cancelled = True
+                end(FinishReason.CANCELLED, None)
+
+        call.handle = RequestHandle(next(self._ids), stream, cancel)
+        for i, piece in enumerate(reply.pieces):
+            ids.append(i + 1)
+            if on_token is not None:
+                on_token(i + 1, piece)
+            stream.publish(StreamEvent(piece, (i + 1,), content=piece))
+        if not reply.held:
+            end(FinishReason.ERROR if reply.error is not None else reply.finish_reason,
+                reply.error)
+        return call.handle
+
+
+@contextmanager
+def scripted(name: str = "scripted-model", reply: Reply | Callable[[Submitted], Reply] = Reply(),
+             **options: Any) -> Iterator[ScriptedEngine]:
+    """A ``ScriptedEngine`` shared as the engine for model ``name`` while inside."""
+    fake = ScriptedEngine(reply, model_path=Path("/scripted") / name, **options)
+    with shared_engine(name, fake):  # type: ignore[arg-type]
+        yield fake
