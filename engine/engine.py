@@ -46,6 +46,7 @@ from engine.embedding.request import EmbeddingHandle, EmbeddingRequest, Embeddin
 from engine.embedding.service import EmbeddingService
 from engine.errors import EngineClosedError, EngineDeadError, EngineError, RequestTimeoutError
 from engine.models import config_context_limit, model_path_for
+from engine.requests.chat import ChatRequest
 from engine.requests.prepare import Preparer, request_spec
 from engine.requests.request import (
     FinishReason,
@@ -175,7 +176,7 @@ class Engine:
 
     def submit(
         self,
-        prompt: Prompt,
+        prompt: Prompt | ChatRequest,
         params: SamplingParams | None = None,
         *,
         on_token: TokenCallback | None = None,
@@ -187,7 +188,9 @@ class Engine:
     ) -> RequestHandle:
         """Queue a request and return its handle at once (never blocks on the model).
 
-        ``prompt`` is text, token ids, or chat messages (rendered with the chat template).
+        ``prompt`` is text, token ids, chat messages (rendered with the chat template), or
+        a ``ChatRequest`` (taken as it is; it carries its own params, tools and options).
+        Chat messages, tools and tool choice are read by ``ChatRequest.from_openai``.
         ``on_token(token_id, text_delta)`` runs on the engine thread; returning False
         stops the row, raising fails it. ``timeout`` (seconds) cancels it when passed.
         ``tools`` (OpenAI function format) need a chat-messages prompt; ``tool_choice``

@@ -5,6 +5,7 @@ Pure data: no mlx import, so the scheduler and streams can be tested without a m
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from engine.errors import OutputTruncatedError
 from engine.requests.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
 from engine.requests.tools import InvalidToolCall, ToolCall
 
@@ -296,3 +298,42 @@ class Completion:
     reasoning: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     invalid_tool_calls: tuple[InvalidToolCall, ...] = ()
+    # What max_tokens cut before it was complete, where a cut breaks the answer: "the
+    # forced tool call" or "the structured output (JSON)"; None when nothing that had to
+    # be whole was cut. The faces raise OutputTruncatedError from this, not from a guess.
+    truncated: str | None = None
+
+    def truncation_error(self, what: str | None = None) -> OutputTruncatedError | None:
+        """The ``OutputTruncatedError`` for a cut output (``what`` renames the output)."""
+        if self.truncated is None:
+            return None
+        tokens = self.usage.completion_tokens
+        return OutputTruncatedError(tokens, tokens, what or self.truncated)
+
+
+FORCED_CALL = "the forced tool call"
+STRUCTURED_JSON = "the structured output (JSON)"
+
+
+def truncation(finish_reason: FinishReason, forces_call: bool, constraint: Constraint | None,
+               content: str, calls: int, invalid_calls: int) -> str | None:
+    """What a row's ending cut, if it matters (see ``Completion.truncated``).
+
+    A forced call's grammar makes every closed call valid, so an invalid call of a forced
+    answer is one that was cut; strict JSON is cut when the text is not one whole value.
+    """
+    if finish_reason != FinishReason.LENGTH:
+        return None
+    if forces_call:
+        return FORCED_CALL if invalid_calls or not calls else None
+    if isinstance(constraint, JsonSchema | JsonObject) and not _whole_json(content):
+        return STRUCTURED_JSON
+    return None
+
+
+def _whole_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
