@@ -194,18 +194,20 @@ def _call(call: Any, at: str) -> MessageToolCall:
                                   f"{at}.id")
     # "args" is LangChain's spelling of a call's arguments (its ToolCall dicts).
     arguments = fn.get("arguments", fn.get("args"))
-    return MessageToolCall(call_id or "", name, arguments_of(arguments, f"{where}.arguments"))
+    return MessageToolCall(call_id or "", name,
+                           arguments_of(arguments, f"{where}.arguments", at))
 
 
-def arguments_of(arguments: Any, at: str) -> dict[str, Any]:
-    """A call's arguments as a dict: given as one, or as the JSON text of an object."""
+def arguments_of(arguments: Any, at: str, call: str) -> dict[str, Any]:
+    """A call's arguments (field ``at`` of ``call``) as a dict: given as one, or as the
+    JSON text of an object."""
     if arguments is None:
         return {}
     if isinstance(arguments, Mapping):
         return dict(arguments)
     if not isinstance(arguments, str):
-        raise InvalidRequestError(f"{at}: arguments must be a dict or the JSON text of one, "
-                                  f"got {type(arguments).__name__}", at)
+        raise InvalidRequestError(f"{call}: arguments must be a dict or the JSON text of one "
+                                  f"({at}), got {type(arguments).__name__}", at)
     if not arguments.strip():
         return {}
     try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from engine.errors import OutputTruncatedError
+from engine.errors import InvalidRequestError, OutputTruncatedError
 from engine.requests.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
 from engine.requests.tools import InvalidToolCall, ToolCall
 
@@ -49,8 +49,9 @@ class RequestStatus(str, Enum):
 
 
 def _check(condition: bool, name: str, message: str) -> None:
+    # InvalidRequestError is a ValueError: the rulebook's refusal, naming the field.
     if not condition:
-        raise ValueError(f"SamplingParams.{name} {message}")
+        raise InvalidRequestError(f"SamplingParams.{name} {message}", name)
 
 
 def _as_tuple(value: Any, name: str, item_type: type) -> tuple[Any, ...]:
@@ -60,8 +61,8 @@ def _as_tuple(value: Any, name: str, item_type: type) -> tuple[Any, ...]:
         return ()
     # bytes iterate as ints, strings as characters, mappings as keys: none is a list.
     if isinstance(value, (bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
-        raise ValueError(f"SamplingParams.{name} must be a {item_type.__name__} or a list of "
-                         f"them, got {type(value).__name__} {value!r:.40}")
+        raise InvalidRequestError(f"SamplingParams.{name} must be a {item_type.__name__} or a "
+                                  f"list of them, got {type(value).__name__} {value!r:.40}", name)
     items = tuple(value)
     for item in items:
         _check(
