@@ -8,6 +8,7 @@ and tool selections.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -33,6 +34,7 @@ from llama_index.core.llms.llm import ToolSelection
 
 from engine import (
     Completion,
+    InvalidRequestError,
     InvalidToolCall,
     JsonSchema,
     Message,
@@ -45,11 +47,15 @@ from engine import (
     normalize_tools,
 )
 
-_MEDIA = (ImageBlock, AudioBlock, VideoBlock, DocumentBlock)
+# Media blocks as OpenAI content-part types: the engine's rulebook refuses them by name.
+_MEDIA = {ImageBlock: "image_url", AudioBlock: "input_audio", VideoBlock: "video",
+          DocumentBlock: "file"}
+# LlamaIndex's own names for the assistant's role (other integrations' histories).
+_ROLES = {MessageRole.CHATBOT.value: "assistant", MessageRole.MODEL.value: "assistant"}
 
 
 def _blocks_text(blocks: Iterable[Any]) -> str:
-    """The text of a message's blocks; raises for media, which a text model cannot see."""
+    """The text of a message's text blocks (citations included), joined by newlines."""
     parts: list[str] = []
     for block in blocks:
         if isinstance(block, TextBlock):
@@ -58,12 +64,27 @@ def _blocks_text(blocks: Iterable[Any]) -> str:
             parts.append(_blocks_text(block.content))
         elif isinstance(block, CitationBlock):
             parts.append(_blocks_text([block.cited_content]))
-        elif isinstance(block, _MEDIA):
-            raise ValueError(f"MLXBatchLLM serves text-only models; got a "
-                             f"{type(block).__name__} in a chat message")
         # Thinking, tool-call and cache-point blocks carry no prompt text: calls are
         # rendered from tool_calls, and past reasoning is not fed back to the model.
     return "\n".join(parts)
+
+
+def _content(blocks: Sequence[Any]) -> str | list[Any]:
+    """A message's content: its text, or parts with each media block as an OpenAI part
+    (``{"type": "image_url", "block": "ImageBlock"}``) for the rulebook to refuse."""
+    if not any(isinstance(b, tuple(_MEDIA)) for b in blocks):
+        return _blocks_text(blocks)
+    parts: list[Any] = []
+    text: list[Any] = []
+    for block in blocks:
+        if isinstance(block, tuple(_MEDIA)):
+            if text:
+                parts.append(_blocks_text(text))
+                text = []
+            parts.append({"type": _MEDIA[type(block)], "block": type(block).__name__})
+        else:
+            text.append(block)
+    return [*parts, *([_blocks_text(text)] if text else [])]
 
 
 def tool_call_dict(call_id: str | None, name: str, arguments: Any) -> dict[str, Any]:
@@ -117,7 +138,8 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> tuple[Message, ...]:
                             f"ChatMessage(role='user', content='...')), got "
                             f"{type(message).__name__} {message!r:.40}")
         role = message.role.value if isinstance(message.role, MessageRole) else message.role
-        item: dict[str, Any] = {"role": role, "content": _blocks_text(message.blocks)}
+        role = _ROLES.get(role, role)
+        item: dict[str, Any] = {"role": role, "content": _content(message.blocks)}
         extra = message.additional_kwargs
         if role == MessageRole.ASSISTANT.value:
             calls = _calls_of(message)
@@ -132,7 +154,10 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> tuple[Message, ...]:
             if name:
                 item["name"] = name
         out.append(item)
-    converted = messages_from_openai(out)
+    try:
+        converted = messages_from_openai(out)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{exc}{_block_note(out, exc.field)}", exc.field) from exc
     return tuple(
         replace(m, content=f"Error: {m.content}")
         if m.role == "tool" and li.additional_kwargs.get("is_error")
@@ -145,6 +170,16 @@ def tool_specs(tools: Iterable[Any]) -> tuple[ToolSpec, ...]:
     if isinstance(tools, tuple) and all(isinstance(t, ToolSpec) for t in tools):
         return tools
     return normalize_tools([openai_tool(tool) for tool in tools])
+
+
+def _block_note(out: list[dict[str, Any]], field: str) -> str:
+    """Which LlamaIndex block a refused content part was, for the error message."""
+    found = re.fullmatch(r"messages\[(\d+)\]\.content\[(\d+)\]\.type", field)
+    if found is None:
+        return ""
+    part = out[int(found.group(1))]["content"][int(found.group(2))]
+    block = part.get("block") if isinstance(part, Mapping) else None
+    return f" (MLXBatchLLM serves text-only models; got a {block})" if block else ""
 
 
 def openai_tool(tool: Any) -> dict[str, Any]:
