@@ -15,8 +15,8 @@ from llama_index.core.base.llms.types import ChatMessage as LIChatMessage
 from llama_index.core.base.llms.types import MessageRole
 from pydantic import BaseModel
 
-from mlx_providers import ChatMLXBatch, MLXBatchLLM
 from engine import InvalidRequestError, messages_from_openai
+from mlx_providers import ChatMLXBatch, MLXBatchLLM
 from mlx_providers._langchain_messages import json_schema_of, openai_tools
 from mlx_providers._llama_index_messages import json_kwargs, to_engine_messages
 
