@@ -54,6 +54,7 @@ from engine.requests.request import (
     RequestStatus,
     SamplingParams,
     TokenCallback,
+    Tools,
     check_callbacks,
 )
 
@@ -181,7 +182,7 @@ class Engine:
         *,
         on_token: TokenCallback | None = None,
         timeout: float | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Tools | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -262,7 +263,7 @@ class Engine:
         self,
         prompt: Prompt,
         *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Tools | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> int:
         """Prompt tokens ``submit`` would use for this prompt (loads the model if needed)."""

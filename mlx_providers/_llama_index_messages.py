@@ -48,7 +48,7 @@ from engine import (
 )
 
 # Media blocks as OpenAI content-part types: the engine's rulebook refuses them by name.
-_MEDIA = {ImageBlock: "image_url", AudioBlock: "input_audio", VideoBlock: "video",
+_MEDIA: dict[type, str] = {ImageBlock: "image_url", AudioBlock: "input_audio", VideoBlock: "video",
           DocumentBlock: "file"}
 # LlamaIndex's own names for the assistant's role (other integrations' histories).
 _ROLES = {MessageRole.CHATBOT.value: "assistant", MessageRole.MODEL.value: "assistant"}

@@ -199,7 +199,7 @@ class ChatMLXBatch(BaseChatModel):
         # door (LangChain's own coercion knows other role spellings and raises KeyError).
         # Its results are LangChain messages, converted once more by ``chat_messages``.
         if _openai_dicts(model_input):
-            messages_from_openai(list(model_input))  # type: ignore[arg-type]
+            messages_from_openai(list(model_input))
         # LangChain's message coercion raises NotImplementedError for inputs it cannot
         # read ([(None,)], [b""]): a bad argument, so the caller gets a TypeError. A
         # message dict missing a key it requires (a tool call's "id") raises a bare

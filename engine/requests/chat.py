@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 from engine.errors import InvalidRequestError
 from engine.requests.constraints import Constraint
 from engine.requests.messages import Message, messages_from_openai
-from engine.requests.request import SamplingParams, check_template_options
+from engine.requests.request import SamplingParams, Tools, check_template_options
 from engine.requests.tools import (
     ToolSpec,
     forced_call_schema,
@@ -68,7 +68,7 @@ class ChatRequest:
         messages: Any,
         params: SamplingParams | None = None,
         *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Tools | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -76,11 +76,12 @@ class ChatRequest:
     ) -> ChatRequest:
         """THE conversion from OpenAI's shapes (messages, tools, tool_choice); raises
         naming the field (``root`` names the messages argument)."""
-        specs = tools if _are_specs(tools) else normalize_tools(tools)
+        # Specs converted already (a face's bound tools) are taken as they are.
+        specs = (tuple(cast(Sequence[ToolSpec], tools)) if _are_specs(tools)
+                 else normalize_tools(cast(Sequence[Mapping[str, Any]] | None, tools)))
         return cls(messages_from_openai(messages, root),
                    params if params is not None else SamplingParams(),
-                   tuple(specs or ()),  # type: ignore[arg-type]
-                   normalize_tool_choice(tool_choice, specs),  # type: ignore[arg-type]
+                   specs, normalize_tool_choice(tool_choice, specs),
                    parallel_tool_calls,
                    chat_template_kwargs if chat_template_kwargs is not None else {})
 

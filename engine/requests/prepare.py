@@ -10,7 +10,7 @@ only ever sees prepared requests. No mlx here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -21,9 +21,8 @@ from engine.requests.channels import TOOL, ChannelSplitter, RowChannels
 from engine.requests.chat import ChatRequest
 from engine.requests.constraints import Constraint, JsonSchema
 from engine.requests.grammar import GrammarCompiler, validate_constraint
-from engine.requests.messages import Message
 from engine.requests.prompts import PromptRenderer, checked_prompt, is_chat
-from engine.requests.request import Prompt, SamplingParams, check_template_options
+from engine.requests.request import Prompt, SamplingParams, Tools, check_template_options
 from engine.requests.string_repeats import DEFAULT_NGRAM
 from engine.requests.text import RowText
 from engine.requests.tools import ToolSpec, forced_call_grammar
@@ -33,7 +32,7 @@ from engine.requests.tools import ToolSpec, forced_call_grammar
 class RequestSpec:
     """A submitted request as validated at the door (no tokenizer needed)."""
 
-    prompt: str | Sequence[int] | Sequence[Message]
+    prompt: Prompt
     params: SamplingParams
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: str = "auto"  # "auto", "none", "required" or a tool name
@@ -118,7 +117,7 @@ class Preparer:
 def request_spec(
     prompt: Prompt | ChatRequest,
     params: SamplingParams | None,
-    tools: Sequence[Mapping[str, Any]] | None,
+    tools: Tools | None,
     tool_choice: str | Mapping[str, Any] | None,
     parallel_tool_calls: bool,
     chat_template_kwargs: Mapping[str, Any] | None,

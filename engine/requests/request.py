@@ -15,10 +15,14 @@ from typing import Any
 
 from engine.errors import InvalidRequestError, OutputTruncatedError
 from engine.requests.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
-from engine.requests.tools import InvalidToolCall, ToolCall
+from engine.requests.messages import Message
+from engine.requests.tools import InvalidToolCall, ToolCall, ToolSpec
 
 ChatMessage = dict[str, Any]
-Prompt = str | Sequence[int] | Sequence[ChatMessage]
+# Text, token ids, or chat messages: OpenAI dicts, or the rulebook's typed Message values.
+Prompt = str | Sequence[int] | Sequence[ChatMessage] | Sequence[Message]
+# Tools in OpenAI's function format, or the engine's specs (converted already).
+Tools = Sequence[Mapping[str, Any]] | Sequence[ToolSpec]
 # (token ids so far, logits [1, vocab]) -> logits; the mlx-lm logits-processor signature.
 LogitsProcessor = Callable[[Any, Any], Any]
 # Called on the engine thread per token; returning False stops the row.
