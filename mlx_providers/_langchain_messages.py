@@ -227,15 +227,16 @@ def constraint_for(response_format: Any) -> JsonSchema | JsonObject | None:
 
 def usage_metadata(usage: Usage) -> UsageMetadata:
     """Engine usage, renamed for LangChain (cache hits as ``input_token_details.cache_read``)."""
+    counts = usage.as_dict()
     # ``output_token_details`` is ``NotRequired`` upstream, but langchain-core 1.x spells it
     # ``typing.NotRequired`` (3.11+), which mypy cannot resolve at python_version = 3.10 and so
     # treats as a required ``Any`` key. ``unused-ignore``: under 3.11, or a langchain-core that
     # takes ``NotRequired`` from typing_extensions, there is nothing to ignore.
     metadata: UsageMetadata = {  # type: ignore[typeddict-item, unused-ignore]
-        "input_tokens": usage.prompt_tokens,
-        "output_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-        "input_token_details": InputTokenDetails(cache_read=usage.cached_tokens),
+        "input_tokens": counts["prompt_tokens"],
+        "output_tokens": counts["completion_tokens"],
+        "total_tokens": counts["total_tokens"],
+        "input_token_details": InputTokenDetails(cache_read=counts["cached_tokens"]),
     }
     return metadata
 

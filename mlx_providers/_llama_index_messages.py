@@ -193,13 +193,9 @@ def openai_tool(tool: Any) -> dict[str, Any]:
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
-    """Engine usage, renamed for LlamaIndex's token counting (``raw["usage"]``)."""
-    return {"prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-            "cached_tokens": usage.cached_tokens,
-            "time_to_first_token": usage.time_to_first_token,
-            "decode_tokens_per_second": usage.decode_tokens_per_second}
+    """Engine usage for LlamaIndex's token counting (``raw["usage"]``): its keys are the
+    engine's own (``Usage.as_dict``)."""
+    return usage.as_dict()
 
 
 def _invalid_dict(call: InvalidToolCall) -> dict[str, Any]:

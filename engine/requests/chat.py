@@ -55,7 +55,13 @@ class ChatRequest:
             raise TypeError(f"params must be SamplingParams, got {type(self.params).__name__}")
         object.__setattr__(self, "messages", tuple(self.messages))
         object.__setattr__(self, "tools", tuple(self.tools))
-        normalize_tool_choice(self.tool_choice, self.tools)  # a name among the tools
+        # An invariant, not a conversion: the choice was resolved when it was built.
+        names = {t.name for t in self.tools}
+        if self.tool_choice not in ("auto", "none", "required", *names) or (
+                self.tool_choice == "required" and not self.tools):
+            raise InvalidRequestError(f"tool_choice {self.tool_choice!r:.70} must be 'auto', "
+                                      f"'none', 'required' (with tools) or one of the tools "
+                                      f"{sorted(names)}", "tool_choice")
         object.__setattr__(self, "template_kwargs", check_template_options(
             self.parallel_tool_calls, self.template_kwargs))
         if self.forces_call and self.params.constraint is not None:

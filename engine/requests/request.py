@@ -265,6 +265,15 @@ class Usage:
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    def as_dict(self) -> dict[str, Any]:
+        """The one shape of usage: every face renames these keys, none computes its own."""
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens,
+                "cached_tokens": self.cached_tokens,
+                "time_to_first_token": self.time_to_first_token,
+                "decode_tokens_per_second": self.decode_tokens_per_second}
+
 
 @dataclass(frozen=True)
 class StreamEvent:

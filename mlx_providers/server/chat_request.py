@@ -34,7 +34,7 @@ class OpenModel(BaseModel):
 
 
 class FunctionDef(OpenModel):
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    name: str  # which names a call can be written with is the engine's rule
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

@@ -68,6 +68,8 @@ CASES = [
                                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
          options={"tools": [WEATHER], "tool_choice": "auto"}),
     Case("tool_choice none", [USER], options={"tools": [WEATHER], "tool_choice": "none"}),
+    Case("a namespaced (MCP) tool name", [USER], options={"tools": [
+        {"type": "function", "function": {"name": "weather:current"}}]}),
     # ----- refused alike, naming the field -----
     Case("an odd role spelling", [{"role": "human", "content": "hi"}],
          "messages[0].role", "input[0].role"),
