@@ -44,6 +44,7 @@ from pydantic import BaseModel
 
 from engine import (
     Completion,
+    InvalidRequestError,
     JsonObject,
     JsonSchema,
     Message,
@@ -134,11 +135,32 @@ def _openai_tool(i: int, tool: Any, strict: bool | None) -> dict[str, Any]:
 
 class BoundTools(list[dict[str, Any]]):
     """Tools as ``bind_tools`` binds them: OpenAI dicts (what LangChain tracing reads), and
-    the engine's ``ToolSpec`` values converted from them once, at bind time."""
+    the engine's ``ToolSpec`` values converted from them once, at bind time.
 
-    def __init__(self, tools: Sequence[dict[str, Any]], specs: tuple[ToolSpec, ...]) -> None:
+    A refusal of the engine's (duplicate names, a bad schema) is raised when the tools are
+    used, as before: binding never failed for those, and LangChain's standard tests bind
+    such lists without calling them.
+    """
+
+    def __init__(self, tools: Sequence[dict[str, Any]], specs: tuple[ToolSpec, ...],
+                 error: InvalidRequestError | None = None) -> None:
         super().__init__(tools)
-        self.specs = specs
+        self._specs = specs
+        self.error = error
+
+    @property
+    def specs(self) -> tuple[ToolSpec, ...]:
+        """The engine's tool specs; raises the engine's refusal of these tools, if any."""
+        if self.error is not None:
+            raise self.error
+        return self._specs
+
+    @property
+    def names(self) -> tuple[ToolSpec, ...]:
+        """Specs that only carry the tools' names: enough to check a tool choice."""
+        if self.error is None:
+            return self._specs
+        return tuple(ToolSpec(str(t.get("function", {}).get("name"))) for t in self)
 
 
 def tool_specs(tools: Any, strict: bool | None = None) -> BoundTools:
@@ -146,7 +168,10 @@ def tool_specs(tools: Any, strict: bool | None = None) -> BoundTools:
     if isinstance(tools, BoundTools):
         return tools
     formatted = openai_tools(tools, strict=strict)
-    return BoundTools(formatted, normalize_tools(formatted))
+    try:
+        return BoundTools(formatted, normalize_tools(formatted))
+    except InvalidRequestError as exc:
+        return BoundTools(formatted, (), exc)
 
 
 def tool_choice_name(choice: Any,
@@ -159,7 +184,7 @@ def tool_choice_name(choice: Any,
     """
     if choice is None:
         return None
-    tools = tools.specs if isinstance(tools, BoundTools) else tuple(
+    tools = tools.names if isinstance(tools, BoundTools) else tuple(
         t if isinstance(t, ToolSpec) else normalize_tools([t])[0] for t in tools)
     if choice is True:
         return "required"

@@ -346,7 +346,7 @@ class ChatMLXBatch(BaseChatModel):
                                       f"{type(tool_choice).__name__} {tool_choice!r:.40}",
                                       "tool_choice")
         formatted = tool_specs(tools, strict=strict)  # the one conversion of these tools
-        choice = tool_choice_name(tool_choice, formatted.specs)
+        choice = tool_choice_name(tool_choice, formatted)
         if choice is not None:
             kwargs["tool_choice"] = choice
         if parallel_tool_calls is not None:
