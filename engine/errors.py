@@ -65,6 +65,10 @@ class InvalidRequestError(RequestError, ValueError, TypeError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self) -> tuple[type[InvalidRequestError], tuple[str, str]]:
+        # Pickled and copied with its field (args hold the message only).
+        return type(self), (str(self), self.field)
+
 
 class InvalidConstraintError(RequestError, ValueError):
     """The schema or grammar cannot be compiled, or a token broke it; the message says why."""

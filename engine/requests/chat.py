@@ -99,12 +99,17 @@ class ChatRequest:
     @property
     def forces_call(self) -> bool:
         """A tool choice other than auto/none: the engine's grammar forces the call."""
-        return bool(self.tools) and self.tool_choice not in ("auto", "none")
+        return forces_call(self.tools, self.tool_choice)
 
     @cached_property
     def call_schema(self) -> dict[str, Any] | None:
         """The forced call's JSON schema, built once per request (None when not forced)."""
         return forced_call_schema(self.tools, self.tool_choice) if self.forces_call else None
+
+
+def forces_call(tools: Sequence[ToolSpec], tool_choice: str) -> bool:
+    """Whether tools with this resolved choice force a call (the one definition)."""
+    return bool(tools) and tool_choice not in ("auto", "none")
 
 
 def _are_specs(tools: Any) -> bool:

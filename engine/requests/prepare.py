@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.requests.channels import TOOL, ChannelSplitter, RowChannels
-from engine.requests.chat import ChatRequest
+from engine.requests.chat import ChatRequest, forces_call
 from engine.requests.constraints import Constraint, JsonSchema
 from engine.requests.grammar import GrammarCompiler, validate_constraint
 from engine.requests.prompts import PromptRenderer, checked_prompt, is_chat
@@ -53,7 +53,7 @@ class RequestSpec:
 
     @property
     def forces_call(self) -> bool:
-        return bool(self.tools) and self.tool_choice not in ("auto", "none")
+        return forces_call(self.tools, self.tool_choice)
 
 
 @dataclass(frozen=True)
