@@ -22,6 +22,7 @@ from engine.errors import (
     EngineError,
     InvalidConstraintError,
     InvalidModelError,
+    InvalidRequestError,
     KVBudgetError,
     ModelDownloadError,
     OutputTruncatedError,
@@ -33,7 +34,9 @@ from engine.errors import (
 from engine.models import resolve_model
 from engine.models.embedding_model import DEFAULT_EMBEDDING_NAME, embedding_model_name
 from engine.registry import get_embedding_engine, get_engine
+from engine.requests.chat import SAMPLING_FIELDS, ChatRequest, sampling_from_openai
 from engine.requests.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
+from engine.requests.messages import Message, MessageToolCall, messages_from_openai
 from engine.requests.request import (
     Completion,
     FinishReason,
@@ -42,10 +45,18 @@ from engine.requests.request import (
     TokenLogprob,
     Usage,
 )
-from engine.requests.tools import InvalidToolCall, ToolCall
+from engine.requests.tools import (
+    InvalidToolCall,
+    ToolCall,
+    ToolSpec,
+    normalize_tool_choice,
+    normalize_tools,
+)
 
 __all__ = [
     "DEFAULT_EMBEDDING_NAME",
+    "SAMPLING_FIELDS",
+    "ChatRequest",
     "Completion",
     "Constraint",
     "ContextLengthError",
@@ -60,11 +71,14 @@ __all__ = [
     "FinishReason",
     "InvalidConstraintError",
     "InvalidModelError",
+    "InvalidRequestError",
     "InvalidToolCall",
     "JsonObject",
     "JsonSchema",
     "KVBudgetError",
     "LarkGrammar",
+    "Message",
+    "MessageToolCall",
     "ModelDownloadError",
     "OutputTruncatedError",
     "Regex",
@@ -77,6 +91,7 @@ __all__ = [
     "StreamEvent",
     "TokenLogprob",
     "ToolCall",
+    "ToolSpec",
     "TurnReport",
     "UnsupportedModelError",
     "Usage",
@@ -88,5 +103,9 @@ __all__ = [
     "follow",
     "get_embedding_engine",
     "get_engine",
+    "messages_from_openai",
+    "normalize_tool_choice",
+    "normalize_tools",
     "resolve_model",
+    "sampling_from_openai",
 ]

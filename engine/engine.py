@@ -46,12 +46,14 @@ from engine.embedding.request import EmbeddingHandle, EmbeddingRequest, Embeddin
 from engine.embedding.service import EmbeddingService
 from engine.errors import EngineClosedError, EngineDeadError
 from engine.models import config_context_limit, model_path_for
+from engine.requests.chat import ChatRequest
 from engine.requests.prepare import Preparer, request_spec
 from engine.requests.request import (
     FinishReason,
     Prompt,
     SamplingParams,
     TokenCallback,
+    Tools,
     check_callbacks,
 )
 
@@ -171,19 +173,21 @@ class Engine:
 
     def submit(
         self,
-        prompt: Prompt,
+        prompt: Prompt | ChatRequest,
         params: SamplingParams | None = None,
         *,
         on_token: TokenCallback | None = None,
         timeout: float | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Tools | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> RequestHandle:
         """Queue a request and return its handle at once (never blocks on the model).
 
-        ``prompt`` is text, token ids, or chat messages (rendered with the chat template).
+        ``prompt`` is text, token ids, chat messages (rendered with the chat template), or
+        a ``ChatRequest`` (taken as it is; it carries its own params, tools and options).
+        Chat messages, tools and tool choice are read by ``ChatRequest.from_openai``.
         ``on_token(token_id, text_delta)`` runs on the engine thread; returning False
         stops the row, raising fails it. ``timeout`` (seconds) cancels it when passed.
         ``tools`` (OpenAI function format) need a chat-messages prompt; ``tool_choice``
@@ -255,7 +259,7 @@ class Engine:
         self,
         prompt: Prompt,
         *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Tools | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> int:
         """Prompt tokens ``submit`` would use for this prompt (loads the model if needed)."""

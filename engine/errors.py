@@ -52,6 +52,24 @@ class KVBudgetError(RequestError, ValueError):
         self.budget_bytes = budget_bytes
 
 
+class InvalidRequestError(RequestError, ValueError, TypeError):
+    """A request the rulebook refuses (``engine.requests.messages`` and friends).
+
+    ``field`` names what is wrong as the caller spelled it (``messages[0].content[1].type``),
+    so every door (the engine, both adapters, the server's 400s) reports the same field.
+    Both a ``ValueError`` and a ``TypeError``: callers that caught either for bad input
+    before the doors shared one rulebook still catch it.
+    """
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self) -> tuple[type[InvalidRequestError], tuple[str, str]]:
+        # Pickled and copied with its field (args hold the message only).
+        return type(self), (str(self), self.field)
+
+
 class InvalidConstraintError(RequestError, ValueError):
     """The schema or grammar cannot be compiled, or a token broke it; the message says why."""
 

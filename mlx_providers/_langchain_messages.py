@@ -1,14 +1,16 @@
 """Conversions between LangChain's message types and the engine's requests and results.
 
-Pure functions, no model: LangChain messages -> chat dicts (then ``_chat.normalize_messages``),
-LangChain tools and tool choices -> the OpenAI format the engine takes, and engine
-completions / stream events -> ``AIMessage`` / ``AIMessageChunk``.
+Pure functions, no model: LangChain messages -> the engine's ``Message`` values (through
+its one rulebook, ``engine.messages_from_openai``), LangChain tools and tool choices -> the
+engine's ``ToolSpec`` values and resolved choice, and engine completions / stream events ->
+``AIMessage`` / ``AIMessageChunk``.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from operator import itemgetter
 from typing import Any
 
@@ -40,8 +42,20 @@ from langchain_core.utils.json import parse_partial_json
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel
 
-from engine import Completion, JsonObject, JsonSchema, OutputTruncatedError, StreamEvent, Usage
-from mlx_providers._chat import content_text, cut_call, cut_json, normalize_messages
+from engine import (
+    Completion,
+    InvalidRequestError,
+    JsonObject,
+    JsonSchema,
+    Message,
+    OutputTruncatedError,
+    StreamEvent,
+    ToolSpec,
+    Usage,
+    messages_from_openai,
+    normalize_tool_choice,
+    normalize_tools,
+)
 
 REASONING_KEY = "reasoning_content"
 PROVIDER = "mlx"
@@ -51,8 +65,14 @@ ToolLike = Mapping[str, Any] | type | Callable[..., Any] | BaseTool
 # ----- messages in ---------------------------------------------------------------------
 
 
+# LangChain's message types as OpenAI roles; any other type's name is taken as the role
+# (and the engine's rulebook refuses the ones OpenAI does not know).
+_TYPE_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
+               "function": "function"}
+
+
 def message_dict(message: BaseMessage) -> dict[str, Any]:
-    """One LangChain message as a plain chat dict (not yet normalised)."""
+    """One LangChain message in OpenAI's wire shape (the rulebook's input)."""
     item: dict[str, Any] = {"content": message.content}
     if isinstance(message, SystemMessage):
         item["role"] = "system"
@@ -62,23 +82,34 @@ def message_dict(message: BaseMessage) -> dict[str, Any]:
         item["role"] = "assistant"
         # Only parsed calls were executed; invalid ones have no tool result to pair with.
         if message.tool_calls:
-            item["tool_calls"] = [dict(call) for call in message.tool_calls]
+            item["tool_calls"] = [{"id": call.get("id") or "", "type": "function",
+                                   "function": {"name": call["name"], "arguments": call["args"]}}
+                                  for call in message.tool_calls]
     elif isinstance(message, ToolMessage):
-        item.update(role="tool", tool_call_id=message.tool_call_id, status=message.status)
+        item.update(role="tool", tool_call_id=message.tool_call_id)
     elif isinstance(message, FunctionMessage):
-        item["role"] = "tool"
+        item["role"] = "function"
     elif isinstance(message, ChatMessage):
         item["role"] = message.role
     else:
-        item["role"] = message.type  # "human", "ai", ... are understood by _chat
+        item["role"] = _TYPE_ROLES.get(message.type, message.type)
     if message.name:
         item["name"] = message.name
     return item
 
 
-def chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-    """The engine's chat prompt for a LangChain history (any shape an agent produces)."""
-    return normalize_messages([message_dict(m) for m in messages])
+def chat_messages(messages: Sequence[BaseMessage]) -> tuple[Message, ...]:
+    """The engine's messages for a LangChain history, converted once by its rulebook.
+
+    A ``ToolMessage`` with ``status="error"`` says so in its text (OpenAI's shape has no
+    status), so the model sees that the call failed.
+    """
+    converted = messages_from_openai([message_dict(m) for m in messages])
+    return tuple(
+        replace(m, content=f"Error: {m.content}")
+        if isinstance(lc, ToolMessage) and lc.status == "error"
+        and not m.content.startswith("Error") else m
+        for lc, m in zip(messages, converted, strict=True))
 
 
 # ----- tools and output formats ----------------------------------------------------------
@@ -102,30 +133,76 @@ def _openai_tool(i: int, tool: Any, strict: bool | None) -> dict[str, Any]:
         raise ValueError(f"tools[{i}] cannot be read as a tool ({tool!r:.40}): {exc}") from exc
 
 
-def tool_choice_name(choice: Any, tools: Sequence[Mapping[str, Any]]) -> str | None:
+class BoundTools(list[dict[str, Any]]):
+    """Tools as ``bind_tools`` binds them: OpenAI dicts (what LangChain tracing reads), and
+    the engine's ``ToolSpec`` values converted from them once, at bind time.
+
+    A refusal of the engine's (duplicate names, a bad schema) is raised when the tools are
+    used, as before: binding never failed for those, and LangChain's standard tests bind
+    such lists without calling them.
+    """
+
+    def __init__(self, tools: Sequence[dict[str, Any]], specs: tuple[ToolSpec, ...],
+                 error: InvalidRequestError | None = None) -> None:
+        super().__init__(tools)
+        self._specs = specs
+        self.error = error
+
+    @property
+    def specs(self) -> tuple[ToolSpec, ...]:
+        """The engine's tool specs; raises the engine's refusal of these tools, if any."""
+        if self.error is not None:
+            raise self.error
+        return self._specs
+
+    @property
+    def names(self) -> tuple[ToolSpec, ...]:
+        """Specs that only carry the tools' names: enough to check a tool choice."""
+        if self.error is None:
+            return self._specs
+        return tuple(ToolSpec(str(t.get("function", {}).get("name"))) for t in self)
+
+
+def tool_specs(tools: Any, strict: bool | None = None) -> BoundTools:
+    """Any LangChain tools as the engine's tool specs, converted once (bound tools pass)."""
+    if isinstance(tools, BoundTools):
+        return tools
+    formatted = openai_tools(tools, strict=strict)
+    try:
+        return BoundTools(formatted, normalize_tools(formatted))
+    except InvalidRequestError as exc:
+        return BoundTools(formatted, (), exc)
+
+
+def tool_choice_name(choice: Any,
+                     tools: Sequence[ToolSpec] | Sequence[Mapping[str, Any]]) -> str | None:
     """LangChain's spellings of tool_choice -> "auto", "none", "required" or a tool name.
 
-    Raises ValueError at bind time for a name that is not among ``tools``.
+    LangChain's own spellings (True, False, "any", Anthropic's {"name"}) are renamed here;
+    the engine resolves the rest once (``normalize_tool_choice``), refusing a name that
+    is not among ``tools`` (at bind time when bound).
     """
     if choice is None:
         return None
-    if choice is True or choice in ("any", "required"):
+    tools = tools.names if isinstance(tools, BoundTools) else tuple(
+        t if isinstance(t, ToolSpec) else normalize_tools([t])[0] for t in tools)
+    if choice is True:
         return "required"
     if choice is False:
         return "none"
-    if isinstance(choice, Mapping):  # OpenAI {"function": {"name"}} or Anthropic {"name"}
-        fn = choice.get("function", choice)
-        choice = fn.get("name") if isinstance(fn, Mapping) else None
-        if not isinstance(choice, str):
-            raise ValueError(f"tool_choice dict must name a tool, got {choice!r}")
-    if not isinstance(choice, str):
-        raise ValueError(f"tool_choice must be a string, bool or dict, got {choice!r}")
-    if choice in ("auto", "none"):
-        return choice
-    names = [t["function"]["name"] for t in tools]
-    if choice not in names:
-        raise ValueError(f"tool_choice {choice!r} is not among the bound tools {names}")
-    return choice
+    if isinstance(choice, Mapping) and "function" not in choice and "name" in choice:
+        choice = {"type": "function", "function": {"name": choice["name"]}}  # Anthropic's
+    if isinstance(choice, str) and (choice in ("auto", "none", "required")
+                                    or choice in {t.name for t in tools}):
+        return choice  # resolved already (at bind time): nothing to convert
+    try:
+        return normalize_tool_choice(choice, tools)
+    except ValueError as exc:
+        names = [t.name for t in tools]
+        if isinstance(choice, str) and choice not in names:
+            raise type(exc)(f"tool_choice {choice!r} is not among the bound tools {names}",
+                            "tool_choice") from exc
+        raise
 
 
 def json_schema_of(schema: Mapping[str, Any] | type) -> dict[str, Any]:
@@ -174,16 +251,17 @@ def constraint_for(response_format: Any) -> JsonSchema | JsonObject | None:
 
 
 def usage_metadata(usage: Usage) -> UsageMetadata:
-    """Engine usage -> LangChain usage (cache hits as ``input_token_details.cache_read``)."""
+    """Engine usage, renamed for LangChain (cache hits as ``input_token_details.cache_read``)."""
+    counts = usage.as_dict()
     # ``output_token_details`` is ``NotRequired`` upstream, but langchain-core 1.x spells it
     # ``typing.NotRequired`` (3.11+), which mypy cannot resolve at python_version = 3.10 and so
     # treats as a required ``Any`` key. ``unused-ignore``: under 3.11, or a langchain-core that
     # takes ``NotRequired`` from typing_extensions, there is nothing to ignore.
     metadata: UsageMetadata = {  # type: ignore[typeddict-item, unused-ignore]
-        "input_tokens": usage.prompt_tokens,
-        "output_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-        "input_token_details": InputTokenDetails(cache_read=usage.cached_tokens),
+        "input_tokens": counts["prompt_tokens"],
+        "output_tokens": counts["completion_tokens"],
+        "total_tokens": counts["total_tokens"],
+        "input_token_details": InputTokenDetails(cache_read=counts["cached_tokens"]),
     }
     return metadata
 
@@ -192,6 +270,8 @@ def response_metadata(completion: Completion, model_name: str) -> dict[str, Any]
     """What LangChain callbacks and tracers read: model, provider, finish reason, timings."""
     meta: dict[str, Any] = {"model_name": model_name, "model_provider": PROVIDER,
                             "finish_reason": completion.finish_reason.value}
+    if completion.truncated is not None:  # the engine's word: max_tokens cut what had to be whole
+        meta["truncated"] = completion.truncated
     if completion.usage.time_to_first_token is not None:
         meta["time_to_first_token"] = completion.usage.time_to_first_token
     if completion.usage.decode_tokens_per_second is not None:
@@ -283,24 +363,21 @@ def truncation_error(result: Sequence[Generation], *,
                      tool_output: bool) -> TruncatedOutputError | None:
     """The error for a structured reply that ``max_tokens`` cut, else None.
 
-    Read from the (possibly merged, streamed) message: its ``finish_reason`` is "length"
-    and the JSON is not whole, or (``tool_output``) the forced call was not closed.
-    Before the last streamed chunk there is no finish reason, so partial output passes.
+    Read from the (possibly merged, streamed) message's ``response_metadata["truncated"]``,
+    which the engine's completion sets (``Completion.truncated``); before the last streamed
+    chunk there is none, so partial output passes. ``tool_output`` says what the parser
+    reads; the engine has said already whether that was cut.
     """
     message = getattr(result[0], "message", None) if result else None
     if not isinstance(message, AIMessage):
         return None
-    finish = message.response_metadata.get("finish_reason")
-    tokens = message.usage_metadata["output_tokens"] if message.usage_metadata else 0
-    text = content_text(message.content)
-    if tool_output:
-        cut = cut_call(finish, len(message.tool_calls), len(message.invalid_tool_calls), tokens)
-    else:
-        cut = cut_json(finish, text, tokens)
-    if cut is None:
+    what = message.response_metadata.get("truncated")
+    if not isinstance(what, str):
         return None
+    tokens = message.usage_metadata["output_tokens"] if message.usage_metadata else 0
+    text = message.content if isinstance(message.content, str) else message.text
     raw = text or json.dumps([dict(c) for c in message.invalid_tool_calls], default=str)
-    return TruncatedOutputError(cut, raw)
+    return TruncatedOutputError(OutputTruncatedError(tokens, tokens, what), raw)
 
 
 class TruncationCheckedParser(BaseCumulativeTransformOutputParser[Any]):

@@ -1,4 +1,4 @@
-"""LlamaIndex types <-> the engine's plain chat dicts and results (no model, no mlx).
+"""LlamaIndex types <-> the engine's request values and results (no model, no mlx).
 
 Kept apart from ``llama_index.py`` so the LLM class reads as request plumbing only:
 here live message conversion in, response and stream-chunk building out, tool schemas
@@ -7,8 +7,11 @@ and tool selections.
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -29,14 +32,30 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import BaseModel
 from llama_index.core.llms.llm import ToolSelection
 
-from engine import Completion, InvalidToolCall, JsonSchema, StreamEvent, ToolCall, Usage
-from mlx_providers._chat import arguments_dict, cut_json, normalize_messages, tool_call_dict
+from engine import (
+    Completion,
+    InvalidRequestError,
+    InvalidToolCall,
+    JsonSchema,
+    Message,
+    OutputTruncatedError,
+    StreamEvent,
+    ToolCall,
+    ToolSpec,
+    Usage,
+    messages_from_openai,
+    normalize_tools,
+)
 
-_MEDIA = (ImageBlock, AudioBlock, VideoBlock, DocumentBlock)
+# Media blocks as OpenAI content-part types: the engine's rulebook refuses them by name.
+_MEDIA: dict[type, str] = {ImageBlock: "image_url", AudioBlock: "input_audio", VideoBlock: "video",
+          DocumentBlock: "file"}
+# LlamaIndex's own names for the assistant's role (other integrations' histories).
+_ROLES = {MessageRole.CHATBOT.value: "assistant", MessageRole.MODEL.value: "assistant"}
 
 
 def _blocks_text(blocks: Iterable[Any]) -> str:
-    """The text of a message's blocks; raises for media, which a text model cannot see."""
+    """The text of a message's text blocks (citations included), joined by newlines."""
     parts: list[str] = []
     for block in blocks:
         if isinstance(block, TextBlock):
@@ -45,12 +64,33 @@ def _blocks_text(blocks: Iterable[Any]) -> str:
             parts.append(_blocks_text(block.content))
         elif isinstance(block, CitationBlock):
             parts.append(_blocks_text([block.cited_content]))
-        elif isinstance(block, _MEDIA):
-            raise ValueError(f"MLXBatchLLM serves text-only models; got a "
-                             f"{type(block).__name__} in a chat message")
         # Thinking, tool-call and cache-point blocks carry no prompt text: calls are
         # rendered from tool_calls, and past reasoning is not fed back to the model.
     return "\n".join(parts)
+
+
+def _content(blocks: Sequence[Any]) -> str | list[Any]:
+    """A message's content: its text, or parts with each media block as an OpenAI part
+    (``{"type": "image_url", "block": "ImageBlock"}``) for the rulebook to refuse."""
+    if not any(isinstance(b, tuple(_MEDIA)) for b in blocks):
+        return _blocks_text(blocks)
+    parts: list[Any] = []
+    text: list[Any] = []
+    for block in blocks:
+        if isinstance(block, tuple(_MEDIA)):
+            if text:
+                parts.append(_blocks_text(text))
+                text = []
+            parts.append({"type": _MEDIA[type(block)], "block": type(block).__name__})
+        else:
+            text.append(block)
+    return [*parts, *([_blocks_text(text)] if text else [])]
+
+
+def tool_call_dict(call_id: str | None, name: str, arguments: Any) -> dict[str, Any]:
+    """One call in OpenAI's wire shape; its arguments are read by the engine's rulebook."""
+    return {"id": call_id or "", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def _calls_of(message: ChatMessage) -> list[dict[str, Any]]:
@@ -82,8 +122,9 @@ def _legacy_call(raw: Any) -> dict[str, Any] | None:
     return tool_call_dict(getattr(raw, "id", None), str(name), getattr(fn, "arguments", None))
 
 
-def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """LlamaIndex chat history as template-safe dicts (through ``_chat.normalize_messages``)."""
+def to_engine_messages(messages: Sequence[ChatMessage]) -> tuple[Message, ...]:
+    """LlamaIndex chat history as the engine's messages, converted once by its rulebook
+    (``engine.messages_from_openai``); a failed tool result says so in its text."""
     if isinstance(messages, (str, bytes, Mapping, ChatMessage)) or not isinstance(
             messages, Iterable):
         raise TypeError(f"messages must be a list of llama_index ChatMessage, got "
@@ -97,7 +138,8 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
                             f"ChatMessage(role='user', content='...')), got "
                             f"{type(message).__name__} {message!r:.40}")
         role = message.role.value if isinstance(message.role, MessageRole) else message.role
-        item: dict[str, Any] = {"role": role, "content": _blocks_text(message.blocks)}
+        role = _ROLES.get(role, role)
+        item: dict[str, Any] = {"role": role, "content": _content(message.blocks)}
         extra = message.additional_kwargs
         if role == MessageRole.ASSISTANT.value:
             calls = _calls_of(message)
@@ -111,10 +153,33 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             name = extra.get("name") or extra.get("tool_name") or names.get(call_id or "")
             if name:
                 item["name"] = name
-            if extra.get("is_error"):
-                item["status"] = "error"
         out.append(item)
-    return normalize_messages(out)
+    try:
+        converted = messages_from_openai(out)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{exc}{_block_note(out, exc.field)}", exc.field) from exc
+    return tuple(
+        replace(m, content=f"Error: {m.content}")
+        if m.role == "tool" and li.additional_kwargs.get("is_error")
+        and not m.content.startswith("Error") else m
+        for li, m in zip(messages, converted, strict=True))
+
+
+def tool_specs(tools: Iterable[Any]) -> tuple[ToolSpec, ...]:
+    """LlamaIndex tools (or OpenAI dicts) as the engine's tool specs, converted once."""
+    if isinstance(tools, tuple) and all(isinstance(t, ToolSpec) for t in tools):
+        return tools
+    return normalize_tools([openai_tool(tool) for tool in tools])
+
+
+def _block_note(out: list[dict[str, Any]], field: str) -> str:
+    """Which LlamaIndex block a refused content part was, for the error message."""
+    found = re.fullmatch(r"messages\[(\d+)\]\.content\[(\d+)\]\.type", field)
+    if found is None:
+        return ""
+    part = out[int(found.group(1))]["content"][int(found.group(2))]
+    block = part.get("block") if isinstance(part, Mapping) else None
+    return f" (MLXBatchLLM serves text-only models; got a {block})" if block else ""
 
 
 def openai_tool(tool: Any) -> dict[str, Any]:
@@ -128,13 +193,9 @@ def openai_tool(tool: Any) -> dict[str, Any]:
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
-    """Usage in the key names LlamaIndex's token counting reads from ``raw["usage"]``."""
-    return {"prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-            "cached_tokens": usage.cached_tokens,
-            "time_to_first_token": usage.time_to_first_token,
-            "decode_tokens_per_second": usage.decode_tokens_per_second}
+    """Engine usage for LlamaIndex's token counting (``raw["usage"]``): its keys are the
+    engine's own (``Usage.as_dict``)."""
+    return usage.as_dict()
 
 
 def _invalid_dict(call: InvalidToolCall) -> dict[str, Any]:
@@ -147,7 +208,8 @@ def final_raw(completion: Completion, model_name: str) -> dict[str, Any]:
     return {"model": model_name,
             "finish_reason": completion.finish_reason.value,
             "usage": usage_dict(completion.usage),
-            "invalid_tool_calls": [_invalid_dict(c) for c in completion.invalid_tool_calls]}
+            "invalid_tool_calls": [_invalid_dict(c) for c in completion.invalid_tool_calls],
+            "truncated": completion.truncated}
 
 
 def assistant_message(content: str, reasoning: str | None,
@@ -189,9 +251,19 @@ def tool_selections(message: ChatMessage) -> list[ToolSelection]:
 
 def _selection(call_id: str | None, name: str, arguments: Any) -> ToolSelection:
     """A ToolSelection; a call without an id gets a fresh one (agents match results by id)."""
-    kwargs = arguments if isinstance(arguments, Mapping) else arguments_dict(arguments)
+    kwargs = arguments if isinstance(arguments, Mapping) else _arguments(arguments)
     return ToolSelection(tool_id=call_id or f"call_{uuid.uuid4().hex[:24]}",
                          tool_name=name, tool_kwargs=dict(kwargs))
+
+
+def _arguments(arguments: Any) -> dict[str, Any]:
+    """A legacy call's JSON-text arguments; text that is no JSON object is refused."""
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return {}
+    value = json.loads(arguments) if isinstance(arguments, str) else arguments
+    if not isinstance(value, dict):
+        raise ValueError(f"a tool call's arguments must be a JSON object, got {arguments!r:.40}")
+    return value
 
 
 def keep_first_call(response: ChatResponse) -> ChatResponse:
@@ -267,15 +339,15 @@ def json_kwargs(output_cls: type[BaseModel],
 
 
 def _cut_structured(output_cls: type[Any], response: ChatResponse) -> None:
-    """Raise ``OutputTruncatedError`` when max_tokens cut the response's JSON."""
+    """Raise ``OutputTruncatedError`` when the engine says max_tokens cut the response's
+    JSON (``raw["truncated"]``, from ``Completion.truncated``)."""
     raw = response.raw if isinstance(response.raw, Mapping) else {}
+    if not raw.get("truncated"):
+        return
     usage = raw.get("usage")
-    usage = usage if isinstance(usage, Mapping) else {}
-    error = cut_json(raw.get("finish_reason"), response.message.content or "",
-                     int(usage.get("completion_tokens") or 0),
-                     f"the JSON for {getattr(output_cls, '__name__', 'the output')}")
-    if error is not None:
-        raise error
+    tokens = int((usage if isinstance(usage, Mapping) else {}).get("completion_tokens") or 0)
+    raise OutputTruncatedError(
+        tokens, tokens, f"the JSON for {getattr(output_cls, '__name__', 'the output')}")
 
 
 def parse_structured(output_cls: type[Any], response: ChatResponse) -> Any:

@@ -26,17 +26,20 @@ from langchain_core.runnables.config import get_config_list
 from pydantic import Field, field_validator, model_validator
 
 from engine import (
+    SAMPLING_FIELDS,
+    ChatRequest,
     Completion,
     Engine,
     EngineConfig,
+    InvalidRequestError,
     JsonObject,
     JsonSchema,
     RequestHandle,
     SamplingParams,
     StreamEvent,
     get_engine,
+    messages_from_openai,
 )
-from mlx_providers._chat import cut_forced_call, forces_call
 from mlx_providers._langchain_messages import (
     ToolLike,
     chat_generation,
@@ -44,17 +47,17 @@ from mlx_providers._langchain_messages import (
     constraint_for,
     event_chunk,
     json_schema_of,
-    openai_tools,
     structured_parser,
     tool_choice_name,
+    tool_specs,
     with_raw,
 )
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the engine loads for model=None
 # Standard LangChain arguments that mean nothing for an in-process model: accepted quietly.
 _REMOTE_ONLY = frozenset({"api_key", "base_url", "max_retries"})
-_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-             "seed")
+# The engine's sampling fields; LangChain passes ``stop`` as its own argument.
+_SAMPLING = tuple(name for name in SAMPLING_FIELDS if name != "stop")
 _REQUEST_KWARGS = frozenset({*_SAMPLING, "model", "timeout", "tools", "tool_choice",
                              "parallel_tool_calls", "response_format", "constraint",
                              "reasoning", "chat_template_kwargs", "raise_on_truncated_call",
@@ -69,24 +72,12 @@ class _Request:
     engine: Engine
     model_name: str
     is_own_model: bool
-    messages: list[dict[str, Any]]
-    params: SamplingParams
+    chat: ChatRequest  # the engine's request value, built once; submitted as it is
     timeout: float | None
-    tools: list[dict[str, Any]] | None
-    tool_choice: str | None
-    parallel_tool_calls: bool
-    template_kwargs: dict[str, Any]
     raise_on_truncated_call: bool = True
 
-    @property
-    def forces_call(self) -> bool:
-        return forces_call(self.tools, self.tool_choice)
-
     def submit(self) -> RequestHandle:
-        return self.engine.submit(
-            self.messages, self.params, timeout=self.timeout, tools=self.tools,
-            tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls,
-            chat_template_kwargs=self.template_kwargs)
+        return self.engine.submit(self.chat, timeout=self.timeout)
 
 
 class ChatMLXBatch(BaseChatModel):
@@ -204,10 +195,15 @@ class ChatMLXBatch(BaseChatModel):
         return get_engine(self.model, **self.engine_config)
 
     def _convert_input(self, model_input: LanguageModelInput) -> PromptValue:
+        # OpenAI-shaped message dicts are read by the engine's rulebook, as at every other
+        # door (LangChain's own coercion knows other role spellings and raises KeyError).
+        # Its results are LangChain messages, converted once more by ``chat_messages``.
+        if _openai_dicts(model_input):
+            messages_from_openai(list(model_input))
         # LangChain's message coercion raises NotImplementedError for inputs it cannot
         # read ([(None,)], [b""]): a bad argument, so the caller gets a TypeError. A
-        # message dict missing a key it requires (a tool message's "tool_call_id", a tool
-        # call's "id") raises a bare KeyError there: a bad value, so a ValueError naming it.
+        # message dict missing a key it requires (a tool call's "id") raises a bare
+        # KeyError there: a bad value, so a ValueError naming it.
         try:
             return super()._convert_input(model_input)
         except NotImplementedError as exc:
@@ -224,7 +220,7 @@ class ChatMLXBatch(BaseChatModel):
     ) -> int:
         """Prompt tokens of a history, rendered exactly as a request would be (tools too)."""
         return self.engine.count_tokens(
-            chat_messages(messages), tools=openai_tools(tools) if tools else None,
+            chat_messages(messages), tools=tool_specs(tools).specs if tools else None,
             chat_template_kwargs=self._template_kwargs(None, None))
 
     # ----- the four paths ---------------------------------------------------------------
@@ -344,7 +340,12 @@ class ChatMLXBatch(BaseChatModel):
         ``max_tokens`` cuts raises ``engine.OutputTruncatedError`` naming the limit (bind
         ``raise_on_truncated_call=False`` to get it in ``invalid_tool_calls`` instead).
         """
-        formatted = openai_tools(tools, strict=strict)
+        if tool_choice is not None and not isinstance(tool_choice, str | bool | Mapping):
+            # Refused before the tools are converted: no tool list makes it a choice.
+            raise InvalidRequestError(f"tool_choice must be a str, bool or dict, got "
+                                      f"{type(tool_choice).__name__} {tool_choice!r:.40}",
+                                      "tool_choice")
+        formatted = tool_specs(tools, strict=strict)  # the one conversion of these tools
         choice = tool_choice_name(tool_choice, formatted)
         if choice is not None:
             kwargs["tool_choice"] = choice
@@ -377,9 +378,9 @@ class ChatMLXBatch(BaseChatModel):
         trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
         if method == "function_calling":
             assert schema is not None
-            name = openai_tools([schema], strict=strict)[0]["function"]["name"]
+            tool = tool_specs([schema], strict=strict)
             # A cut call is the parser's to report, so include_raw keeps the raw message.
-            llm = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False,
+            llm = self.bind_tools(tool, tool_choice=tool.specs[0].name, parallel_tool_calls=False,
                                   strict=strict, ls_structured_output_format=trace,
                                   raise_on_truncated_call=False)
         elif method in ("json_schema", "json_mode"):
@@ -410,20 +411,20 @@ class ChatMLXBatch(BaseChatModel):
         # As given: SamplingParams names a stop that is not text or a list of text.
         stops: Any = (stop if stop is not None else self.stop) or ()
         params = SamplingParams(**sampling, stop=stops, constraint=constraint)
-        # Tools passed per call (not through bind_tools) may be in any LangChain shape too.
-        tools = openai_tools(kwargs["tools"]) if kwargs.get("tools") else None
+        # Bound tools were converted at bind time; tools passed per call (any LangChain
+        # shape) are converted here, once.
+        specs = tool_specs(kwargs["tools"]).specs if kwargs.get("tools") else ()
+        choice = tool_choice_name(kwargs.get("tool_choice"), specs) if specs else None
+        chat = ChatRequest(chat_messages(messages), params, specs, choice or "auto",
+                           kwargs.get("parallel_tool_calls", True),
+                           self._template_kwargs(kwargs.get("reasoning"),
+                                                 kwargs.get("chat_template_kwargs")))
         return _Request(
             engine=get_engine(model, **self.engine_config),
             model_name=_display_name(model),
             is_own_model=model == self.model,
-            messages=chat_messages(messages),
-            params=params,
+            chat=chat,
             timeout=kwargs.get("timeout", self.timeout),
-            tools=tools,
-            tool_choice=tool_choice_name(kwargs.get("tool_choice"), tools) if tools else None,
-            parallel_tool_calls=kwargs.get("parallel_tool_calls", True),
-            template_kwargs=self._template_kwargs(kwargs.get("reasoning"),
-                                                  kwargs.get("chat_template_kwargs")),
             raise_on_truncated_call=bool(kwargs.get("raise_on_truncated_call", True)),
         )
 
@@ -475,11 +476,18 @@ def _check_call_options(kwargs: Mapping[str, Any]) -> None:
 
 def _check_forced_call(request: _Request, completion: Completion) -> None:
     """A forced call that max_tokens cut raises ``OutputTruncatedError`` (unless the caller,
-    e.g. ``with_structured_output``, reports it itself)."""
-    if request.forces_call and request.raise_on_truncated_call:
-        error = cut_forced_call(completion)
+    e.g. ``with_structured_output``, reports it itself); the engine says it was cut."""
+    if request.chat.forces_call and request.raise_on_truncated_call:
+        error = completion.truncation_error()
         if error is not None:
             raise error
+
+
+def _openai_dicts(model_input: Any) -> bool:
+    """Whether an input is a list of OpenAI-shaped message dicts (each has a "role")."""
+    return (isinstance(model_input, Sequence) and not isinstance(model_input, str)
+            and bool(model_input)
+            and all(isinstance(m, Mapping) and "role" in m for m in model_input))
 
 
 def _one_thread_each(config: RunnableConfig | Sequence[RunnableConfig] | None,

@@ -45,14 +45,16 @@ from llama_index.core.types import PydanticProgramMode
 from llama_index_instrumentation import get_dispatcher
 
 from engine import (
+    SAMPLING_FIELDS,
+    ChatRequest,
     Completion,
     Engine,
+    Message,
     RequestHandle,
     SamplingParams,
     StreamEvent,
     get_engine,
 )
-from mlx_providers._chat import cut_forced_call, forces_call
 from mlx_providers._llama_index_messages import (
     StreamChunks,
     chat_response,
@@ -60,10 +62,10 @@ from mlx_providers._llama_index_messages import (
     completion_response,
     json_kwargs,
     keep_first_call,
-    openai_tool,
     parse_structured,
     to_engine_messages,
     tool_selections,
+    tool_specs,
 )
 
 __all__ = ["MLXBatchLLM"]
@@ -71,29 +73,28 @@ __all__ = ["MLXBatchLLM"]
 dispatcher = get_dispatcher(__name__)
 
 # Per-call keyword arguments: sampling overrides, then what the engine's submit takes.
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                    "repetition_penalty", "seed", "stop")
-_PER_CALL = (*_SAMPLING_FIELDS, "constraint", "timeout", "tools", "tool_choice",
+_PER_CALL = (*SAMPLING_FIELDS, "constraint", "timeout", "tools", "tool_choice",
              "parallel_tool_calls", "chat_template_kwargs")
 
 
 @dataclass(frozen=True)
 class _Request:
-    """Everything one engine submit needs, built (and validated) before submitting."""
+    """Everything one engine submit needs, built (and validated) before submitting: a
+    ``ChatRequest`` (the engine's value, converted once) or raw text with its options."""
 
-    prompt: str | list[dict[str, Any]]
+    prompt: str | ChatRequest
     params: SamplingParams
     options: dict[str, Any]
 
     @property
     def forces_call(self) -> bool:
         """A required or named tool: a call cut by max_tokens raises, naming the limit."""
-        return forces_call(self.options.get("tools"), self.options.get("tool_choice"))
+        return isinstance(self.prompt, ChatRequest) and self.prompt.forces_call
 
     def checked(self, completion: Completion) -> Completion:
-        """The completion, unless it is a forced call that max_tokens cut."""
+        """The completion, unless the engine says max_tokens cut a forced call."""
         if self.forces_call:
-            error = cut_forced_call(completion)
+            error = completion.truncation_error()
             if error is not None:
                 raise error
         return completion
@@ -187,18 +188,20 @@ class MLXBatchLLM(FunctionCallingLLM):
 
     def _sampling(self, kwargs: Mapping[str, Any]) -> SamplingParams:
         """The fields' sampling settings with this call's overrides (validated)."""
-        settings = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING_FIELDS}
+        settings = {name: kwargs.get(name, getattr(self, name)) for name in SAMPLING_FIELDS}
         return SamplingParams(**settings, constraint=kwargs.get("constraint"))
 
-    def _request(self, prompt: str | list[dict[str, Any]], kwargs: Mapping[str, Any]) -> _Request:
+    def _request(self, prompt: str | tuple[Message, ...], kwargs: Mapping[str, Any]) -> _Request:
         """A submit-ready request; unknown per-call options raise instead of being dropped."""
         unknown = sorted(set(kwargs) - set(_PER_CALL))
         if unknown:
             raise TypeError(f"MLXBatchLLM got unexpected keyword arguments {unknown}; "
                             f"per-call options are {list(_PER_CALL)}")
         options: dict[str, Any] = {"timeout": kwargs.get("timeout", self.timeout)}
-        if kwargs.get("tools"):
-            options["tools"] = [openai_tool(tool) for tool in _listed(kwargs["tools"], "tools")]
+        if kwargs.get("tools"):  # converted once (tools from a tool turn were already)
+            tools = kwargs["tools"]
+            options["tools"] = tool_specs(tools if isinstance(tools, tuple)
+                                          else _listed(tools, "tools"))
         for name in ("tool_choice", "parallel_tool_calls"):
             if kwargs.get(name) is not None:
                 options[name] = kwargs[name]
@@ -209,7 +212,14 @@ class MLXBatchLLM(FunctionCallingLLM):
         template = {**self.chat_template_kwargs, **extra}
         if template:
             options["chat_template_kwargs"] = template
-        return _Request(prompt, self._sampling(kwargs), options)
+        params = self._sampling(kwargs)
+        if isinstance(prompt, str):
+            return _Request(prompt, params, options)
+        chat = ChatRequest.from_openai(
+            prompt, params, tools=options.get("tools"), tool_choice=options.get("tool_choice"),
+            parallel_tool_calls=options.get("parallel_tool_calls", True),
+            chat_template_kwargs=options.get("chat_template_kwargs"))
+        return _Request(chat, params, {"timeout": options["timeout"]})
 
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: Mapping[str, Any]) -> _Request:
         """A request for chat messages (rendered by the model's chat template)."""
@@ -226,6 +236,8 @@ class MLXBatchLLM(FunctionCallingLLM):
 
     def _submit(self, request: _Request) -> RequestHandle:
         """Queue the request on the shared engine; returns at once."""
+        if isinstance(request.prompt, ChatRequest):
+            return self._engine.submit(request.prompt, **request.options)
         return self._engine.submit(request.prompt, request.params, **request.options)
 
     # ----- chat and completion, sync ---------------------------------------------------
@@ -312,7 +324,7 @@ class MLXBatchLLM(FunctionCallingLLM):
                             f"{type(user_msg).__name__}")
         chat_kwargs: dict[str, Any] = {"messages": messages, **kwargs}
         if tools:
-            chat_kwargs["tools"] = [openai_tool(tool) for tool in _listed(tools, "tools")]
+            chat_kwargs["tools"] = tool_specs(_listed(tools, "tools"))  # converted once
             chat_kwargs["parallel_tool_calls"] = allow_parallel_tool_calls
         if tool_choice is None and tool_required:
             tool_choice = "required"  # without tools the engine raises, naming the problem

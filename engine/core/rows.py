@@ -23,6 +23,7 @@ from engine.requests.request import (
     TokenCallback,
     TokenLogprob,
     Usage,
+    truncation,
 )
 from engine.requests.text import RowText
 
@@ -97,16 +98,22 @@ class Row:
             channels.finish()
         content, reasoning = self._unsent()
         usage = self.usage()
+        calls = tuple(channels.calls) if channels is not None else ()
+        invalid = tuple(channels.invalid) if channels is not None else ()
+        answer = channels.content if channels is not None else ""
+        forces_call = self.spec.forces_call
         completion = Completion(
             text=self.text.text if self.text is not None else "",
             token_ids=tuple(self.token_ids),
             finish_reason=reason,
             usage=usage,
             logprobs=tuple(self.logprobs) if self.params.logprobs else None,
-            content=channels.content if channels is not None else "",
+            content=answer,
             reasoning=channels.reasoning if channels and channels.saw_reasoning else None,
-            tool_calls=tuple(channels.calls) if channels is not None else (),
-            invalid_tool_calls=tuple(channels.invalid) if channels is not None else (),
+            tool_calls=calls,
+            invalid_tool_calls=invalid,
+            truncated=truncation(reason, forces_call, self.params.constraint, answer,
+                                 len(calls), len(invalid)),
         )
         event = StreamEvent(delta, ids, logprobs, reason, usage, error, content, reasoning,
                             completion)

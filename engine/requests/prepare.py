@@ -1,7 +1,8 @@
 """A request prepared once, outside the step loop: prompt ids, tools, constraint, stops.
 
 ``RequestSpec`` is what ``Engine.submit`` validated on the caller's thread without a
-tokenizer (tools normalised, tool choice resolved, schemas checked). ``Preparer`` turns
+tokenizer: a ``ChatRequest`` taken as it is (the faces converted into it once), or raw
+arguments converted through the same ``ChatRequest.from_openai``. ``Preparer`` turns
 it into a ``PreparedRequest`` for this model's tokenizer: the prompt rendered and
 encoded, the forced-call grammar built and compiled, the stop ids resolved. The loop
 only ever sees prepared requests. No mlx here.
@@ -9,25 +10,22 @@ only ever sees prepared requests. No mlx here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from engine.errors import InvalidRequestError
 from engine.requests.channels import TOOL, ChannelSplitter, RowChannels
+from engine.requests.chat import ChatRequest, forces_call
 from engine.requests.constraints import Constraint, JsonSchema
 from engine.requests.grammar import GrammarCompiler, validate_constraint
-from engine.requests.prompts import PromptRenderer, checked_prompt
-from engine.requests.request import Prompt, SamplingParams, check_template_options
+from engine.requests.prompts import PromptRenderer, checked_prompt, is_chat
+from engine.requests.request import Prompt, SamplingParams, Tools, check_template_options
 from engine.requests.string_repeats import DEFAULT_NGRAM
 from engine.requests.text import RowText
-from engine.requests.tools import (
-    ToolSpec,
-    forced_call_grammar,
-    forced_call_schema,
-    normalize_tool_choice,
-    normalize_tools,
-)
+from engine.requests.tools import ToolSpec, forced_call_grammar
 
 
 @dataclass(frozen=True)
@@ -40,6 +38,13 @@ class RequestSpec:
     tool_choice: str = "auto"  # "auto", "none", "required" or a tool name
     parallel_tool_calls: bool = True
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    call_schema: dict[str, Any] | None = None  # the forced call's schema, built once
+
+    @classmethod
+    def of_chat(cls, chat: ChatRequest) -> RequestSpec:
+        """A typed chat request as it is: nothing is converted again."""
+        return cls(chat.messages, chat.params, chat.tools, chat.tool_choice,
+                   chat.parallel_tool_calls, chat.template_kwargs, chat.call_schema)
 
     @property
     def rendered_tools(self) -> tuple[ToolSpec, ...]:
@@ -48,7 +53,7 @@ class RequestSpec:
 
     @property
     def forces_call(self) -> bool:
-        return bool(self.tools) and self.tool_choice not in ("auto", "none")
+        return forces_call(self.tools, self.tool_choice)
 
 
 @dataclass(frozen=True)
@@ -106,38 +111,54 @@ class Preparer:
         start, end = self.prompts.channel_markers()[TOOL]
         return forced_call_grammar(spec.tools, spec.tool_choice, spec.parallel_tool_calls,
                                    self.compiler.lark_literal(start),
-                                   self.compiler.lark_literal(end))
+                                   self.compiler.lark_literal(end), schema=spec.call_schema)
 
 
 def request_spec(
-    prompt: Prompt,
+    prompt: Prompt | ChatRequest,
     params: SamplingParams | None,
-    tools: Sequence[Mapping[str, Any]] | None,
+    tools: Tools | None,
     tool_choice: str | Mapping[str, Any] | None,
     parallel_tool_calls: bool,
     chat_template_kwargs: Mapping[str, Any] | None,
 ) -> RequestSpec:
-    """Everything ``submit`` can check without a tokenizer, checked once, at the door."""
-    params = params if params is not None else SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-    prompt = checked_prompt(prompt)  # a checked private copy (engine.requests.prompts)
-    template_kwargs = check_template_options(parallel_tool_calls, chat_template_kwargs)
-    specs = normalize_tools(tools)
-    choice = normalize_tool_choice(tool_choice, specs)
-    if specs and choice != "none" and not is_chat(prompt):
-        raise ValueError("tools need a chat-messages prompt")
-    spec = RequestSpec(prompt, params, specs, choice, parallel_tool_calls, template_kwargs)
-    if spec.forces_call and params.constraint is not None:
-        raise ValueError("a forced tool_choice cannot be combined with a constraint")
-    if spec.forces_call:  # the call schema now; its grammar is built once, when prepared
-        validate_constraint(JsonSchema(forced_call_schema(specs, choice)))
-    elif params.constraint is not None:
-        validate_constraint(params.constraint)
+    """Everything ``submit`` can check without a tokenizer, checked once, at the door.
+
+    A ``ChatRequest`` was checked when it was built and is taken as it is; raw chat
+    messages go through ``ChatRequest.from_openai`` (the one rulebook) here.
+    """
+    if isinstance(prompt, ChatRequest):
+        if params is not None or tools or tool_choice is not None or chat_template_kwargs:
+            raise TypeError("a ChatRequest carries its own params, tools, tool_choice and "
+                            "template options: pass them when building it, not to submit")
+        spec = RequestSpec.of_chat(prompt)
+    else:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        checked = checked_prompt(prompt)  # a checked private copy (engine.requests.prompts)
+        if is_chat(checked):
+            spec = RequestSpec.of_chat(ChatRequest.from_openai(
+                checked, params, tools=tools, tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                chat_template_kwargs=chat_template_kwargs, root="prompt"))
+        else:
+            template_kwargs = check_template_options(parallel_tool_calls, chat_template_kwargs)
+            plain = ChatRequest.from_openai([{"role": "user", "content": ""}], params,
+                                            tools=tools, tool_choice=tool_choice)
+            if plain.tools and plain.tool_choice != "none":
+                raise InvalidRequestError("tools need a chat-messages prompt", "tools")
+            spec = RequestSpec(checked, params, plain.tools, plain.tool_choice,
+                               parallel_tool_calls, template_kwargs)
+    if spec.call_schema is not None:  # the call schema now; its grammar is built when prepared
+        _validated(JsonSchema(spec.call_schema))
+    elif spec.params.constraint is not None:
+        _validated(spec.params.constraint)
     return spec
 
 
-def is_chat(prompt: Prompt | Sequence[Any]) -> bool:
-    """Whether a prompt is a list of chat messages (dicts)."""
-    return not isinstance(prompt, str) and bool(prompt) and all(
-        isinstance(m, Mapping) for m in prompt)
+@lru_cache(maxsize=256)
+def _validated(constraint: Constraint) -> None:
+    """``validate_constraint``, once per distinct schema or grammar (a refusal is not cached:
+    it raises again, cheaply, for the next request that sends it)."""
+    validate_constraint(constraint)

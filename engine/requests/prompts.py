@@ -7,7 +7,6 @@ knows the tokenizer's text markers for reasoning and tool calls. No model, no ml
 
 from __future__ import annotations
 
-import json
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.requests.channels import CONTENT, REASONING, TOOL
+from engine.requests.messages import Message, messages_from_openai, template_messages
 from engine.requests.request import ChatMessage, Prompt
 from engine.requests.tool_formats import ToolFormat, detect_tool_format
 from engine.requests.tools import (
@@ -24,20 +24,18 @@ from engine.requests.tools import (
     with_fallback_tool_prompt,
 )
 
-# Roles chat templates know (OpenAI's, with the legacy "function" result role).
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-_RESULT_ROLES = frozenset({"tool", "function"})
 _MAX_TOKEN_ID = 2**31 - 1  # mlx holds token ids as 32-bit integers
 _PROMPT_KINDS = "text, a list of token ids, or a list of chat messages (dicts)"
 
 
-def checked_prompt(prompt: Any) -> str | list[int] | list[ChatMessage]:
+def checked_prompt(prompt: Any) -> str | list[int] | list[Message]:
     """``submit``'s prompt, checked at the door on the caller's thread, as a private copy.
 
     Text stays text. Token ids must be integers (numpy's too, never bools or floats) in
     [0, 2**31); whether they are inside this model's vocabulary is checked when the
-    request is prepared. Chat messages are checked by ``checked_message``. The copy means a
-    caller that changes its list after ``submit`` changes nothing queued.
+    request is prepared. Chat messages become ``Message`` values by the one rulebook
+    (``engine.requests.messages``). The copy means a caller that changes its list after
+    ``submit`` changes nothing queued.
     """
     if isinstance(prompt, str):
         if not prompt:
@@ -49,8 +47,8 @@ def checked_prompt(prompt: Any) -> str | list[int] | list[ChatMessage]:
     items = list(prompt)
     if not items:
         raise ValueError("prompt is empty: give at least one token or message")
-    if isinstance(items[0], Mapping):
-        return [checked_message(m, f"prompt[{i}]") for i, m in enumerate(items)]
+    if isinstance(items[0], Mapping | Message):
+        return list(messages_from_openai(items, "prompt"))
     return [_token_id(t, i) for i, t in enumerate(items)]
 
 
@@ -67,91 +65,18 @@ def _token_id(value: Any, i: int) -> int:
     return token
 
 
-def checked_message(message: Any, at: str) -> ChatMessage:
-    """One chat message as a template-safe copy; raises naming ``at`` and the field.
-
-    A known role; text content (or OpenAI text parts, joined; None or absent only on an
-    assistant turn); an assistant's ``tool_calls`` as OpenAI calls whose arguments are a
-    JSON object; a tool result's ``tool_call_id`` and ``name`` as text. Other keys are the
-    template's business and pass through.
-    """
-    if not isinstance(message, Mapping):
-        raise TypeError(f"{at} must be a chat message dict (after other messages), got "
-                        f"{type(message).__name__} {message!r:.40}")
-    role = message.get("role")
-    if not isinstance(role, str) or role not in CHAT_ROLES:
-        raise ValueError(f"{at}.role must be one of {sorted(CHAT_ROLES)}, got {role!r:.40}")
-    out = dict(message)
-    if "content" in message or role != "assistant":
-        out["content"] = _content_text(message.get("content"), f"{at}.content",
-                                       optional=role == "assistant")
-    for key in ("name", "tool_call_id"):
-        if message.get(key) is not None and not isinstance(message[key], str):
-            raise TypeError(f"{at}.{key} must be a str, got {type(message[key]).__name__}")
-    calls = message.get("tool_calls")
-    if calls is not None:
-        if role != "assistant":
-            raise ValueError(f"{at}.tool_calls: only assistant messages make tool calls "
-                             f"(role is {role!r})")
-        if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Iterable):
-            raise TypeError(f"{at}.tool_calls must be a list of calls, got "
-                            f"{type(calls).__name__}")
-        out["tool_calls"] = [_checked_call(c, f"{at}.tool_calls[{j}]")
-                             for j, c in enumerate(calls)]
-    return out
+def is_chat(prompt: Any) -> bool:
+    """Whether a prompt is chat messages (``Message`` values, or OpenAI dicts)."""
+    return not isinstance(prompt, str) and bool(prompt) and all(
+        isinstance(m, Message | Mapping) for m in prompt)
 
 
-def _content_text(content: Any, at: str, optional: bool) -> str | None:
-    if isinstance(content, str):
-        return content
-    if content is None:
-        if optional:
-            return None
-        raise TypeError(f"{at} must be text (a str or a list of text parts), got None")
-    if isinstance(content, (bytes, bytearray, Mapping)) or not isinstance(content, Iterable):
-        raise TypeError(f"{at} must be text (a str or a list of text parts), got "
-                        f"{type(content).__name__} {content!r:.40}")
-    texts: list[str] = []
-    for k, part in enumerate(content):
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        kind = part.get("type", "text") if isinstance(part, Mapping) else None
-        text = part.get("text") if isinstance(part, Mapping) else None
-        if kind != "text" or not isinstance(text, str):
-            what = f"a {kind!r} part" if isinstance(kind, str) else type(part).__name__
-            raise ValueError(f"{at}[{k}] must be a text part {{'type': 'text', 'text': str}} "
-                             f"(text-only models), got {what}")
-        texts.append(text)
-    return "".join(texts)
-
-
-def _checked_call(call: Any, at: str) -> dict[str, Any]:
-    """An assistant's tool call: {"function": {"name", "arguments"}} (or that dict flat)."""
-    if not isinstance(call, Mapping):
-        raise TypeError(f"{at} must be a tool call dict, got {type(call).__name__}")
-    fn = call.get("function", call)
-    where = f"{at}.function" if "function" in call else at
-    if not isinstance(fn, Mapping):
-        raise TypeError(f"{where} must be a dict with name and arguments, got "
-                        f"{type(fn).__name__}")
-    name = fn.get("name")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{where}.name must be a non-empty str, got {name!r:.40}")
-    if call.get("id") is not None and not isinstance(call["id"], str):
-        raise TypeError(f"{at}.id must be a str, got {type(call['id']).__name__}")
-    arguments = fn.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as exc:
-            raise ValueError(f"{where}.arguments is not JSON: {exc}") from exc
-        if not isinstance(parsed, dict):
-            raise ValueError(f"{where}.arguments must be a JSON object, got {arguments!r:.40}")
-    elif not isinstance(arguments, Mapping):
-        raise TypeError(f"{where}.arguments must be a dict or the JSON text of one, got "
-                        f"{type(arguments).__name__}")
-    return dict(call)
+def chat_dicts(prompt: Any) -> list[ChatMessage]:
+    """Template-ready dicts for chat messages; OpenAI dicts go through the rulebook first
+    (``submit`` has converted them already; direct callers such as tests pass dicts)."""
+    messages = prompt if all(isinstance(m, Message) for m in prompt) else (
+        messages_from_openai(prompt, "prompt"))
+    return template_messages(messages)
 
 
 @dataclass(frozen=True)
@@ -176,8 +101,8 @@ class PromptRenderer:
         """Text, token ids, or chat messages (rendered with the chat template) -> ids."""
         if isinstance(prompt, str):
             ids = list(self.tokenizer.encode(prompt))
-        elif prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self.render_chat(list(prompt))  # type: ignore[arg-type]
+        elif is_chat(prompt):
+            ids = self.render_chat(chat_dicts(prompt))
         else:
             ids = [int(t) for t in prompt]  # type: ignore[arg-type]
             vocab = self.vocab_size
@@ -200,10 +125,9 @@ class PromptRenderer:
         is the leading system message(s) with the tools: what parallel agent branches
         share, and what the prefix cache stores on its own.
         """
-        if not (prompt and not isinstance(prompt, str)
-                and all(isinstance(m, dict) for m in prompt)):
+        if not is_chat(prompt):
             return EncodedPrompt(self.encode(prompt))
-        messages: list[ChatMessage] = list(prompt)  # type: ignore[arg-type]
+        messages: list[ChatMessage] = chat_dicts(prompt)
         kwargs = dict(template_kwargs)
         if tools:
             if self.template_renders_tools():

@@ -5,6 +5,7 @@ Pure data: no mlx import, so the scheduler and streams can be tested without a m
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -12,11 +13,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from engine.errors import InvalidRequestError, OutputTruncatedError
 from engine.requests.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
-from engine.requests.tools import InvalidToolCall, ToolCall
+from engine.requests.messages import Message
+from engine.requests.tools import InvalidToolCall, ToolCall, ToolSpec
 
 ChatMessage = dict[str, Any]
-Prompt = str | Sequence[int] | Sequence[ChatMessage]
+# Text, token ids, or chat messages: OpenAI dicts, or the rulebook's typed Message values.
+Prompt = str | Sequence[int] | Sequence[ChatMessage] | Sequence[Message]
+# Tools in OpenAI's function format, or the engine's specs (converted already).
+Tools = Sequence[Mapping[str, Any]] | Sequence[ToolSpec]
 # (token ids so far, logits [1, vocab]) -> logits; the mlx-lm logits-processor signature.
 LogitsProcessor = Callable[[Any, Any], Any]
 # Called on the engine thread per token; returning False stops the row.
@@ -47,8 +53,9 @@ class RequestStatus(str, Enum):
 
 
 def _check(condition: bool, name: str, message: str) -> None:
+    # InvalidRequestError is a ValueError: the rulebook's refusal, naming the field.
     if not condition:
-        raise ValueError(f"SamplingParams.{name} {message}")
+        raise InvalidRequestError(f"SamplingParams.{name} {message}", name)
 
 
 def _as_tuple(value: Any, name: str, item_type: type) -> tuple[Any, ...]:
@@ -58,8 +65,8 @@ def _as_tuple(value: Any, name: str, item_type: type) -> tuple[Any, ...]:
         return ()
     # bytes iterate as ints, strings as characters, mappings as keys: none is a list.
     if isinstance(value, (bytes, bytearray, Mapping)) or not isinstance(value, Iterable):
-        raise ValueError(f"SamplingParams.{name} must be a {item_type.__name__} or a list of "
-                         f"them, got {type(value).__name__} {value!r:.40}")
+        raise InvalidRequestError(f"SamplingParams.{name} must be a {item_type.__name__} or a "
+                                  f"list of them, got {type(value).__name__} {value!r:.40}", name)
     items = tuple(value)
     for item in items:
         _check(
@@ -258,6 +265,15 @@ class Usage:
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    def as_dict(self) -> dict[str, Any]:
+        """The one shape of usage: every face renames these keys, none computes its own."""
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens,
+                "cached_tokens": self.cached_tokens,
+                "time_to_first_token": self.time_to_first_token,
+                "decode_tokens_per_second": self.decode_tokens_per_second}
+
 
 @dataclass(frozen=True)
 class StreamEvent:
@@ -296,3 +312,42 @@ class Completion:
     reasoning: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     invalid_tool_calls: tuple[InvalidToolCall, ...] = ()
+    # What max_tokens cut before it was complete, where a cut breaks the answer: "the
+    # forced tool call" or "the structured output (JSON)"; None when nothing that had to
+    # be whole was cut. The faces raise OutputTruncatedError from this, not from a guess.
+    truncated: str | None = None
+
+    def truncation_error(self, what: str | None = None) -> OutputTruncatedError | None:
+        """The ``OutputTruncatedError`` for a cut output (``what`` renames the output)."""
+        if self.truncated is None:
+            return None
+        tokens = self.usage.completion_tokens
+        return OutputTruncatedError(tokens, tokens, what or self.truncated)
+
+
+FORCED_CALL = "the forced tool call"
+STRUCTURED_JSON = "the structured output (JSON)"
+
+
+def truncation(finish_reason: FinishReason, forces_call: bool, constraint: Constraint | None,
+               content: str, calls: int, invalid_calls: int) -> str | None:
+    """What a row's ending cut, if it matters (see ``Completion.truncated``).
+
+    A forced call's grammar makes every closed call valid, so an invalid call of a forced
+    answer is one that was cut; strict JSON is cut when the text is not one whole value.
+    """
+    if finish_reason != FinishReason.LENGTH:
+        return None
+    if forces_call:
+        return FORCED_CALL if invalid_calls or not calls else None
+    if isinstance(constraint, JsonSchema | JsonObject) and not _whole_json(content):
+        return STRUCTURED_JSON
+    return None
+
+
+def _whole_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.errors import InvalidRequestError
 from engine.requests.constraints import LarkGrammar
 from engine.requests.schemas import rebase_refs, strict_schema
 
@@ -65,13 +66,13 @@ def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> tuple[ToolSpec
     if tools is None:
         return ()
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Iterable):
-        raise TypeError(f"tools must be a list of tool dicts in the OpenAI function format, "
+        raise _refused(f"tools must be a list of tool dicts in the OpenAI function format, "
                         f"got {type(tools).__name__} {tools!r:.40}")
     specs = [_tool_spec(i, tool) for i, tool in enumerate(tools)]
     names = [s.name for s in specs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise ValueError(f"duplicate tool names: {duplicates}")
+        raise _refused(f"duplicate tool names: {duplicates}", "tools")
     return tuple(specs)
 
 
@@ -83,24 +84,24 @@ def _tool_spec(i: int, tool: Any) -> ToolSpec:
     """One tool entry as a ToolSpec, or the error naming ``tools[i]`` and what is wrong."""
     at = f"tools[{i}]"
     if not isinstance(tool, Mapping):
-        raise TypeError(f"{at} must be a dict in the OpenAI function format, got "
+        raise _refused(f"{at} must be a dict in the OpenAI function format, got "
                         f"{type(tool).__name__} {tool!r:.40}")
     if "function" in tool:
         if tool.get("type", "function") != "function":
-            raise ValueError(f"{at}.type must be 'function', got {tool.get('type')!r:.40}")
+            raise _refused(f"{at}.type must be 'function', got {tool.get('type')!r:.40}")
         fn, at = tool["function"], f"{at}.function"
         if not isinstance(fn, Mapping):
-            raise TypeError(f"{at} must be a dict with name, description and parameters, "
+            raise _refused(f"{at} must be a dict with name, description and parameters, "
                             f"got {type(fn).__name__}")
     else:
         fn = tool
     name = fn.get("name")
     if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
-        raise ValueError(f"{at}.name: the function name must be 1-64 letters, digits, '_', "
+        raise _refused(f"{at}.name: the function name must be 1-64 letters, digits, '_', "
                          f"'-', '.' or ':', got {name!r:.70}")
     description = fn.get("description")
     if description is not None and not isinstance(description, str):
-        raise TypeError(f"{at}.description must be a str, got {type(description).__name__}")
+        raise _refused(f"{at}.description must be a str, got {type(description).__name__}")
     parameters = fn.get("parameters")
     if parameters is None or (isinstance(parameters, Mapping) and not parameters):
         parameters = {"type": "object", "properties": {}}
@@ -111,28 +112,28 @@ def _tool_spec(i: int, tool: Any) -> ToolSpec:
 def _check_parameters(parameters: Any, at: str) -> None:
     """A tool's parameters: a JSON-schema object whose properties are schemas."""
     if not isinstance(parameters, Mapping):
-        raise TypeError(f"{at} must be a JSON schema object (a dict), got "
+        raise _refused(f"{at} must be a JSON schema object (a dict), got "
                         f"{type(parameters).__name__} {parameters!r:.40}")
     if parameters.get("type", "object") != "object":
-        raise ValueError(f"{at}.type must be 'object': the arguments' JSON schema describes "
+        raise _refused(f"{at}.type must be 'object': the arguments' JSON schema describes "
                          f"a JSON object, got {parameters.get('type')!r:.40}")
     properties = parameters.get("properties", {})
     if not isinstance(properties, Mapping):
-        raise ValueError(f"{at}.properties must be an object mapping argument names to "
+        raise _refused(f"{at}.properties must be an object mapping argument names to "
                          f"schemas, got {type(properties).__name__} {properties!r:.40}")
     for key, schema in properties.items():
         if not isinstance(key, str) or not isinstance(schema, Mapping | bool):
-            raise ValueError(f"{at}.properties[{key!r:.40}] must be a JSON schema (a dict), "
+            raise _refused(f"{at}.properties[{key!r:.40}] must be a JSON schema (a dict), "
                              f"got {type(schema).__name__} {schema!r:.40}")
     required = parameters.get("required", [])
     if (not isinstance(required, list | tuple)
             or not all(isinstance(r, str) for r in required)):
-        raise ValueError(f"{at}.required must be a list of argument names, got "
+        raise _refused(f"{at}.required must be a list of argument names, got "
                          f"{required!r:.40}")
     try:  # the template and the grammar both need the schema as JSON
         json.dumps(parameters, default=_as_dict)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{at} is not JSON: {exc}") from exc
+        raise _refused(f"{at} is not JSON: {exc}") from exc
 
 
 def _as_dict(value: object) -> dict[str, Any]:
@@ -148,27 +149,33 @@ def normalize_tool_choice(choice: str | Mapping[str, Any] | None,
         return "auto"
     if isinstance(choice, Mapping):
         if choice.get("type", "function") != "function":
-            raise ValueError(f"tool_choice type must be 'function', got "
+            raise _refused(f"tool_choice type must be 'function', got "
                              f"{choice.get('type')!r:.40}")
         fn = choice.get("function", choice)
         choice = fn.get("name") if isinstance(fn, Mapping) else None
         if not isinstance(choice, str):
-            raise ValueError("tool_choice dict must name a function: "
+            raise _refused("tool_choice dict must name a function: "
                              "{'type': 'function', 'function': {'name': ...}}")
     if not isinstance(choice, str):
-        raise TypeError(f"tool_choice must be 'auto', 'none', 'required', a tool name or "
+        raise _refused(f"tool_choice must be 'auto', 'none', 'required', a tool name or "
                         f"{{'function': {{'name': ...}}}}, got {type(choice).__name__} "
                         f"{choice!r:.40}")
     if choice == "any":
         return "required"
     if choice in ("auto", "none", "required"):
         if choice == "required" and not tools:
-            raise ValueError("tool_choice='required' needs at least one tool")
+            raise _refused("tool_choice='required' needs at least one tool")
         return choice
     if choice not in {t.name for t in tools}:
-        raise ValueError(f"tool_choice names {choice!r:.70}, which is not among the tools "
+        raise _refused(f"tool_choice names {choice!r:.70}, which is not among the tools "
                          f"{[t.name for t in tools]}")
     return choice
+
+
+def _refused(message: str, field: str | None = None) -> InvalidRequestError:
+    """The rulebook's refusal of a tool or tool choice; the field leads the message."""
+    found = re.match(r"[A-Za-z_][\w.\[\]]*", message)
+    return InvalidRequestError(message, field or (found.group(0) if found else "tools"))
 
 
 def quoted(text: str) -> str:
@@ -182,14 +189,16 @@ def forced_call_grammar(
     parallel: bool,
     start: str = quoted(TOOL_CALL_START),
     end: str = quoted(TOOL_CALL_END),
+    schema: dict[str, Any] | None = None,
 ) -> LarkGrammar:
     """A grammar that admits only well-formed calls (one, or several when parallel).
 
     ``start`` / ``end`` are Lark fragments for the call markers: a quoted string, or
     ``<tool_call>`` when the tokenizer has the marker as one special token (llguidance
-    only matches special tokens written that way).
+    only matches special tokens written that way). ``schema`` is the call schema when the
+    request built it already (``ChatRequest.call_schema``), so it is built once.
     """
-    schema = forced_call_schema(tools, choice)
+    schema = schema if schema is not None else forced_call_schema(tools, choice)
     # A newline may follow the last call: models write one, and it must not force another.
     repeat = ' ("\\n" call)* "\\n"?' if parallel else ' "\\n"?'
     lark = (

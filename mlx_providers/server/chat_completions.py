@@ -31,9 +31,12 @@ def finish_reason(reason: FinishReason) -> str:
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    """OpenAI's usage object: the engine's usage (``Usage.as_dict``), renamed and nested."""
+    counts = usage.as_dict()
+    return {"prompt_tokens": counts["prompt_tokens"],
+            "completion_tokens": counts["completion_tokens"],
+            "total_tokens": counts["total_tokens"],
+            "prompt_tokens_details": {"cached_tokens": counts["cached_tokens"]}}
 
 
 def tool_call_dicts(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:

@@ -1,19 +1,28 @@
 """``POST /v1/chat/completions`` requests: validation, then what the engine is asked.
 
-Pydantic models check shapes and types (their errors become 400s naming the parameter,
-see ``errors.from_validation``); unknown OpenAI parameters are accepted and ignored, as
-OpenAI-compatible servers do, so newer clients keep working.
+Pydantic models check the request's shape and types (their errors become 400s naming the
+parameter, see ``errors.from_validation``); messages, tools, tool choice and sampling
+values are read by the engine's one rulebook (``engine.messages_from_openai``,
+``engine.sampling_from_openai``), whose refusals name the field as every other door does.
+Unknown OpenAI parameters are accepted and ignored, as OpenAI-compatible servers do, so
+newer clients keep working.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine import Constraint, JsonObject, JsonSchema, SamplingParams
-from mlx_providers._chat import normalize_messages
+from engine import (
+    Constraint,
+    JsonObject,
+    JsonSchema,
+    Message,
+    messages_from_openai,
+    sampling_from_openai,
+)
 from mlx_providers.server.errors import APIError
 from mlx_providers.server.generation import GenerationSpec
 
@@ -24,33 +33,8 @@ class OpenModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class TextPart(OpenModel):
-    type: Literal["text", "input_text", "output_text"]
-    text: str
-
-
-class FunctionCallIn(OpenModel):
-    name: str
-    arguments: str | dict[str, Any] = "{}"
-
-
-class ToolCallIn(OpenModel):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
-
-
-class MessageIn(OpenModel):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-
-
 class FunctionDef(OpenModel):
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    name: str  # which names a call can be written with is the engine's rule
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -95,7 +79,8 @@ class ChatCompletionRequest(OpenModel):
     """The parameters this server honours; the rest are accepted and ignored."""
 
     model: str
-    messages: Annotated[list[MessageIn], Field(min_length=1)]
+    # Dicts: the engine's rulebook reads them (roles, content parts, calls, results).
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
     tools: list[ToolDef] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -141,54 +126,32 @@ def engine_tool_choice(choice: str | NamedToolChoice | None) -> str | None:
     return choice.function.name if isinstance(choice, NamedToolChoice) else choice
 
 
-def chat_messages(messages: list[MessageIn]) -> list[dict[str, Any]]:
-    """Messages as plain dicts the chat template accepts (roles, tool calls, tool results)."""
-    plain: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        item = message.model_dump(exclude_none=True, include={
-            "role", "content", "name", "tool_calls", "tool_call_id"})
-        if message.tool_calls:
-            for j, call in enumerate(message.tool_calls):
-                args = call.function.arguments
-                if isinstance(args, str) and args.strip():
-                    try:
-                        json.loads(args)
-                    except ValueError as exc:
-                        raise APIError(400, f"arguments are not JSON: {exc}", param=(
-                            f"messages[{i}].tool_calls[{j}].function.arguments"),
-                            code="invalid_value") from exc
-        plain.append(item)
-    return normalize_messages(plain)
+def chat_messages(messages: list[dict[str, Any]]) -> tuple[Message, ...]:
+    """The request's messages, converted once by the engine's rulebook.
+
+    A null field is one the client did not set (OpenAI's SDKs send ``"name": null``).
+    """
+    return messages_from_openai([_set_fields(m) for m in messages])
 
 
-def sampling(temperature: float | None, top_p: float | None, max_tokens: int,
-             seed: int | None = None, stop: str | list[str] | None = None,
-             logprobs: bool = False, top_logprobs: int | None = None,
-             constraint: Constraint | None = None) -> SamplingParams:
-    """SamplingParams from OpenAI's names (``None`` temperature: the server's default)."""
-    return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature if temperature is not None else 0.0,
-        top_p=top_p if top_p is not None else 1.0, seed=seed,
-        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-        logprobs=logprobs or bool(top_logprobs), top_logprobs=top_logprobs or 0,
-        constraint=constraint)
+def _set_fields(message: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in message.items() if v is not None or k == "content"}
 
 
 def generation_spec(request: ChatCompletionRequest, *, default_max_tokens: int,
                     default_temperature: float) -> GenerationSpec:
     """The engine request for a validated chat-completions request."""
-    if request.top_logprobs and not request.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
-                       code="invalid_value")
     try:
         constraint = constraint_of(request.response_format)
     except ValueError as exc:
         raise APIError(400, str(exc), param="response_format.json_schema.schema",
                        code="invalid_value") from exc
     max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
-    temperature = request.temperature if request.temperature is not None else default_temperature
-    params = sampling(temperature, request.top_p, max_tokens, request.seed, request.stop,
-                      request.logprobs, request.top_logprobs, constraint)
+    params = sampling_from_openai(
+        max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
+        seed=request.seed, stop=request.stop, logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs, constraint=constraint,
+        default_temperature=default_temperature)
     tools = engine_tools(request.tools)
     return GenerationSpec(chat_messages(request.messages), params, tools,
                           engine_tool_choice(request.tool_choice),

@@ -18,6 +18,7 @@ from engine import (
     EngineDeadError,
     EngineError,
     InvalidConstraintError,
+    InvalidRequestError,
     KVBudgetError,
     RequestTimeoutError,
 )
@@ -100,6 +101,9 @@ def from_engine(exc: BaseException, *, prompt_param: str = "messages",
         return APIError(400, str(exc), param=max_tokens_param, code="context_length_exceeded")
     if isinstance(exc, InvalidConstraintError):
         return APIError(400, str(exc), param=constraint_param, code="invalid_value")
+    if isinstance(exc, InvalidRequestError):  # the rulebook names the field itself
+        param = max_tokens_param if exc.field == "max_tokens" else exc.field
+        return APIError(400, str(exc), param=param, code="invalid_value")
     if isinstance(exc, EngineDeadError | EngineClosedError):
         return APIError(503, f"the model is unavailable: {exc}", type=SERVER_ERROR,
                         code="engine_unavailable")

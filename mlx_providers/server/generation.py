@@ -11,7 +11,14 @@ disconnect; every iterator here closes the handle in ``finally``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
@@ -23,6 +30,7 @@ from engine import (
     ContextLengthError,
     Engine,
     EngineError,
+    Message,
     RequestHandle,
     SamplingParams,
     StreamEvent,
@@ -35,7 +43,7 @@ T = TypeVar("T")
 class GenerationSpec:
     """What ``Engine.submit`` gets for one HTTP request."""
 
-    messages: list[dict[str, Any]]
+    messages: Sequence[Message]  # converted once by the engine's rulebook
     params: SamplingParams
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | None = None

@@ -12,9 +12,8 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import EngineError
+from engine import EngineError, sampling_from_openai
 from mlx_providers.server.chat_completions import ChatCompletionShaper
-from mlx_providers.server.chat_request import sampling
 from mlx_providers.server.context import ServerContext, read_json, validate
 from mlx_providers.server.errors import APIError, from_engine, not_found
 from mlx_providers.server.generation import (
@@ -130,7 +129,8 @@ async def create_response(request: Request) -> Response:
     temperature = (req.temperature if req.temperature is not None
                    else ctx.settings.default_temperature)
     try:
-        params = sampling(temperature, req.top_p, max_tokens, constraint=req.constraint())
+        params = sampling_from_openai(max_tokens=max_tokens, temperature=temperature,
+                                      top_p=req.top_p, constraint=req.constraint())
     except ValueError as exc:  # SamplingParams' own checks
         raise from_engine(exc, **_PARAMS) from exc
     spec = GenerationSpec(messages_of(items, req.instructions), params, req.engine_tools(),

@@ -8,13 +8,19 @@ in the store, so a continuation replays exactly what was said.
 
 from __future__ import annotations
 
-import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from engine import Constraint, JsonObject, JsonSchema
-from mlx_providers._chat import normalize_messages
+from engine import (
+    Constraint,
+    InvalidRequestError,
+    JsonObject,
+    JsonSchema,
+    Message,
+    messages_from_openai,
+)
 from mlx_providers.server.chat_request import OpenModel
 from mlx_providers.server.errors import APIError
 
@@ -68,7 +74,7 @@ InputItem = Annotated[
 
 class FunctionTool(OpenModel):
     type: Literal["function"]
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    name: str  # which names a call can be written with is the engine's rule
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -115,12 +121,13 @@ class ResponsesRequest(OpenModel):
         return [item.model_dump(by_alias=True, exclude_none=True) for item in self.input]
 
     def engine_tools(self) -> list[dict[str, Any]] | None:
+        """Tools in the flat shape Responses uses (the engine reads it as OpenAI's inner
+        function dict), so its refusals name ``tools[i].parameters`` as the client wrote."""
         if not self.tools:
             return None
-        return [{"type": "function", "function": {
-            "name": t.name, "description": t.description or "",
-            "parameters": t.parameters or {"type": "object", "properties": {}}}}
-            for t in self.tools]
+        return [{"name": t.name, "description": t.description or "",
+                 "parameters": t.parameters or {"type": "object", "properties": {}}}
+                for t in self.tools]
 
     def engine_tool_choice(self) -> str | None:
         choice = self.tool_choice
@@ -142,37 +149,58 @@ class ResponsesRequest(OpenModel):
                            code="invalid_value") from exc
 
 
-def messages_of(items: list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
-    """Chat messages for a history of items; consecutive calls join one assistant turn."""
+def messages_of(items: list[dict[str, Any]], instructions: str | None) -> tuple[Message, ...]:
+    """Chat messages for a history of items, converted once by the engine's rulebook;
+    consecutive calls join one assistant turn. A refusal is a 400 naming the item field."""
     messages: list[dict[str, Any]] = []
+    origins: list[str] = []  # the request field each message (or call) came from
+    calls: dict[int, list[str]] = {}
     if instructions:
         messages.append({"role": "system", "content": instructions})
+        origins.append("instructions")
     names: dict[str, str] = {}
-    for item in items:
+    for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
             messages.append({"role": item["role"], "content": _text(item["content"])})
+            origins.append(f"input[{i}]")
         elif kind == "function_call":
             names[item["call_id"]] = item["name"]
             call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": _arguments(item)}}
+                    "function": {"name": item["name"], "arguments": item.get("arguments")}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                origins.append(f"input[{i}]")
+            calls.setdefault(len(messages) - 1, []).append(f"input[{i}]")
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "name": names.get(item["call_id"], ""),
                              "content": _text(item["output"])})
-    return normalize_messages(messages)
-
-
-def _arguments(item: dict[str, Any]) -> Any:
+            origins.append(f"input[{i}]")
     try:
-        return json.loads(item.get("arguments") or "{}")
-    except ValueError:
-        return item.get("arguments")
+        return messages_from_openai(messages)
+    except InvalidRequestError as exc:
+        param = _item_field(exc.field, origins, calls)
+        raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from exc
+
+
+_MESSAGE_FIELD = re.compile(r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\](?:\.function)?)?(.*)")
+# Chat-message field names as the Responses items spell them.
+_ITEM_NAMES = {".tool_call_id": ".call_id"}
+
+
+def _item_field(field: str, origins: list[str], calls: dict[int, list[str]]) -> str:
+    """The Responses request field behind a chat-message field the rulebook named."""
+    found = _MESSAGE_FIELD.fullmatch(field)
+    if found is None:
+        return "input"
+    index, call, rest = int(found.group(1)), found.group(2), found.group(3)
+    if call is not None:
+        return calls[index][int(call)] + rest
+    return origins[index] + _ITEM_NAMES.get(rest, rest)
 
 
 def _text(content: Any) -> str:

@@ -35,9 +35,9 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
 from pydantic import BaseModel, Field
 
-from engine import LarkGrammar, OutputTruncatedError, SamplingParams
+from engine import LarkGrammar, OutputTruncatedError, SamplingParams, messages_from_openai
+from engine.requests.messages import template_messages
 from mlx_providers import MLXBatchLLM
-from mlx_providers._chat import normalize_messages
 from tests.fake_engine import scripted
 
 ASK = [ChatMessage(role=MessageRole.USER, content="What is the weather in Paris?")]
@@ -306,14 +306,14 @@ def test_tool_results_are_rendered_through_the_chat_template(llm: MLXBatchLLM) -
         ChatMessage(role=MessageRole.TOOL, content="7", additional_kwargs={"tool_call_id": "c2"}),
     ]
     response = llm.chat_with_tools(tools, chat_history=history, max_tokens=4)
-    expected = normalize_messages([
+    expected = template_messages(messages_from_openai([
         {"role": "user", "content": "Add 1 and 2, and 3 and 4."},
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}},
             {"id": "c2", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}]},
         {"role": "tool", "content": "3", "tool_call_id": "c1", "name": "add"},
         {"role": "tool", "content": "7", "tool_call_id": "c2", "name": "add"},
-    ])
+    ]))
     schema = tools[0].metadata.to_openai_tool()
     rendered = llm.engine.tokenizer.apply_chat_template(
         expected, tools=[schema], add_generation_prompt=True, tokenize=False)

@@ -25,6 +25,7 @@ import mlx_providers.langchain as lc
 from engine import (
     Completion,
     FinishReason,
+    InvalidRequestError,
     InvalidToolCall,
     JsonObject,
     JsonSchema,
@@ -32,6 +33,7 @@ from engine import (
     ToolCall,
     Usage,
 )
+from engine.requests.messages import template_messages
 from mlx_providers import ChatMLXBatch
 from mlx_providers._langchain_messages import (
     ai_message,
@@ -44,6 +46,11 @@ from mlx_providers._langchain_messages import (
 )
 
 CALL = {"name": "add", "args": {"a": 1, "b": 2}, "id": "abc123", "type": "tool_call"}
+
+
+def rendered(messages: list[Any]) -> list[dict[str, Any]]:
+    """A LangChain history as the engine renders it: converted once, then template-safe."""
+    return template_messages(chat_messages(messages))
 
 
 @tool
@@ -79,14 +86,14 @@ def _no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_plain_roles_map_to_template_roles() -> None:
-    out = chat_messages([SystemMessage("be brief"), HumanMessage("hi"), AIMessage("hello")])
+    out = rendered([SystemMessage("be brief"), HumanMessage("hi"), AIMessage("hello")])
     assert out == [{"role": "system", "content": "be brief"},
                    {"role": "user", "content": "hi"},
                    {"role": "assistant", "content": "hello"}]
 
 
 def test_ai_message_with_tool_calls_and_empty_content() -> None:
-    out = chat_messages([HumanMessage("1 + 2?"), AIMessage("", tool_calls=[CALL])])
+    out = rendered([HumanMessage("1 + 2?"), AIMessage("", tool_calls=[CALL])])
     assert out[1] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "abc123", "type": "function",
          "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
@@ -95,7 +102,7 @@ def test_ai_message_with_tool_calls_and_empty_content() -> None:
 def test_ai_message_with_list_content_keeps_text_and_calls() -> None:
     content: list[Any] = [{"type": "text", "text": "some text"},
                           {"type": "tool_use", "id": "abc123", "name": "add", "input": {}}]
-    out = chat_messages([HumanMessage("q"), AIMessage(content, tool_calls=[CALL])])
+    out = rendered([HumanMessage("q"), AIMessage(content, tool_calls=[CALL])])
     assert out[1]["content"] == "some text"
     assert out[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}
 
@@ -104,12 +111,12 @@ def test_invalid_tool_calls_in_history_are_not_replayed() -> None:
     message = AIMessage("oops", invalid_tool_calls=[
         {"name": "add", "args": "{bad", "id": "x", "error": "bad json",
          "type": "invalid_tool_call"}])
-    assert chat_messages([HumanMessage("q"), message])[1] == {"role": "assistant",
+    assert rendered([HumanMessage("q"), message])[1] == {"role": "assistant",
                                                              "content": "oops"}
 
 
 def test_tool_message_with_string_content() -> None:
-    out = chat_messages([HumanMessage("q"), AIMessage("", tool_calls=[CALL]),
+    out = rendered([HumanMessage("q"), AIMessage("", tool_calls=[CALL]),
                          ToolMessage(json.dumps({"result": 3}), name="add",
                                      tool_call_id="abc123")])
     assert out[2] == {"role": "tool", "content": '{"result": 3}', "tool_call_id": "abc123",
@@ -119,44 +126,47 @@ def test_tool_message_with_string_content() -> None:
 def test_tool_message_with_list_content_and_error_status() -> None:
     message = ToolMessage([{"type": "text", "text": "Missing argument 'b'."}, "Try again."],
                           tool_call_id="abc123", status="error")
-    out = chat_messages([HumanMessage("q"), AIMessage("", tool_calls=[CALL]), message])
+    out = rendered([HumanMessage("q"), AIMessage("", tool_calls=[CALL]), message])
     assert out[2]["role"] == "tool" and out[2]["tool_call_id"] == "abc123"
     assert out[2]["content"] == "Error: Missing argument 'b'.Try again."
 
 
 def test_consecutive_human_messages_are_merged() -> None:
-    out = chat_messages([HumanMessage("hello"), HumanMessage("how are you")])
+    out = rendered([HumanMessage("hello"), HumanMessage("how are you")])
     assert out == [{"role": "user", "content": "hello\n\nhow are you"}]
 
 
 def test_system_message_in_the_middle_keeps_its_text_as_a_user_turn() -> None:
-    out = chat_messages([HumanMessage("a"), AIMessage("b"), SystemMessage("be brief"),
+    out = rendered([HumanMessage("a"), AIMessage("b"), SystemMessage("be brief"),
                          HumanMessage("c")])
     assert [m["role"] for m in out] == ["user", "assistant", "user"]
     assert out[2]["content"] == "[system] be brief\n\nc"
 
 
 def test_names_are_kept_and_named_turns_are_not_merged() -> None:
-    out = chat_messages([HumanMessage("hi", name="alice"), HumanMessage("yo", name="bob")])
+    out = rendered([HumanMessage("hi", name="alice"), HumanMessage("yo", name="bob")])
     assert out == [{"role": "user", "content": "hi", "name": "alice"},
                    {"role": "user", "content": "yo", "name": "bob"}]
 
 
 def test_legacy_function_message_is_a_tool_result() -> None:
-    out = chat_messages([HumanMessage("q"), FunctionMessage("3", name="add")])
+    out = rendered([HumanMessage("q"), FunctionMessage("3", name="add")])
     assert out[1] == {"role": "tool", "content": "3", "name": "add"}
 
 
 def test_double_system_and_double_ai_messages_do_not_raise() -> None:
-    out = chat_messages([SystemMessage("s"), SystemMessage("s"), HumanMessage("h"),
+    out = rendered([SystemMessage("s"), SystemMessage("s"), HumanMessage("h"),
                          HumanMessage("h"), AIMessage("a"), AIMessage("a"), HumanMessage("q")])
     assert [m["role"] for m in out] == ["system", "user", "assistant", "assistant", "user"]
 
 
-def test_image_parts_are_dropped_from_text_only_prompts() -> None:
+def test_image_parts_are_refused_by_the_rulebook_naming_the_part() -> None:
+    # The one rulebook refuses media at every door (LangChain used to drop them silently).
     content: list[Any] = [{"type": "text", "text": "describe"},
                           {"type": "image_url", "image_url": {"url": "data:..."}}]
-    assert chat_messages([HumanMessage(content)])[0]["content"] == "describe"
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[1\]\.type") as caught:
+        rendered([HumanMessage(content)])
+    assert caught.value.field == "messages[0].content[1].type"
 
 
 # ----- tools ------------------------------------------------------------------------------
@@ -378,11 +388,12 @@ def test_call_kwargs_override_fields_and_unknown_ones_raise(
         "max_tokens": 3, "response_format": {"type": "json_object"}, "tools": [],
         "chat_template_kwargs": {"custom": 1}})
     assert request.engine is fake and seen == [("/m", {"max_batch": 4})]
-    assert request.params.max_tokens == 3 and request.params.temperature == 0.5
-    assert request.params.stop == ("x",) and request.params.constraint == JsonObject()
-    assert request.template_kwargs == {"enable_thinking": False, "custom": 1}
-    assert request.tools is None and request.tool_choice is None
-    assert chat._request([HumanMessage("hi")], ["y"], {}).params.stop == ("y",)
+    # The call's engine request is one typed ChatRequest (no tools: none, choice "auto").
+    assert request.chat.params.max_tokens == 3 and request.chat.params.temperature == 0.5
+    assert request.chat.params.stop == ("x",) and request.chat.params.constraint == JsonObject()
+    assert request.chat.template_kwargs == {"enable_thinking": False, "custom": 1}
+    assert request.chat.tools == () and request.chat.tool_choice == "auto"
+    assert chat._request([HumanMessage("hi")], ["y"], {}).chat.params.stop == ("y",)
     override = chat._request([HumanMessage("hi")], None, {"model": "/other"})
     assert override.model_name == "/other" and not override.is_own_model
     with pytest.raises(TypeError, match="frequency_penalty"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -15,6 +17,7 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.tools import FunctionTool
 
 from engine import Completion, FinishReason, ToolCall, Usage
+from engine.requests.messages import template_messages
 from mlx_providers._llama_index_messages import (
     chat_response,
     keep_first_call,
@@ -29,6 +32,11 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+
+def rendered(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """A LlamaIndex history as the engine renders it: converted once, then template-safe."""
+    return template_messages(to_engine_messages(messages))
+
 def test_history_with_calls_results_and_late_system_text_is_template_safe() -> None:
     history = [
         ChatMessage(role=MessageRole.SYSTEM, content="Be brief."),
@@ -40,7 +48,7 @@ def test_history_with_calls_results_and_late_system_text_is_template_safe() -> N
         ChatMessage(role=MessageRole.TOOL, content="3", additional_kwargs={"tool_call_id": "c1"}),
         ChatMessage(role=MessageRole.SYSTEM, content="Now answer."),
     ]
-    assert to_engine_messages(history) == [
+    assert rendered(history) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Add 1 and 2."},
         {"role": "assistant", "content": "Calling.", "tool_calls": [
@@ -57,7 +65,7 @@ def test_openai_style_calls_in_additional_kwargs_are_read_once() -> None:
     both = ChatMessage(role=MessageRole.ASSISTANT, blocks=[
         ToolCallBlock(tool_call_id="c9", tool_name="add", tool_kwargs={"a": 5, "b": 6})],
         additional_kwargs={"tool_calls": [legacy]})
-    [converted] = to_engine_messages([both])
+    [converted] = rendered([both])
     assert [c["id"] for c in converted["tool_calls"]] == ["c9"]
     only_legacy = ChatMessage(role=MessageRole.ASSISTANT, content="",
                               additional_kwargs={"tool_calls": [legacy]})
@@ -69,7 +77,7 @@ def test_openai_style_calls_in_additional_kwargs_are_read_once() -> None:
 def test_failed_tool_results_are_marked_as_errors() -> None:
     result = ChatMessage(role=MessageRole.TOOL, content="boom",
                          additional_kwargs={"tool_call_id": "c1", "is_error": True})
-    [converted] = to_engine_messages([result])
+    [converted] = rendered([result])
     assert converted["content"] == "Error: boom"
 
 

@@ -2,7 +2,9 @@
 
 Structured output cut at ``max_tokens`` and forced calls cut mid-arguments raise
 ``engine.OutputTruncatedError`` naming the limit, never a field-level parse error; with
-LangChain's ``include_raw`` the error comes back as ``parsing_error``.
+LangChain's ``include_raw`` the error comes back as ``parsing_error``. The engine decides
+what was cut (``Completion.truncated``, from ``engine.requests.request.truncation``); the
+adapters only raise from it, so the adapter inputs here carry the engine's word.
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageR
 from pydantic import BaseModel
 
 from engine import (
+    ChatRequest,
     Completion,
     FinishReason,
     InvalidToolCall,
+    JsonObject,
     OutputTruncatedError,
     StreamEvent,
     ToolCall,
     Usage,
 )
-from mlx_providers._chat import cut_call, cut_forced_call, cut_json, forces_call
+from engine.requests.request import FORCED_CALL, STRUCTURED_JSON, truncation
 from mlx_providers._langchain_messages import (
     TruncatedOutputError,
     ai_message,
@@ -71,26 +75,43 @@ def test_the_error_names_max_tokens_and_what_was_reached() -> None:
 
 def test_forced_choices() -> None:
     tools = [{"type": "function", "function": {"name": "f"}}]
+
+    def forces_call(tools: Any, choice: Any) -> bool:
+        return ChatRequest.from_openai([{"role": "user", "content": "q"}], tools=tools,
+                                       tool_choice=choice).forces_call
+
     assert forces_call(tools, "required") and forces_call(tools, "f")
     assert forces_call(tools, {"type": "function", "function": {"name": "f"}})
     assert not forces_call(tools, "auto") and not forces_call(tools, "none")
-    assert not forces_call(tools, None) and not forces_call(None, "required")
+    assert not forces_call(tools, None) and not forces_call(None, "auto")
+    # "required" without tools is refused by the rulebook (it used to read as not forcing).
+    with pytest.raises(ValueError, match="needs at least one tool"):
+        forces_call(None, "required")
+
+
+def cut_json(finish: FinishReason, text: str) -> str | None:
+    return truncation(finish, False, JsonObject(), text, 0, 0)
+
+
+def cut_call(finish: FinishReason, calls: int, invalid: int) -> str | None:
+    return truncation(finish, True, None, "", calls, invalid)
 
 
 def test_json_is_cut_only_when_length_left_it_incomplete() -> None:
-    assert cut_json("length", '{"city": "Os', 9) is not None
-    assert cut_json("length", '{"city": "Oslo", "days": 2}', 9) is None  # done at the limit
-    assert cut_json("stop", '{"city": "Os', 9) is None
-    assert cut_json(FinishReason.LENGTH, "", 1) is not None
+    assert cut_json(FinishReason.LENGTH, '{"city": "Os') is not None
+    assert cut_json(FinishReason.LENGTH, '{"city": "Oslo", "days": 2}') is None  # done at limit
+    assert cut_json(FinishReason.STOP, '{"city": "Os') is None
+    assert cut_json(FinishReason.LENGTH, "") is not None
+    assert truncation(FinishReason.LENGTH, False, None, '{"ci', 0, 0) is None  # not strict JSON
 
 
 def test_a_forced_call_is_cut_when_one_is_left_open_or_none_was_made() -> None:
-    assert cut_call("length", 0, 1, 9) is not None
-    assert cut_call("length", 0, 0, 9) is not None
-    assert cut_call("length", 2, 1, 9) is not None
-    assert cut_call("length", 1, 0, 9) is None  # closed exactly at the limit
-    assert cut_call("tool_calls", 1, 0, 9) is None
-    error = cut_forced_call(completion(invalid_tool_calls=(OPEN_CALL,)))
+    assert cut_call(FinishReason.LENGTH, 0, 1) is not None
+    assert cut_call(FinishReason.LENGTH, 0, 0) is not None
+    assert cut_call(FinishReason.LENGTH, 2, 1) is not None
+    assert cut_call(FinishReason.LENGTH, 1, 0) is None  # closed exactly at the limit
+    assert cut_call(FinishReason.TOOL_CALLS, 1, 0) is None
+    error = completion(invalid_tool_calls=(OPEN_CALL,), truncated=FORCED_CALL).truncation_error()
     assert error is not None and "forced tool call" in str(error)
     assert "max_tokens=8" in str(error)
 
@@ -99,9 +120,15 @@ def test_a_forced_call_is_cut_when_one_is_left_open_or_none_was_made() -> None:
 
 
 def lc_message(content: str = "", finish: str = "length", **kw: Any) -> AIMessage:
-    return AIMessage(content=content, response_metadata={"finish_reason": finish},
+    # The engine's word, as ai_message puts it into response_metadata.
+    cut = {"truncated": STRUCTURED_JSON} if finish == "length" and not whole(content) else {}
+    return AIMessage(content=content, response_metadata={"finish_reason": finish, **cut},
                      usage_metadata={"input_tokens": 5, "output_tokens": 8, "total_tokens": 13},
                      **kw)
+
+
+def whole(text: str) -> bool:
+    return cut_json(FinishReason.LENGTH, text) is None
 
 
 @pytest.mark.parametrize("schema", [Forecast, Forecast.model_json_schema(), None],
@@ -121,7 +148,7 @@ def test_langchain_structured_json_cut_raises_the_truncation_error(schema: Any) 
                          ids=["pydantic", "json_schema"])
 def test_langchain_function_calling_cut_raises_instead_of_returning_none(schema: Any) -> None:
     parser = structured_parser(schema, tool_output=True)
-    cut = ai_message(completion(invalid_tool_calls=(OPEN_CALL,)), "m")
+    cut = ai_message(completion(invalid_tool_calls=(OPEN_CALL,), truncated=FORCED_CALL), "m")
     with pytest.raises(OutputTruncatedError, match="forced tool call was cut at max_tokens=8"):
         parser.invoke(cut)
     done = ai_message(completion(tool_calls=(CALL,)), "m")  # closed exactly at the limit
@@ -141,7 +168,8 @@ def test_langchain_include_raw_returns_the_truncation_as_parsing_error() -> None
 def test_langchain_streamed_structured_output_raises_at_the_cut_chunk() -> None:
     parser = structured_parser(None, tool_output=False)
     chunks = [AIMessageChunk(content='{"city": '), AIMessageChunk(content='"Os'),
-              AIMessageChunk(content="", response_metadata={"finish_reason": "length"},
+              AIMessageChunk(content="", response_metadata={"finish_reason": "length",
+                                                            "truncated": STRUCTURED_JSON},
                              usage_metadata={"input_tokens": 5, "output_tokens": 3,
                                              "total_tokens": 8})]
     seen: list[Any] = []
@@ -164,7 +192,8 @@ def test_langchain_finish_reason_is_tool_calls_when_the_answer_holds_calls() -> 
 
 
 def li_response(content: str, finish: FinishReason = FinishReason.LENGTH) -> ChatResponse:
-    return chat_response(completion(finish, content=content), "m")
+    cut = cut_json(finish, content)  # the engine's word, as rows.final sets it
+    return chat_response(completion(finish, content=content, truncated=cut), "m")
 
 
 def test_llama_index_structured_cut_raises_the_truncation_error() -> None:
@@ -187,13 +216,13 @@ def test_llama_index_streamed_structured_chunks_raise_only_at_the_cut() -> None:
 
 def test_llama_index_stream_checks_the_final_completion() -> None:
     def check(done: Completion) -> Completion:
-        error = cut_forced_call(done)
+        error = done.truncation_error()
         if error is not None:
             raise error
         return done
 
     chunks = StreamChunks("m", check)
-    cut = completion(invalid_tool_calls=(OPEN_CALL,))
+    cut = completion(invalid_tool_calls=(OPEN_CALL,), truncated=FORCED_CALL)
     with pytest.raises(OutputTruncatedError, match="forced tool call"):
         chunks.chat(StreamEvent("", (), finish_reason=FinishReason.LENGTH, completion=cut))
     done = completion(FinishReason.TOOL_CALLS, tool_calls=(CALL,))

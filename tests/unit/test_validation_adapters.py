@@ -15,8 +15,8 @@ from llama_index.core.base.llms.types import ChatMessage as LIChatMessage
 from llama_index.core.base.llms.types import MessageRole
 from pydantic import BaseModel
 
+from engine import InvalidRequestError, messages_from_openai
 from mlx_providers import ChatMLXBatch, MLXBatchLLM
-from mlx_providers._chat import content_text, normalize_messages
 from mlx_providers._langchain_messages import json_schema_of, openai_tools
 from mlx_providers._llama_index_messages import json_kwargs, to_engine_messages
 
@@ -28,7 +28,7 @@ class Answer(BaseModel):
     value: int
 
 
-# ----- the shared normalisation (both adapters and the server go through it) -------------
+# ----- the engine's one rulebook (every door goes through it: engine, adapters, server) ---
 
 @pytest.mark.parametrize(("messages", "kind", "match"), [
     ("hi", TypeError, "messages must be a list"),
@@ -60,17 +60,25 @@ class Answer(BaseModel):
     ([{"role": "assistant", "content": "", "tool_calls": [{"name": "f", "args": 5}]}],
      TypeError, r"tool_calls\[0\]: arguments"),
 ])
-def test_normalize_messages_names_what_is_wrong(messages: Any, kind: type[BaseException],
-                                                match: str) -> None:
+def test_the_rulebook_names_what_is_wrong(messages: Any, kind: type[BaseException],
+                                          match: str) -> None:
+    # Was _chat.normalize_messages (adapters and server); the engine's rulebook replaced it.
     with pytest.raises(kind, match=match):
-        normalize_messages(messages)
+        messages_from_openai(messages)
 
 
-def test_content_text_keeps_text_and_drops_other_parts() -> None:
+def test_content_keeps_text_drops_silent_assistant_parts_and_refuses_media() -> None:
+    # Rulebook change: media parts were dropped by the adapters; every door refuses them now.
     parts = ["a", {"type": "text", "text": "b"}, {"type": "reasoning", "reasoning": "r"},
-             {"type": "image_url", "image_url": {"url": "data:"}}]
-    assert content_text(parts) == "ab"
-    assert content_text(None) == "" and content_text({"type": "output_text", "text": "c"}) == "c"
+             {"type": "output_text", "text": "c"}]
+    [message] = messages_from_openai([{"role": "assistant", "content": parts}])
+    assert message.content == "abc"
+    [empty] = messages_from_openai([{"role": "assistant", "content": None}])
+    assert empty.content == ""
+    image = {"type": "image_url", "image_url": {"url": "data:"}}
+    with pytest.raises(InvalidRequestError, match="'image_url' parts are refused") as caught:
+        messages_from_openai([{"role": "user", "content": ["a", image]}])
+    assert caught.value.field == "messages[0].content[1].type"
 
 
 # ----- LlamaIndex ---------------------------------------------------------------------------

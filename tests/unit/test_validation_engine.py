@@ -129,12 +129,12 @@ def test_good_prompts_pass_as_private_copies() -> None:
                      "function": {"name": "f", "arguments": '{"a": 1}'}}]},
                 {"role": "tool", "content": [{"type": "text", "text": "3"}], "tool_call_id": "c1"},
                 {"role": "assistant", "content": ["a", {"type": "text", "text": "b"}]}]
-    checked = checked_prompt(messages)
+    checked = checked_prompt(messages)  # typed Message values (the rulebook's)
     assert isinstance(checked, list)
-    assert checked[3]["content"] == "3" and checked[4]["content"] == "ab"
-    assert checked[0] == messages[0] and checked[0] is not messages[0]
+    assert checked[3].content == "3" and checked[4].content == "ab"
+    assert checked[0].as_openai() == messages[0] and checked[0] is not messages[0]
     messages[1]["content"] = "changed later"  # the queued copy does not see it
-    assert checked[1]["content"] == "hi"
+    assert checked[1].content == "hi"
 
 
 # ----- tools and tool choice --------------------------------------------------------------
