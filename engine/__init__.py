@@ -42,7 +42,7 @@ from engine.requests.request import (
     TokenLogprob,
     Usage,
 )
-from engine.requests.tools import InvalidToolCall, ToolCall
+from engine.requests.tools import InvalidToolCall, ToolCall, ToolCallDelta
 
 __all__ = [
     "DEFAULT_EMBEDDING_NAME",
@@ -77,6 +77,7 @@ __all__ = [
     "StreamEvent",
     "TokenLogprob",
     "ToolCall",
+    "ToolCallDelta",
     "TurnReport",
     "UnsupportedModelError",
     "Usage",

@@ -14,7 +14,9 @@ from engine.requests.tools import (
     InvalidToolCall,
     ToolCall,
     ToolParser,
+    ToolCallDelta,
     ToolSpec,
+    call_deltas,
     new_call_id,
     parse_call,
 )
@@ -96,6 +98,11 @@ class RowChannels:
     ``repeated_calls``, which ``engine.core.update`` reads to end the row there. Whitespace
     around calls is not an answer: whitespace-only content before the first call, between
     calls and after the last one is held back and dropped (released if text follows).
+
+    A kept call becomes ``ToolCallDelta``s the moment it is kept (``take_deltas``): a call is
+    only known to be kept once its closing marker has arrived and it parsed and is no
+    repeat; before that, max_tokens, a stop or a parse error can still make it invalid, and
+    no client protocol can take back a call it was sent.
     """
 
     def __init__(self, splitter: ChannelSplitter, parser: ToolParser | None,
@@ -114,6 +121,7 @@ class RowChannels:
         self._keys: set[str] = set()
         self._loose = True  # no answer text yet since the start or the last call
         self._spaces = ""  # whitespace content held back while loose
+        self._deltas: list[ToolCallDelta] = []  # kept calls not yet taken by an event
 
     def feed(self, text: str) -> tuple[str, str]:
         """New text -> (content delta, reasoning delta); tool markup is collected apart."""
@@ -179,7 +187,13 @@ class RowChannels:
             self.repeated_calls += 1
             return
         self._keys.add(key)
+        self._deltas += call_deltas(len(self.calls), parsed)
         self.calls.append(parsed)
+
+    def take_deltas(self) -> tuple[ToolCallDelta, ...]:
+        """Deltas of the calls kept since the last take (each call streams exactly once)."""
+        deltas, self._deltas = tuple(self._deltas), []
+        return deltas
 
 
 def call_key(call: ToolCall) -> str:

@@ -13,7 +13,7 @@ from enum import Enum
 from typing import Any
 
 from engine.requests.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
-from engine.requests.tools import InvalidToolCall, ToolCall
+from engine.requests.tools import InvalidToolCall, ToolCall, ToolCallDelta
 
 ChatMessage = dict[str, Any]
 Prompt = str | Sequence[int] | Sequence[ChatMessage]
@@ -264,8 +264,9 @@ class StreamEvent:
     """One step of a request; the last one has ``finish_reason``, ``usage``, ``completion``.
 
     ``text`` is the raw new text; ``content`` and ``reasoning`` split it into the answer
-    and the model's thinking, with tool-call markup left out (calls are parsed in
-    ``completion.tool_calls``).
+    and the model's thinking, with tool-call markup left out. ``tool_call_deltas`` are the
+    pieces of the calls kept at this step (``engine.ToolCallDelta``); over a stream they add
+    up to exactly ``completion.tool_calls``.
     """
 
     text: str
@@ -277,6 +278,7 @@ class StreamEvent:
     content: str = ""
     reasoning: str = ""
     completion: Completion | None = None
+    tool_call_deltas: tuple[ToolCallDelta, ...] = ()
 
     @property
     def is_final(self) -> bool:
