@@ -13,8 +13,8 @@ from engine.requests.tool_formats import split_call_list
 from engine.requests.tools import (
     InvalidToolCall,
     ToolCall,
-    ToolParser,
     ToolCallDelta,
+    ToolParser,
     ToolSpec,
     call_deltas,
     new_call_id,
