@@ -95,7 +95,8 @@ class RowChannels:
 
     A call is parsed the moment its closing marker arrives. A call identical to one the
     row already made (same name, same arguments as parsed JSON) is not kept: it counts in
-    ``repeated_calls``, which ``engine.core.update`` reads to end the row there. Whitespace
+    ``repeated_calls``, which ``engine.core.update`` reads to end the row there. With
+    parallel calls off, calls after the first are not kept either (``extra_calls``). Whitespace
     around calls is not an answer: whitespace-only content before the first call, between
     calls and after the last one is held back and dropped (released if text follows).
 
@@ -106,10 +107,11 @@ class RowChannels:
     """
 
     def __init__(self, splitter: ChannelSplitter, parser: ToolParser | None,
-                 tools: tuple[ToolSpec, ...]) -> None:
+                 tools: tuple[ToolSpec, ...], parallel: bool = True) -> None:
         self._splitter = splitter
         self._parser = parser
         self._tools = tools
+        self._parallel = parallel  # False: only the first call is kept (parallel_tool_calls)
         self.content = ""
         self.reasoning = ""
         self.saw_reasoning = splitter.channel == REASONING
@@ -117,6 +119,7 @@ class RowChannels:
         self.calls: list[ToolCall] = []
         self.invalid: list[InvalidToolCall] = []
         self.repeated_calls = 0  # calls dropped because the row had made them already
+        self.extra_calls = 0  # calls dropped after the first when parallel calls are off
         self._call_text: str | None = None
         self._keys: set[str] = set()
         self._loose = True  # no answer text yet since the start or the last call
@@ -185,6 +188,9 @@ class RowChannels:
         key = call_key(parsed)
         if key in self._keys:
             self.repeated_calls += 1
+            return
+        if self.calls and not self._parallel:  # a model may ignore the prompt's one-call rule
+            self.extra_calls += 1
             return
         self._keys.add(key)
         self._deltas += call_deltas(len(self.calls), parsed)

@@ -69,3 +69,17 @@ def test_malformed_and_cut_calls_never_stream(tiny_engine: Engine) -> None:
     result = cut[-1].completion
     assert result is not None and result.tool_calls == () and result.invalid_tool_calls
     assert deltas_of(cut) == []
+
+
+def test_with_parallel_calls_off_only_the_first_call_is_kept_or_streamed(
+        tiny_engine: Engine) -> None:
+    # Not forced (auto): the model writes two calls anyway; the second is dropped.
+    grammar = LarkGrammar(f'start: {_lark(call_text("UTC"))} "\\n" '
+                          f'{_lark(call_text("CET"))} "\\n"\n')
+    events = list(tiny_engine.submit(ASK, greedy(200, constraint=grammar), tools=[CLOCK],
+                                     parallel_tool_calls=False))
+    result = events[-1].completion
+    assert result is not None and [c.arguments for c in result.tool_calls] == [{"tz": "UTC"}]
+    assert result.invalid_tool_calls == ()
+    assert joined(deltas_of(events)) == [(c.id, c.name, c.arguments_text)
+                                         for c in result.tool_calls]
