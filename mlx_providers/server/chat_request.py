@@ -12,10 +12,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine import Constraint, JsonObject, JsonSchema, SamplingParams
+from engine import Constraint, SamplingParams
 from mlx_providers._chat import normalize_messages
 from mlx_providers.server.errors import APIError
 from mlx_providers.server.generation import GenerationSpec
+from mlx_providers.server.tool_options import engine_tools, output_constraint, tool_choice_name
 
 
 class OpenModel(BaseModel):
@@ -119,26 +120,10 @@ class ChatCompletionRequest(OpenModel):
 
 
 def constraint_of(fmt: ResponseFormat | None) -> Constraint | None:
-    """The engine constraint for ``response_format`` (JsonSchema raises for a bad schema)."""
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return JsonObject()
-    assert fmt.json_schema is not None
-    return JsonSchema(fmt.json_schema.schema_)
-
-
-def engine_tools(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
-    if not tools:
-        return None
-    return [{"type": "function", "function": {
-        "name": t.function.name, "description": t.function.description or "",
-        "parameters": t.function.parameters or {"type": "object", "properties": {}}}}
-        for t in tools]
-
-
-def engine_tool_choice(choice: str | NamedToolChoice | None) -> str | None:
-    return choice.function.name if isinstance(choice, NamedToolChoice) else choice
+    """The engine constraint for ``response_format`` (a bad schema is a 400 naming it)."""
+    return output_constraint(
+        fmt.type if fmt else None, fmt.json_schema.schema_ if fmt and fmt.json_schema else None,
+        "response_format.json_schema.schema")
 
 
 def chat_messages(messages: list[MessageIn]) -> list[dict[str, Any]]:
@@ -180,16 +165,12 @@ def generation_spec(request: ChatCompletionRequest, *, default_max_tokens: int,
     if request.top_logprobs and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
                        code="invalid_value")
-    try:
-        constraint = constraint_of(request.response_format)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="response_format.json_schema.schema",
-                       code="invalid_value") from exc
+    constraint = constraint_of(request.response_format)
     max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
     temperature = request.temperature if request.temperature is not None else default_temperature
     params = sampling(temperature, request.top_p, max_tokens, request.seed, request.stop,
                       request.logprobs, request.top_logprobs, constraint)
-    tools = engine_tools(request.tools)
+    tools = engine_tools([t.function for t in request.tools or ()])
     return GenerationSpec(chat_messages(request.messages), params, tools,
-                          engine_tool_choice(request.tool_choice),
+                          tool_choice_name(request.tool_choice),
                           request.parallel_tool_calls, request.chat_template_kwargs or {})
