@@ -48,6 +48,7 @@ from engine.requests.request import (
 from engine.requests.tools import (
     InvalidToolCall,
     ToolCall,
+    ToolCallDelta,
     ToolSpec,
     normalize_tool_choice,
     normalize_tools,
@@ -91,6 +92,7 @@ __all__ = [
     "StreamEvent",
     "TokenLogprob",
     "ToolCall",
+    "ToolCallDelta",
     "ToolSpec",
     "TurnReport",
     "UnsupportedModelError",

@@ -50,6 +50,7 @@ from engine import (
     Message,
     OutputTruncatedError,
     StreamEvent,
+    ToolCallDelta,
     ToolSpec,
     Usage,
     messages_from_openai,
@@ -312,33 +313,40 @@ def _invalid_args(raw: str) -> str:
     return json.dumps(raw) if parses else raw
 
 
-def tool_call_chunks(completion: Completion) -> list[Any]:
-    """The completion's calls as ``tool_call_chunks`` (the engine parses calls whole)."""
-    chunks = [tool_call_chunk(name=c.name, args=json.dumps(c.arguments, ensure_ascii=False),
-                              id=c.id, index=i) for i, c in enumerate(completion.tool_calls)]
-    offset = len(chunks)
-    chunks += [tool_call_chunk(name=c.name, args=_invalid_args(c.raw), id=c.id, index=offset + i)
-               for i, c in enumerate(completion.invalid_tool_calls)]
-    return chunks
+def call_delta_chunks(deltas: Sequence[ToolCallDelta]) -> list[Any]:
+    """The engine's tool-call deltas as ``tool_call_chunks``: LangChain merges them by
+    ``index`` (id and name from the first, ``args`` concatenated). The engine streams a call
+    only once it keeps it, so a merged stream never shows a call ``invoke`` would not."""
+    return [tool_call_chunk(name=d.name, args=d.arguments, id=d.id, index=d.index)
+            for d in deltas]
+
+
+def invalid_call_chunks(completion: Completion) -> list[Any]:
+    """The completion's unparsed calls, after its kept ones, for the last chunk."""
+    offset = len(completion.tool_calls)
+    return [tool_call_chunk(name=c.name, args=_invalid_args(c.raw), id=c.id, index=offset + i)
+            for i, c in enumerate(completion.invalid_tool_calls)]
 
 
 def event_chunk(event: StreamEvent, model_name: str) -> ChatGenerationChunk | None:
-    """One engine event as a chunk; None for a step that added no content or reasoning.
+    """One engine event as a chunk; None for a step that added nothing to show.
 
-    Usage, tool calls and response metadata ride on the last chunk only, so that adding
-    chunks together counts tokens once.
+    Tool calls arrive as the engine keeps them; usage, invalid calls and response metadata
+    ride on the last chunk only, so that adding chunks together counts tokens once.
     """
     completion = event.completion
+    calls = call_delta_chunks(event.tool_call_deltas)
     if completion is None:
-        if not event.content and not event.reasoning:
+        if not event.content and not event.reasoning and not calls:
             return None
         return ChatGenerationChunk(message=AIMessageChunk(
-            content=event.content, additional_kwargs=_reasoning_kwargs(event.reasoning)))
+            content=event.content, additional_kwargs=_reasoning_kwargs(event.reasoning),
+            tool_call_chunks=calls))
     return ChatGenerationChunk(
         message=AIMessageChunk(
             content=event.content,
             additional_kwargs=_reasoning_kwargs(event.reasoning),
-            tool_call_chunks=tool_call_chunks(completion),
+            tool_call_chunks=calls + invalid_call_chunks(completion),
             usage_metadata=usage_metadata(completion.usage),
             response_metadata=response_metadata(completion, model_name),
             chunk_position="last",

@@ -41,6 +41,7 @@ from engine import (
     OutputTruncatedError,
     StreamEvent,
     ToolCall,
+    ToolCallDelta,
     ToolSpec,
     Usage,
     messages_from_openai,
@@ -278,7 +279,13 @@ def keep_first_call(response: ChatResponse) -> ChatResponse:
 
 
 class StreamChunks:
-    """Turns a request's stream events into LlamaIndex chunks with delta and accumulation."""
+    """Turns a request's stream events into LlamaIndex chunks with delta and accumulation.
+
+    Tool calls stream as the engine keeps them: a chunk that brings call pieces lists them
+    in ``additional_kwargs["tool_call_deltas"]`` (OpenAI's delta shape), and its message
+    holds every call completed so far as ``ToolCallBlock``s, so an agent reading any chunk's
+    message sees the calls a whole response would have.
+    """
 
     def __init__(self, model_name: str,
                  check: Callable[[Completion], Completion] | None = None) -> None:
@@ -288,17 +295,32 @@ class StreamChunks:
         self.check = check
         self.content = ""
         self.reasoning = ""
+        self.calls: dict[int, dict[str, Any]] = {}  # index -> id, name, arguments text
 
     def chat(self, event: StreamEvent) -> ChatResponse | None:
         """The chat chunk for ``event``; None for events with nothing to show (call markup)."""
-        extra = {"thinking_delta": event.reasoning} if event.reasoning else {}
+        extra: dict[str, Any] = {"thinking_delta": event.reasoning} if event.reasoning else {}
+        if event.tool_call_deltas:
+            extra["tool_call_deltas"] = [delta_dict(d) for d in event.tool_call_deltas]
         if event.completion is not None:  # the last event: the whole turn, calls and usage
             completion = self.check(event.completion) if self.check else event.completion
             return chat_response(completion, self.model_name, event.content, extra)
         if not self._feed(event):
             return None
-        message = assistant_message(self.content, self.reasoning or None)
+        message = assistant_message(self.content, self.reasoning or None, self._calls())
         return ChatResponse(message=message, delta=event.content, additional_kwargs=extra)
+
+    def _calls(self) -> list[ToolCall]:
+        """The calls streamed so far whose arguments are whole (JSON that parses)."""
+        whole: list[ToolCall] = []
+        for _, call in sorted(self.calls.items()):
+            try:
+                arguments = json.loads(call["arguments"])
+            except ValueError:
+                continue  # pieces of a call still streaming
+            if isinstance(arguments, dict):
+                whole.append(ToolCall(call["id"], call["name"], arguments))
+        return whole
 
     def completion(self, event: StreamEvent) -> CompletionResponse | None:
         """The completion chunk for ``event``; None when it adds no text."""
@@ -310,10 +332,26 @@ class StreamChunks:
         return CompletionResponse(text=self.content, delta=event.content, additional_kwargs=extra)
 
     def _feed(self, event: StreamEvent) -> bool:
-        """Accumulate the event's text; False when it carries none (tool-call markup)."""
+        """Accumulate the event's text and call pieces; False when it carries neither."""
         self.content += event.content
         self.reasoning += event.reasoning
-        return bool(event.content or event.reasoning)
+        for delta in event.tool_call_deltas:
+            call = self.calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] = call["id"] or delta.id or ""
+            call["name"] = call["name"] or delta.name or ""
+            call["arguments"] += delta.arguments
+        return bool(event.content or event.reasoning or event.tool_call_deltas)
+
+
+def delta_dict(delta: ToolCallDelta) -> dict[str, Any]:
+    """A tool-call delta in OpenAI's streaming shape (id and name on a call's first)."""
+    function: dict[str, Any] = {"arguments": delta.arguments}
+    if delta.name is not None:
+        function["name"] = delta.name
+    out: dict[str, Any] = {"index": delta.index, "function": function}
+    if delta.id is not None:
+        out.update(id=delta.id, type="function")
+    return out
 
 
 def completion_response(completion: Completion, model_name: str, delta: str | None = None,

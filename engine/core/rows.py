@@ -26,6 +26,7 @@ from engine.requests.request import (
     truncation,
 )
 from engine.requests.text import RowText
+from engine.requests.tools import ToolCallDelta
 
 
 @dataclass
@@ -81,7 +82,8 @@ class Row:
               logprobs: tuple[TokenLogprob, ...] | None) -> StreamEvent:
         """A non-final event: the raw delta, and the content and reasoning not yet sent."""
         content, reasoning = self._unsent()
-        return StreamEvent(delta, ids, logprobs, content=content, reasoning=reasoning)
+        return StreamEvent(delta, ids, logprobs, content=content, reasoning=reasoning,
+                           tool_call_deltas=self._calls_unsent())
 
     def final(self, reason: FinishReason, error: BaseException | None, delta: str,
               ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] | None) -> tuple[
@@ -116,7 +118,7 @@ class Row:
                                  len(calls), len(invalid)),
         )
         event = StreamEvent(delta, ids, logprobs, reason, usage, error, content, reasoning,
-                            completion)
+                            completion, self._calls_unsent())
         return event, completion
 
     def _unsent(self) -> tuple[str, str]:
@@ -128,6 +130,10 @@ class Row:
         self._sent_content += len(content)
         self._sent_reasoning += len(reasoning)
         return content, reasoning
+
+    def _calls_unsent(self) -> tuple[ToolCallDelta, ...]:
+        """Pieces of the tool calls kept since the last event (carried by the next event)."""
+        return self.channels.take_deltas() if self.channels is not None else ()
 
     def usage(self) -> Usage:
         ttft = None if self.first_token_at is None else self.first_token_at - self.submitted_at

@@ -142,14 +142,16 @@ class RequestHandle:
         self.request_id = request_id
         self._stream = stream
         self._cancel = cancel
+        # Every way of leaving (close, task cancel, GC, cancel()) lands here: send once.
+        self._cancel_sent = threading.Lock()
 
     @property
     def done(self) -> bool:
         return self._stream.finished
 
     def cancel(self) -> None:
-        """Evict this request at the next step boundary (no-op once finished)."""
-        if not self._stream.finished:
+        """Evict this request at the next step boundary (no-op once finished or sent)."""
+        if not self._stream.finished and self._cancel_sent.acquire(blocking=False):
             self._cancel()
 
     def __iter__(self) -> Iterator[StreamEvent]:

@@ -13,8 +13,10 @@ from engine.requests.tool_formats import split_call_list
 from engine.requests.tools import (
     InvalidToolCall,
     ToolCall,
+    ToolCallDelta,
     ToolParser,
     ToolSpec,
+    call_deltas,
     new_call_id,
     parse_call,
 )
@@ -93,16 +95,23 @@ class RowChannels:
 
     A call is parsed the moment its closing marker arrives. A call identical to one the
     row already made (same name, same arguments as parsed JSON) is not kept: it counts in
-    ``repeated_calls``, which ``engine.core.update`` reads to end the row there. Whitespace
+    ``repeated_calls``, which ``engine.core.update`` reads to end the row there. With
+    parallel calls off, calls after the first are not kept either (``extra_calls``). Whitespace
     around calls is not an answer: whitespace-only content before the first call, between
     calls and after the last one is held back and dropped (released if text follows).
+
+    A kept call becomes ``ToolCallDelta``s the moment it is kept (``take_deltas``): a call is
+    only known to be kept once its closing marker has arrived and it parsed and is no
+    repeat; before that, max_tokens, a stop or a parse error can still make it invalid, and
+    no client protocol can take back a call it was sent.
     """
 
     def __init__(self, splitter: ChannelSplitter, parser: ToolParser | None,
-                 tools: tuple[ToolSpec, ...]) -> None:
+                 tools: tuple[ToolSpec, ...], parallel: bool = True) -> None:
         self._splitter = splitter
         self._parser = parser
         self._tools = tools
+        self._parallel = parallel  # False: only the first call is kept (parallel_tool_calls)
         self.content = ""
         self.reasoning = ""
         self.saw_reasoning = splitter.channel == REASONING
@@ -110,10 +119,12 @@ class RowChannels:
         self.calls: list[ToolCall] = []
         self.invalid: list[InvalidToolCall] = []
         self.repeated_calls = 0  # calls dropped because the row had made them already
+        self.extra_calls = 0  # calls dropped after the first when parallel calls are off
         self._call_text: str | None = None
         self._keys: set[str] = set()
         self._loose = True  # no answer text yet since the start or the last call
         self._spaces = ""  # whitespace content held back while loose
+        self._deltas: list[ToolCallDelta] = []  # kept calls not yet taken by an event
 
     def feed(self, text: str) -> tuple[str, str]:
         """New text -> (content delta, reasoning delta); tool markup is collected apart."""
@@ -178,8 +189,17 @@ class RowChannels:
         if key in self._keys:
             self.repeated_calls += 1
             return
+        if self.calls and not self._parallel:  # a model may ignore the prompt's one-call rule
+            self.extra_calls += 1
+            return
         self._keys.add(key)
+        self._deltas += call_deltas(len(self.calls), parsed)
         self.calls.append(parsed)
+
+    def take_deltas(self) -> tuple[ToolCallDelta, ...]:
+        """Deltas of the calls kept since the last take (each call streams exactly once)."""
+        deltas, self._deltas = tuple(self._deltas), []
+        return deltas
 
 
 def call_key(call: ToolCall) -> str:

@@ -104,7 +104,8 @@ class Preparer:
 
     def row_channels(self, spec: RequestSpec, prepared: PreparedRequest) -> RowChannels:
         splitter = ChannelSplitter(self.prompts.channel_markers(), prepared.start_channel)
-        return RowChannels(splitter, self.prompts.tool_parser, spec.tools)
+        return RowChannels(splitter, self.prompts.tool_parser, spec.tools,
+                           spec.parallel_tool_calls)
 
     def _forced_call(self, spec: RequestSpec) -> Constraint:
         """The grammar that forces tool calls, with markers as this tokenizer spells them."""

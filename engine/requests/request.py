@@ -16,7 +16,7 @@ from typing import Any
 from engine.errors import InvalidRequestError, OutputTruncatedError
 from engine.requests.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
 from engine.requests.messages import Message
-from engine.requests.tools import InvalidToolCall, ToolCall, ToolSpec
+from engine.requests.tools import InvalidToolCall, ToolCall, ToolCallDelta, ToolSpec
 
 ChatMessage = dict[str, Any]
 # Text, token ids, or chat messages: OpenAI dicts, or the rulebook's typed Message values.
@@ -280,8 +280,9 @@ class StreamEvent:
     """One step of a request; the last one has ``finish_reason``, ``usage``, ``completion``.
 
     ``text`` is the raw new text; ``content`` and ``reasoning`` split it into the answer
-    and the model's thinking, with tool-call markup left out (calls are parsed in
-    ``completion.tool_calls``).
+    and the model's thinking, with tool-call markup left out. ``tool_call_deltas`` are the
+    pieces of the calls kept at this step (``engine.ToolCallDelta``); over a stream they add
+    up to exactly ``completion.tool_calls``.
     """
 
     text: str
@@ -293,6 +294,7 @@ class StreamEvent:
     content: str = ""
     reasoning: str = ""
     completion: Completion | None = None
+    tool_call_deltas: tuple[ToolCallDelta, ...] = ()
 
     @property
     def is_final(self) -> bool:

@@ -32,6 +32,33 @@ class ToolCall:
     name: str
     arguments: dict[str, Any]
 
+    @property
+    def arguments_text(self) -> str:
+        """The arguments as JSON text: what every face sends, streamed or whole (one spelling,
+        so a client's concatenated argument deltas equal the call it would get whole)."""
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of one tool call as it streams (``StreamEvent.tool_call_deltas``).
+
+    ``index`` is the call's place in ``Completion.tool_calls``. The first piece of a call
+    carries its ``id`` and ``name``; the ``arguments`` pieces of a call concatenate to its
+    ``arguments_text``. A call is streamed only once the engine keeps it, so a call it drops
+    (a repeat, an invalid or cut one) never appears here.
+    """
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+def call_deltas(index: int, call: ToolCall) -> tuple[ToolCallDelta, ...]:
+    """The deltas of a call released whole: its id, name and arguments in one piece."""
+    return (ToolCallDelta(index, call.id, call.name, call.arguments_text),)
+
 
 @dataclass(frozen=True)
 class InvalidToolCall:

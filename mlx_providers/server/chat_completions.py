@@ -1,10 +1,10 @@
 """Chat-completions output: a whole ``chat.completion``, or its ``chat.completion.chunk``s.
 
 Content and reasoning stream as they are generated (reasoning as ``reasoning_content``
-deltas, as vLLM and mlx-lm servers do); tool calls are parsed by the engine when the row
-ends, so each call is sent once, whole, in one delta with its final id. The Responses
-stream is built from these same chunks (``responses_events``), so both endpoints tell the
-same story.
+deltas, as vLLM and mlx-lm servers do); tool calls stream as the engine's
+``tool_call_deltas`` (index, id and name on a call's first delta, then ``arguments``
+fragments), each call once the engine keeps it, so a client's accumulated calls equal the
+non-streamed ones. ``ChatAnswer`` is this endpoint's side of the shared generation flow.
 """
 
 from __future__ import annotations
@@ -15,7 +15,16 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine import Completion, FinishReason, StreamEvent, TokenLogprob, ToolCall, Usage
+from engine import (
+    Completion,
+    FinishReason,
+    StreamEvent,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from mlx_providers.server.errors import from_engine
 
 TokenText = Callable[[int], str]  # token id -> its text (for logprobs)
 
@@ -41,8 +50,20 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
 
 def tool_call_dicts(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
     return [{"id": call.id, "type": "function", "function": {
-        "name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
-        for call in calls]
+        "name": call.name, "arguments": call.arguments_text}} for call in calls]
+
+
+def tool_call_delta_dict(delta: ToolCallDelta) -> dict[str, Any]:
+    """One ``delta.tool_calls`` entry as OpenAI streams it (id and name on the first)."""
+    out: dict[str, Any] = {"index": delta.index}
+    function: dict[str, Any] = {}
+    if delta.id is not None:
+        out.update(id=delta.id, type="function")
+    if delta.name is not None:
+        function["name"] = delta.name
+    function["arguments"] = delta.arguments
+    out["function"] = function
+    return out
 
 
 def logprobs_dict(logprobs: Sequence[TokenLogprob] | None,
@@ -114,14 +135,48 @@ class ChatCompletionShaper:
             chunks.append(self.chunk({"reasoning_content": event.reasoning}))
         if event.content or logprobs:
             chunks.append(self.chunk({"content": event.content}, logprobs=logprobs))
+        for delta in event.tool_call_deltas:  # calls the engine kept at this step
+            chunks.append(self.chunk({"tool_calls": [tool_call_delta_dict(delta)]}))
         if not event.is_final:
             return chunks
         completion = event.completion
         assert completion is not None and event.finish_reason is not None
-        for index, call in enumerate(tool_call_dicts(completion.tool_calls)):
-            chunks.append(self.chunk({"tool_calls": [{"index": index, **call}]}))
         chunks.append(self.chunk({}, finish=finish_reason(event.finish_reason)))
         if self._include_usage:
             chunks.append({**self.chunk({}), "choices": [],
                            "usage": usage_dict(completion.usage)})
         return chunks
+
+
+class ChatAnswer:
+    """Chat completions' side of ``generation.serve``: SSE data lines, or the whole body."""
+
+    def __init__(self, shaper: ChatCompletionShaper) -> None:
+        self.shaper = shaper
+        self._completion: Completion | None = None
+
+    def start(self) -> list[str]:
+        return [data(self.shaper.first_chunk())]
+
+    def feed(self, event: StreamEvent) -> list[str]:
+        if event.completion is not None:
+            self._completion = event.completion
+        return [data(chunk) for chunk in self.shaper.event_chunks(event)]
+
+    def fail(self, error: BaseException) -> list[str]:
+        return [data(from_engine(error).body())]  # OpenAI's error object, then the end
+
+    def end(self) -> list[str]:
+        return ["[DONE]"]
+
+    def body(self) -> dict[str, Any]:
+        assert self._completion is not None, "the final event was not fed"
+        return self.shaper.completion(self._completion)
+
+    def close(self, outcome: str) -> None:
+        """Nothing to keep: chat completions are not stored."""
+
+
+def data(value: dict[str, Any]) -> str:
+    """One SSE ``data:`` payload: compact JSON."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))

@@ -15,16 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine import (
-    Constraint,
-    JsonObject,
-    JsonSchema,
-    Message,
-    messages_from_openai,
-    sampling_from_openai,
-)
-from mlx_providers.server.errors import APIError
+from engine import Constraint, Message, messages_from_openai, sampling_from_openai
 from mlx_providers.server.generation import GenerationSpec
+from mlx_providers.server.tool_options import engine_tools, output_constraint, tool_choice_name
 
 
 class OpenModel(BaseModel):
@@ -104,26 +97,10 @@ class ChatCompletionRequest(OpenModel):
 
 
 def constraint_of(fmt: ResponseFormat | None) -> Constraint | None:
-    """The engine constraint for ``response_format`` (JsonSchema raises for a bad schema)."""
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return JsonObject()
-    assert fmt.json_schema is not None
-    return JsonSchema(fmt.json_schema.schema_)
-
-
-def engine_tools(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
-    if not tools:
-        return None
-    return [{"type": "function", "function": {
-        "name": t.function.name, "description": t.function.description or "",
-        "parameters": t.function.parameters or {"type": "object", "properties": {}}}}
-        for t in tools]
-
-
-def engine_tool_choice(choice: str | NamedToolChoice | None) -> str | None:
-    return choice.function.name if isinstance(choice, NamedToolChoice) else choice
+    """The engine constraint for ``response_format`` (a bad schema is a 400 naming it)."""
+    return output_constraint(
+        fmt.type if fmt else None, fmt.json_schema.schema_ if fmt and fmt.json_schema else None,
+        "response_format.json_schema.schema")
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> tuple[Message, ...]:
@@ -141,18 +118,14 @@ def _set_fields(message: Mapping[str, Any]) -> dict[str, Any]:
 def generation_spec(request: ChatCompletionRequest, *, default_max_tokens: int,
                     default_temperature: float) -> GenerationSpec:
     """The engine request for a validated chat-completions request."""
-    try:
-        constraint = constraint_of(request.response_format)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="response_format.json_schema.schema",
-                       code="invalid_value") from exc
+    constraint = constraint_of(request.response_format)
     max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
     params = sampling_from_openai(
         max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
         seed=request.seed, stop=request.stop, logprobs=request.logprobs,
         top_logprobs=request.top_logprobs, constraint=constraint,
         default_temperature=default_temperature)
-    tools = engine_tools(request.tools)
+    tools = engine_tools([t.function for t in request.tools or ()])
     return GenerationSpec(chat_messages(request.messages), params, tools,
-                          engine_tool_choice(request.tool_choice),
+                          tool_choice_name(request.tool_choice),
                           request.parallel_tool_calls, request.chat_template_kwargs or {})

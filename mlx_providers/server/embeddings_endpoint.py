@@ -120,7 +120,11 @@ async def create_embeddings(request: Request) -> Response:
     slot = served.admission.admit()
     try:
         handle = served.engine.embed(texts, served.model)
-        result = await unless_disconnected(request, handle, handle.aresult)
+        try:
+            result = await unless_disconnected(request, handle.aresult)
+        except ClientGone:  # this endpoint owns its request: the one place it cancels
+            handle.cancel()
+            raise
     except ClientGone:
         ctx.metrics.count(ENDPOINT, "disconnected")
         return Response(status_code=CLIENT_CLOSED)

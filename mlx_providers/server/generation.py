@@ -1,32 +1,29 @@
-"""One generation on the engine for an HTTP request: submit, race the client, stream.
+"""One generation for an HTTP request, the same for every endpoint that generates.
 
-Both endpoints reduce a request to a ``GenerationSpec`` and run it here. A client that
-goes away cancels its row: while the request waits for its first event or its whole
-result, a watcher reads the connection's ``http.disconnect`` and cancels the handle (a
-queued request is then dropped before prefill, a running row evicted at the next step).
-Streams are cancelled by whoever closes them (sse-starlette cancels the body iterator on
-disconnect; every iterator here closes the handle in ``finally``).
+Both ``/v1/chat/completions`` and ``/v1/responses`` reduce a request to a
+``GenerationSpec`` and an ``Answer`` (what their wire format makes of engine events), and
+``serve`` runs the rest: admission, submit, the first event (so a refused request is a 4xx
+before any byte is sent), then the whole answer or its SSE stream, metrics and errors.
+
+Cancellation has one owner per request: the ``Generation``, used as an async context
+manager around everything that reads it, cancels its row when that block exits early (a
+client gone while waiting, an SSE body closed by a disconnect, an error). Nothing else in
+the server cancels a generation, and a handle sends its Cancel to the engine at most once.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Mapping,
-    Sequence,
-)
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 import anyio
+from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from engine import (
-    Completion,
     ContextLengthError,
     Engine,
     EngineError,
@@ -35,8 +32,12 @@ from engine import (
     SamplingParams,
     StreamEvent,
 )
+from mlx_providers.server.errors import from_engine
+from mlx_providers.server.metrics import ServerMetrics
+from mlx_providers.server.served import ServedModel, Slot
 
 T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never read by anyone
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class GenerationSpec:
 
 
 class ClientGone(Exception):
-    """The client disconnected before the answer was ready; its request was cancelled."""
+    """The client disconnected before the answer was ready."""
 
 
 async def _disconnected(request: Request) -> None:
@@ -71,15 +72,11 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-class Cancellable(Protocol):
-    """What a client's disconnect cancels: a generation's or an embedding's handle."""
+async def unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """``await work()``, or raise ClientGone if the client disconnects first.
 
-    def cancel(self) -> None: ...
-
-
-async def unless_disconnected(request: Request, handle: Cancellable,
-                              work: Callable[[], Awaitable[T]]) -> T:
-    """``await work()``; if the client disconnects first, cancel ``handle``, raise ClientGone."""
+    ``work`` is cancelled then; cancelling what it waited on is its owner's job.
+    """
     result: list[T] = []
     failure: list[Exception] = []
     gone = False
@@ -100,72 +97,179 @@ async def unless_disconnected(request: Request, handle: Cancellable,
     if failure:
         raise failure[0]
     if gone or not result:
-        handle.cancel()
         raise ClientGone
     return result[0]
 
 
-class EventStream:
-    """A handle's events with the first one already received (so its errors can be 4xx).
+class Generation:
+    """One submitted request and its events; the only owner of its cancellation.
 
-    ``events()`` yields the first event, then the rest; leaving early cancels the row.
+    ``async with generation:`` around whatever reads it: leaving the block by an exception
+    (the client gone, an SSE body closed by a disconnect, an error) cancels the row. A row
+    that finished ignores it, and a handle sends its Cancel once however often it is asked.
     """
 
-    def __init__(self, handle: RequestHandle, first: StreamEvent,
-                 rest: AsyncIterator[StreamEvent]) -> None:
+    def __init__(self, handle: RequestHandle) -> None:
         self.handle = handle
-        self.first = first
-        self._rest = rest
+        self._events = aiter(handle)
+        self.first: StreamEvent | None = None
 
-    @classmethod
-    async def open(cls, request: Request, handle: RequestHandle) -> EventStream:
-        """Wait for the first event; ClientGone (and the row cancelled) if the client left."""
-        events = aiter(handle)
+    async def __aenter__(self) -> Generation:
+        return self
 
-        async def first() -> StreamEvent:
-            return await anext(events)
-
-        try:
-            return cls(handle, await unless_disconnected(request, handle, first), events)
-        except BaseException:
-            handle.cancel()
-            raise
-
-    async def completion(self) -> Completion:
-        """Read to the end: the completion, or the request's error raised."""
-        async with contextlib.aclosing(self.events()) as events:
-            async for event in events:
-                if event.is_final:
-                    if event.error is not None:
-                        raise event.error
-                    if event.completion is not None:
-                        return event.completion
-        raise EngineError("the request's stream ended without a completion")
-
-    async def events(self) -> AsyncGenerator[StreamEvent, None]:
-        try:
-            yield self.first
-            if self.first.is_final:
-                return
-            async for event in self._rest:
-                yield event
-        finally:  # a closed, cancelled or abandoned stream evicts the row
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                        trace: TracebackType | None) -> None:
+        if kind is not None:  # left early: nobody will read the rest
             self.handle.cancel()
 
+    async def start(self, request: Request) -> StreamEvent:
+        """Wait for the first event (ClientGone if the client leaves first)."""
+        async def first() -> StreamEvent:
+            return await anext(self._events)
 
-async def open_stream(request: Request, engine: Engine, spec: GenerationSpec, *,
-                      fit_context: bool) -> EventStream:
-    """Submit ``spec`` and wait for its first event (raises at once for invalid input).
+        self.first = await unless_disconnected(request, first)
+        return self.first
 
-    ``fit_context``: the client set no token limit, as OpenAI's clients usually do, so the
-    server's default applies; a prompt that fits the context but not with that default is
-    resubmitted with the room the context has left (OpenAI's own behaviour when no limit
-    is set), instead of failing with an error about a limit the client never chose.
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """The first event, then the rest to the final one."""
+        assert self.first is not None, "start() first"
+        yield self.first
+        if self.first.is_final:
+            return
+        async for event in self._events:
+            yield event
+
+
+class Answer(Protocol):
+    """What one endpoint's wire format makes of a generation's engine events."""
+
+    def start(self) -> list[Any]:
+        """SSE items sent before the first event."""
+
+    def feed(self, event: StreamEvent) -> list[Any]:
+        """The SSE items one engine event becomes (the whole answer is built alongside)."""
+
+    def fail(self, error: BaseException) -> list[Any]:
+        """The SSE items that end a stream whose generation failed."""
+
+    def end(self) -> list[Any]:
+        """SSE items after the final event (chat completions' ``[DONE]``)."""
+
+    def body(self) -> dict[str, Any]:
+        """The whole (non-streaming) answer once every event was fed."""
+
+    def close(self, outcome: str) -> None:
+        """The request is over (``ok``, ``disconnected``, ``server_error``): store, tidy up."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where one generating endpoint counts and how its errors name its parameters."""
+
+    name: str  # the metrics label
+    metrics: ServerMetrics
+    error_params: Mapping[str, str]  # ``from_engine`` keywords: which parameter to blame
+
+
+async def serve(request: Request, endpoint: Endpoint, served: ServedModel,
+                spec: GenerationSpec, answer: Answer, *, stream: bool,
+                fit_context: bool) -> Response:
+    """Run ``spec`` on ``served`` and answer: JSON, or an SSE stream of ``answer``'s items.
+
+    ``fit_context``: the client set no token limit, so the server's default applies; a
+    prompt that fits the context but not with that default is resubmitted with the room
+    the context has left (OpenAI's behaviour when no limit is set), instead of failing
+    with an error about a limit the client never chose.
     """
-    stream = await EventStream.open(request, spec.submit(engine))
-    error = stream.first.error
+    slot = served.admit()
+    try:
+        generation = await _started(request, served.engine, spec, endpoint, fit_context)
+    except ClientGone:
+        slot.release()
+        return _gone(endpoint)
+    except BaseException:
+        slot.release()
+        raise
+    if stream:  # from here on the stream's body owns the slot and the generation
+        return EventSourceResponse(_sse(endpoint, served, generation, answer, slot))
+    try:
+        async with generation:
+            await unless_disconnected(request, lambda: _whole(endpoint, served, generation,
+                                                              answer))
+    except ClientGone:
+        return _gone(endpoint)
+    finally:
+        slot.release()
+    answer.close("ok")
+    endpoint.metrics.count(endpoint.name, "ok")
+    return JSONResponse(answer.body())
+
+
+async def _started(request: Request, engine: Engine, spec: GenerationSpec,
+                   endpoint: Endpoint, fit_context: bool) -> Generation:
+    """Submitted, with its first event read; engine refusals raised as 4xx/5xx."""
+    generation = await _submitted(request, engine, spec, endpoint)
+    error = generation.first.error if generation.first is not None else None
     if fit_context and isinstance(error, ContextLengthError) and error.prompt_tokens < error.limit:
         fitted = replace(spec, params=replace(spec.params,
                                               max_tokens=error.limit - error.prompt_tokens))
-        stream = await EventStream.open(request, fitted.submit(engine))
-    return stream
+        generation = await _submitted(request, engine, fitted, endpoint)
+    assert generation.first is not None
+    if generation.first.error is not None:
+        raise from_engine(generation.first.error, **endpoint.error_params)
+    return generation
+
+
+async def _submitted(request: Request, engine: Engine, spec: GenerationSpec,
+                     endpoint: Endpoint) -> Generation:
+    try:
+        generation = Generation(spec.submit(engine))
+    except (ValueError, TypeError, EngineError) as exc:  # bad input, or a dead engine
+        raise from_engine(exc, **endpoint.error_params) from exc
+    async with generation:  # a client that leaves while the row waits cancels it here
+        await generation.start(request)
+    return generation
+
+
+async def _whole(endpoint: Endpoint, served: ServedModel, generation: Generation,
+                 answer: Answer) -> None:
+    """Feed every event to ``answer``; a failed generation raises its HTTP error."""
+    async for event in generation.events():
+        if event.error is not None:
+            raise from_engine(event.error, **endpoint.error_params)
+        answer.feed(event)
+        if event.is_final:
+            endpoint.metrics.observe(served.name, event.usage)
+
+
+async def _sse(endpoint: Endpoint, served: ServedModel, generation: Generation,
+               answer: Answer, slot: Slot) -> AsyncIterator[Any]:
+    """SSE items; a failure mid-stream sends the endpoint's error items, then ends."""
+    outcome = "disconnected"  # unless the loop below reaches an end
+    try:
+        async with generation:
+            for item in answer.start():
+                yield item
+            async for event in generation.events():
+                if event.error is not None:
+                    for item in answer.fail(event.error):
+                        yield item
+                    outcome = "server_error"
+                    return
+                for item in answer.feed(event):
+                    yield item
+                if event.is_final:
+                    endpoint.metrics.observe(served.name, event.usage)
+            for item in answer.end():
+                yield item
+            outcome = "ok"
+    finally:
+        answer.close(outcome)
+        slot.release()
+        endpoint.metrics.count(endpoint.name, outcome)
+
+
+def _gone(endpoint: Endpoint) -> Response:
+    endpoint.metrics.count(endpoint.name, "disconnected")
+    return Response(status_code=CLIENT_CLOSED)
+

@@ -2,34 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
-from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import EngineError, sampling_from_openai
-from mlx_providers.server.chat_completions import ChatCompletionShaper
+from engine import StreamEvent, sampling_from_openai
 from mlx_providers.server.context import ServerContext, read_json, validate
-from mlx_providers.server.errors import APIError, from_engine, not_found
-from mlx_providers.server.generation import (
-    ClientGone,
-    EventStream,
-    GenerationSpec,
-    open_stream,
-    unless_disconnected,
-)
+from mlx_providers.server.errors import from_engine, not_found
+from mlx_providers.server.generation import Endpoint, GenerationSpec, serve
 from mlx_providers.server.responses_events import ResponseTranslator
 from mlx_providers.server.responses_request import ResponsesRequest, messages_of
-from mlx_providers.server.served import Slot
 
 log = logging.getLogger(__name__)
 ENDPOINT = "responses"
-CLIENT_CLOSED = 499
 # Where engine errors point for this endpoint's parameter names.
 _PARAMS = {"prompt_param": "input", "max_tokens_param": "max_output_tokens"}
 
@@ -51,61 +39,38 @@ def _echo(req: ResponsesRequest, max_output_tokens: int, temperature: float) -> 
             "metadata": req.metadata or {}, "user": None}
 
 
-class _Run:
-    """One response being generated: the request, its history, its translator, its slot."""
+class ResponsesAnswer:
+    """The Responses side of ``generation.serve``: events as SSE, or the whole response;
+    stored when it ends (a stream whose reader left is stored as cancelled)."""
 
     def __init__(self, ctx: ServerContext, req: ResponsesRequest,
-                 items: list[dict[str, Any]], translator: ResponseTranslator,
-                 shaper: ChatCompletionShaper, slot: Slot) -> None:
-        self.ctx, self.req, self.items = ctx, req, items
-        self.translator, self.shaper, self.slot = translator, shaper, slot
+                 items: list[dict[str, Any]], translator: ResponseTranslator) -> None:
+        self.ctx, self.req, self.items, self.translator = ctx, req, items, translator
 
-    def store(self) -> None:
+    def start(self) -> list[dict[str, str]]:
+        return [_sse(event) for event in self.translator.start()]
+
+    def feed(self, event: StreamEvent) -> list[dict[str, str]]:
+        return [_sse(item) for item in self.translator.feed(event)]
+
+    def fail(self, error: BaseException) -> list[dict[str, str]]:
+        return [_sse(event) for event in self.translator.fail(str(error))]
+
+    def end(self) -> list[dict[str, str]]:
+        return []
+
+    def body(self) -> dict[str, Any]:
+        return self.translator.response()
+
+    def close(self, outcome: str) -> None:
+        if not self.translator.done:
+            self.translator.cancel()
         if self.req.store and not self.ctx.store.put(
                 self.translator.id, input_items=self.items,
                 output_items=self.translator.output, instructions=self.req.instructions,
                 response=self.translator.response()):
             log.warning("response %s is larger than the store's byte cap (%d): not stored",
                         self.translator.id, self.ctx.store.max_bytes)
-
-    async def whole(self, stream: EventStream) -> dict[str, Any]:
-        """Run to the end (errors raise); the final response object."""
-        async with contextlib.aclosing(stream.events()) as events:
-            async for event in events:
-                if event.error is not None:
-                    raise event.error
-                for chunk in self.shaper.event_chunks(event):
-                    self.translator.feed(chunk)
-                if event.is_final:
-                    self.ctx.metrics.observe(self.translator.model, event.usage)
-        return self.translator.response()
-
-    async def events(self, stream: EventStream) -> AsyncIterator[dict[str, str]]:
-        """SSE events; a failure sends ``error`` and ends the stream cleanly."""
-        outcome = "disconnected"
-        translator = self.translator
-        try:
-            for event in translator.start():
-                yield _sse(event)
-            async with contextlib.aclosing(stream.events()) as engine_events:
-                async for engine_event in engine_events:
-                    if engine_event.error is not None:
-                        for event in translator.fail(str(engine_event.error)):
-                            yield _sse(event)
-                        outcome = "server_error"
-                        return
-                    for chunk in self.shaper.event_chunks(engine_event):
-                        for event in translator.feed(chunk):
-                            yield _sse(event)
-                    if engine_event.is_final:
-                        self.ctx.metrics.observe(translator.model, engine_event.usage)
-            outcome = "ok"
-        finally:
-            if not translator.done:
-                translator.cancel()
-            self.store()
-            self.slot.release()
-            self.ctx.metrics.count(ENDPOINT, outcome)
 
 
 def _sse(event: dict[str, Any]) -> dict[str, str]:
@@ -135,40 +100,12 @@ async def create_response(request: Request) -> Response:
         raise from_engine(exc, **_PARAMS) from exc
     spec = GenerationSpec(messages_of(items, req.instructions), params, req.engine_tools(),
                           req.engine_tool_choice(), req.parallel_tool_calls)
-    errors = {**_PARAMS, "constraint_param": "text.format" if spec.params.constraint
-              else "tools"}
+    endpoint = Endpoint(ENDPOINT, ctx.metrics, {
+        **_PARAMS, "constraint_param": "text.format" if spec.params.constraint else "tools"})
     translator = ResponseTranslator(served.name, _echo(req, max_tokens, temperature))
-    shaper = ChatCompletionShaper(served.name, served.token_text, include_usage=True)
-    slot = served.admit()
-    run = _Run(ctx, req, items, translator, shaper, slot)
-    streaming = False
-    try:
-        try:
-            stream = await open_stream(request, served.engine, spec,
-                                       fit_context=req.max_output_tokens is None)
-        except (ValueError, TypeError, EngineError) as exc:  # bad input, or a dead engine
-            raise from_engine(exc, **errors) from exc
-        if stream.first.error is not None:
-            raise from_engine(stream.first.error, **errors)
-        if not req.stream:
-            try:
-                response = await unless_disconnected(request, stream.handle,
-                                                     lambda: run.whole(stream))
-            except (ClientGone, APIError):
-                raise
-            except Exception as exc:
-                raise from_engine(exc, **errors) from exc
-            run.store()
-            ctx.metrics.count(ENDPOINT, "ok")
-            return JSONResponse(response)
-        streaming = True  # from here on the stream stores and releases
-        return EventSourceResponse(run.events(stream))
-    except ClientGone:
-        ctx.metrics.count(ENDPOINT, "disconnected")
-        return Response(status_code=CLIENT_CLOSED)
-    finally:
-        if not streaming:
-            slot.release()
+    answer = ResponsesAnswer(ctx, req, items, translator)
+    return await serve(request, endpoint, served, spec, answer, stream=req.stream,
+                       fit_context=req.max_output_tokens is None)
 
 
 async def get_response(request: Request) -> Response:

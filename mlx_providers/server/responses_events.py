@@ -1,13 +1,14 @@
-"""Responses objects and events, translated from chat-completion chunks.
+"""Responses objects and events, translated from the engine's own stream events.
 
-``ResponseTranslator`` reads the ``chat.completion.chunk``s of one generation (built by
-``ChatCompletionShaper`` with usage on) and produces the Responses event sequence, each
-event with its ``sequence_number``: ``response.created``, ``response.in_progress``, then
-per output item ``response.output_item.added``, its deltas (``response.output_text.delta``,
-``response.reasoning_text.delta``, ``response.function_call_arguments.delta``), their
-``….done`` events and ``response.output_item.done``, and last ``response.completed`` or
-``response.incomplete``. The non-streaming endpoint runs the same translator and returns
-its final response, so both paths produce the same output items.
+``ResponseTranslator`` reads the ``engine.StreamEvent``s of one generation (reasoning,
+content, tool-call deltas, the final event's finish reason and usage) and produces the
+Responses event sequence, each event with its ``sequence_number``: ``response.created``,
+``response.in_progress``, then per output item ``response.output_item.added``, its deltas
+(``response.output_text.delta``, ``response.reasoning_text.delta``,
+``response.function_call_arguments.delta``), their ``….done`` events and
+``response.output_item.done``, and last ``response.completed`` or ``response.incomplete``.
+The non-streaming endpoint runs the same translator and returns its final response, so
+both paths produce the same output items.
 """
 
 from __future__ import annotations
@@ -15,21 +16,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from engine import FinishReason, StreamEvent, ToolCallDelta, Usage
 from mlx_providers.server.chat_completions import new_id
 
 Event = dict[str, Any]
 
 
-def usage_of(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Responses usage from chat-completions usage."""
-    if chat_usage is None:
-        return None
-    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"input_tokens": chat_usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": chat_usage["completion_tokens"],
+def usage_of(usage: Usage) -> dict[str, Any]:
+    """Responses usage from the engine's usage."""
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": chat_usage["total_tokens"]}
+            "total_tokens": usage.total_tokens}
 
 
 class ResponseTranslator:
@@ -47,7 +46,6 @@ class ResponseTranslator:
         self.incomplete_details: dict[str, Any] | None = None
         self._sequence = 0
         self._open: dict[str, Any] | None = None  # the item receiving deltas
-        self._finish: str | None = None
 
     # ----- the response object -------------------------------------------------------
 
@@ -73,21 +71,18 @@ class ResponseTranslator:
         return [self._event("response.created", response=self.response()),
                 self._event("response.in_progress", response=self.response())]
 
-    def feed(self, chunk: dict[str, Any]) -> list[Event]:
-        """The events one chat-completion chunk becomes."""
+    def feed(self, event: StreamEvent) -> list[Event]:
+        """The events one engine event becomes (the final one ends the response)."""
         events: list[Event] = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                events += self._text_delta("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                events += self._text_delta("message", delta["content"])
-            for call in delta.get("tool_calls") or ():
-                events += self._call(call)
-            if choice.get("finish_reason"):
-                self._finish = choice["finish_reason"]
-        if chunk.get("usage"):
-            events += self._end(chunk["usage"])
+        if event.reasoning:
+            events += self._text_delta("reasoning", event.reasoning)
+        if event.content:
+            events += self._text_delta("message", event.content)
+        for delta in event.tool_call_deltas:
+            events += self._call_delta(delta)
+        if event.is_final and event.error is None:
+            assert event.finish_reason is not None and event.usage is not None
+            events += self._end(event.usage, event.finish_reason)
         return events
 
     def fail(self, message: str) -> list[Event]:
@@ -141,7 +136,12 @@ class ResponseTranslator:
         opened, self._open = self._open, None
         index = len(self.output) - 1
         item, text = self.output[index], opened["_text"]
-        if opened["type"] == "message":
+        if opened["type"] == "function_call":
+            item.update(status="completed", arguments=text)
+            events = [self._event("response.function_call_arguments.done",
+                                  item_id=item["id"], output_index=index,
+                                  name=item["name"], arguments=text)]
+        elif opened["type"] == "message":
             part = _output_text(text)
             item.update(status="completed", content=[part])
             events = [
@@ -157,31 +157,30 @@ class ResponseTranslator:
                                   item=dict(item)))
         return events
 
-    def _call(self, call: dict[str, Any]) -> list[Event]:
-        """One whole tool call (the engine parses calls when the row ends)."""
-        events = self._close_open()
-        function = call["function"]
-        item = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
-                "call_id": call["id"], "name": function["name"], "arguments": ""}
-        self.output.append(item)
-        index = len(self.output) - 1
-        events.append(self._event("response.output_item.added", output_index=index,
-                                  item=dict(item)))
-        arguments = function["arguments"]
-        events.append(self._event("response.function_call_arguments.delta",
-                                  item_id=item["id"], output_index=index, delta=arguments))
-        events.append(self._event("response.function_call_arguments.done",
-                                  item_id=item["id"], output_index=index,
-                                  name=item["name"], arguments=arguments))
-        item.update(status="completed", arguments=arguments)
-        events.append(self._event("response.output_item.done", output_index=index,
-                                  item=dict(item)))
+    def _call_delta(self, delta: ToolCallDelta) -> list[Event]:
+        """A tool call's piece: its first opens a function_call item, arguments stream in."""
+        events: list[Event] = []
+        if delta.id is not None:  # a new call: the item before it is done
+            events += self._close_open()
+            item = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
+                    "call_id": delta.id, "name": delta.name or "", "arguments": ""}
+            self.output.append(item)
+            self._open = {"type": "function_call", "id": item["id"], "_text": ""}
+            events.append(self._event("response.output_item.added",
+                                      output_index=len(self.output) - 1, item=dict(item)))
+        assert self._open is not None and self._open["type"] == "function_call"
+        if delta.arguments:
+            self._open["_text"] += delta.arguments
+            events.append(self._event("response.function_call_arguments.delta",
+                                      item_id=self._open["id"],
+                                      output_index=len(self.output) - 1,
+                                      delta=delta.arguments))
         return events
 
-    def _end(self, chat_usage: dict[str, Any]) -> list[Event]:
+    def _end(self, usage: Usage, finish: FinishReason) -> list[Event]:
         events = self._close_open()
-        self.usage = usage_of(chat_usage)
-        if self._finish == "length":
+        self.usage = usage_of(usage)
+        if finish is FinishReason.LENGTH:
             self.status = "incomplete"
             self.incomplete_details = {"reason": "max_output_tokens"}
             events.append(self._event("response.incomplete", response=self.response()))

@@ -16,13 +16,12 @@ from pydantic import Discriminator, Field, Tag
 from engine import (
     Constraint,
     InvalidRequestError,
-    JsonObject,
-    JsonSchema,
     Message,
     messages_from_openai,
 )
 from mlx_providers.server.chat_request import OpenModel
 from mlx_providers.server.errors import APIError
+from mlx_providers.server.tool_options import output_constraint, tool_choice_name
 
 
 class InputText(OpenModel):
@@ -130,23 +129,12 @@ class ResponsesRequest(OpenModel):
                 for t in self.tools]
 
     def engine_tool_choice(self) -> str | None:
-        choice = self.tool_choice
-        return choice.name if isinstance(choice, NamedFunctionChoice) else choice
+        return tool_choice_name(self.tool_choice)
 
     def constraint(self) -> Constraint | None:
         fmt = self.text.format if self.text else None
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return JsonObject()
-        if fmt.schema_ is None:
-            raise APIError(400, "text.format of type json_schema needs a schema",
-                           param="text.format.schema", code="missing_required_parameter")
-        try:
-            return JsonSchema(fmt.schema_)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="text.format.schema",
-                           code="invalid_value") from exc
+        return output_constraint(fmt.type if fmt else None, fmt.schema_ if fmt else None,
+                                 "text.format.schema")
 
 
 def messages_of(items: list[dict[str, Any]], instructions: str | None) -> tuple[Message, ...]:

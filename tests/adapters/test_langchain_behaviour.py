@@ -556,6 +556,53 @@ def test_a_repeated_call_ends_the_answer_and_is_dropped(model_dir: str) -> None:
     assert [c["args"] for c in full.tool_calls] == [{"city": "Oslo"}]
 
 
+def calls_of(message: Any) -> tuple[list[Any], list[Any]]:
+    """(name, args) of the kept calls and (name) of the invalid ones: what must agree
+    between a stream and an invoke (ids differ: they are two requests)."""
+    return ([(c["name"], c["args"]) for c in message.tool_calls],
+            [c["name"] for c in message.invalid_tool_calls])
+
+
+@pytest.mark.parametrize("case", ["one", "parallel", "repeat", "cut"])
+async def test_streamed_tool_calls_add_up_to_the_invoked_message(model_dir: str,
+                                                                 case: str) -> None:
+    """Calls stream as the engine keeps them; a dropped (repeated) or cut call never does,
+    so LangChain's partial-JSON merge cannot turn it into a valid call."""
+    one_call = f'{weather_call("Oslo")}\n'
+    before_cut = len(chat(model_dir).get_token_ids(
+        '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"ci'))
+    model, kw = {
+        "one": (chat(model_dir, max_tokens=60).bind_tools([WEATHER_TOOL]),
+                {"constraint": LarkGrammar(f"start: {one_call}")}),
+        "parallel": (chat(model_dir, max_tokens=200).bind_tools([WEATHER_TOOL]),
+                     {"constraint": TWO_CITIES}),
+        "repeat": (chat(model_dir, max_tokens=300).bind_tools([WEATHER_TOOL]),
+                   {"constraint": SAME_CALL_THRICE}),
+        "cut": (chat(model_dir, max_tokens=before_cut).bind_tools([WEATHER_TOOL]),
+                {"constraint": TWO_CITIES}),  # max_tokens falls inside the second call's args
+    }[case]
+    invoked = await model.ainvoke("Weather?", **kw)
+    chunks = [chunk async for chunk in model.astream("Weather?", **kw)]
+    full = chunks[0]
+    for chunk in chunks[1:]:
+        full = full + chunk
+    assert calls_of(full) == calls_of(invoked)
+    expected = {"one": ([("get_weather", {"city": "Oslo"})], []),
+                "parallel": ([("get_weather", {"city": "Oslo"}),
+                              ("get_weather", {"city": "Rome"})], []),
+                "repeat": ([("get_weather", {"city": "Oslo"})], []),
+                "cut": ([("get_weather", {"city": "Oslo"})], [None])}[case]  # name unread
+    assert calls_of(invoked) == expected
+    # Every kept call arrived in one chunk per call, id and name together with its args.
+    streamed = [c for chunk in chunks for c in chunk.tool_call_chunks if c["id"] and
+                c["index"] < len(expected[0])]
+    assert [(c["name"], json.loads(c["args"])) for c in streamed] == expected[0]
+    if case == "parallel":  # the first call is out before the row ends
+        first = next(i for i, c in enumerate(chunks) if c.tool_call_chunks)
+        assert first < len(chunks) - 1
+
+
 # ----- outputs cut at max_tokens are said plainly ------------------------------------------
 
 

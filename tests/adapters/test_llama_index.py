@@ -264,6 +264,29 @@ def test_parallel_calls_to_one_tool_get_distinct_ids(llm: MLXBatchLLM) -> None:
     assert chunks[-1].raw["finish_reason"] == "tool_calls"
 
 
+async def test_astream_chat_sends_each_call_as_the_engine_keeps_it(llm: MLXBatchLLM) -> None:
+    tools = [FunctionTool.from_defaults(add)]
+    stream = await llm.astream_chat_with_tools(tools, user_msg="Add 1 and 2, twice.",
+                                               max_tokens=64, allow_parallel_tool_calls=True,
+                                               constraint=TWO_ADDS)
+    chunks = [chunk async for chunk in stream]
+    pieces = [d for c in chunks for d in c.additional_kwargs.get("tool_call_deltas", ())]
+    calls: dict[int, dict[str, str]] = {}
+    for piece in pieces:  # accumulated the way OpenAI clients do
+        call = calls.setdefault(piece["index"], {"id": "", "name": "", "arguments": ""})
+        call["id"] += piece.get("id", "")
+        call["name"] += piece["function"].get("name", "")
+        call["arguments"] += piece["function"]["arguments"]
+    final = llm.get_tool_calls_from_response(chunks[-1])
+    assert [(c["id"], c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
+        (c.tool_id, c.tool_name, c.tool_kwargs) for c in final]
+    # The first call is out (in the message too) before the second one is written.
+    first = next(i for i, c in enumerate(chunks) if c.additional_kwargs.get("tool_call_deltas"))
+    assert first < len(chunks) - 1
+    early = llm.get_tool_calls_from_response(chunks[first])
+    assert [(c.tool_id, c.tool_kwargs) for c in early] == [(final[0].tool_id, {"a": 1, "b": 2})]
+
+
 async def test_a_repeated_call_ends_the_answer_and_is_dropped(llm: MLXBatchLLM) -> None:
     tools = [FunctionTool.from_defaults(add)]
     response = await llm.achat_with_tools(tools, user_msg="Add 1 and 2.", max_tokens=300,

@@ -6,15 +6,17 @@ its client disconnects; without cancellation these rows would run for seconds mo
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from engine import Engine
+from engine import Engine, RequestHandle
 from tests.conftest import wait_until
 from tests.server.conftest import LiveServer
 
@@ -130,3 +132,55 @@ def test_every_slot_is_released_after_disconnects(
     wait_until(lambda: eng.stats().cancelled == 4, timeout=10)
     served = server.app.state.ctx.models.get("tiny")  # type: ignore[attr-defined]
     wait_until(lambda: served.in_flight == 0, timeout=10)
+
+
+@pytest.fixture
+def cancel_commands(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The request id of every Cancel a handle sends to the engine, in order.
+
+    Counted where a handle hands its cancel to the engine (the callable it is built with),
+    so every route counts: the server's own close, the engine iterator's, a GC'd one.
+    """
+    sent: list[int] = []
+    built = RequestHandle.__init__
+
+    def counting(self: RequestHandle, request_id: int, stream: Any,
+                 cancel: Callable[[], None]) -> None:
+        def send() -> None:
+            sent.append(request_id)
+            cancel()
+
+        built(self, request_id, stream, send)
+
+    monkeypatch.setattr(RequestHandle, "__init__", counting)
+    return sent
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_a_client_dropping_mid_stream_cancels_its_row_exactly_once(
+        slow_server: tuple[LiveServer, Engine], cancel_commands: list[int], path: str) -> None:
+    server, eng = slow_server
+    body = ({**LONG, "stream": True} if path.endswith("completions") else
+            {"model": "tiny", "input": "hi", "max_output_tokens": 1500, "stream": True})
+    with httpx.stream("POST", server.url + path, timeout=30, json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for _ in range(12):  # well into the generation
+            next(lines)
+    wait_until(lambda: eng.stats().cancelled == 1, timeout=10)
+    assert_stopped_generating(eng)
+    gc.collect()  # an iterator dropped without closing would cancel now
+    time.sleep(0.2)
+    assert len(cancel_commands) == 1, cancel_commands
+
+
+def test_a_non_streaming_client_leaving_cancels_its_row_exactly_once(
+        slow_server: tuple[LiveServer, Engine], cancel_commands: list[int]) -> None:
+    server, eng = slow_server
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=LONG, timeout=0.6)
+    wait_until(lambda: eng.stats().cancelled == 1, timeout=10)
+    assert_stopped_generating(eng)
+    gc.collect()
+    time.sleep(0.2)
+    assert len(cancel_commands) == 1, cancel_commands

@@ -1,4 +1,4 @@
-"""Chat-completion chunks and Responses events from engine events (pure, no model).
+"""Chat-completion chunks and Responses events, each from engine events (pure, no model).
 
 Reasoning models are hard to drive from a random-weight model over HTTP, so the
 reasoning paths are checked here on hand-made engine events.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine import Completion, FinishReason, StreamEvent, ToolCall, Usage
+from engine import Completion, FinishReason, StreamEvent, ToolCall, ToolCallDelta, Usage
 from mlx_providers.server.chat_completions import ChatCompletionShaper
 from mlx_providers.server.responses_events import ResponseTranslator
 
@@ -20,11 +20,13 @@ def events(finish: FinishReason = FinishReason.STOP,
            calls: tuple[ToolCall, ...] = ()) -> list[StreamEvent]:
     completion = Completion("raw", (1, 2, 3, 4, 5), finish, USAGE, content="Hi there",
                             reasoning="let me see", tool_calls=calls)
+    deltas = tuple(ToolCallDelta(i, c.id, c.name, c.arguments_text)
+                   for i, c in enumerate(calls))  # as the engine streams kept calls
     return [StreamEvent("<think>let", reasoning="let"),
             StreamEvent(" me see</think>", reasoning=" me see"),
             StreamEvent("Hi", content="Hi"),
             StreamEvent(" there", content=" there", finish_reason=finish, usage=USAGE,
-                        completion=completion)]
+                        completion=completion, tool_call_deltas=deltas)]
 
 
 def chunks_of(stream: list[StreamEvent], **kw: Any) -> list[dict[str, Any]]:
@@ -63,8 +65,8 @@ def test_a_whole_completion_carries_reasoning_and_calls() -> None:
 def translate(stream: list[StreamEvent]) -> tuple[ResponseTranslator, list[dict[str, Any]]]:
     translator = ResponseTranslator("m", {"instructions": None})
     out = translator.start()
-    for chunk in chunks_of(stream, include_usage=True):
-        out += translator.feed(chunk)
+    for event in stream:
+        out += translator.feed(event)
     return translator, out
 
 
@@ -108,15 +110,40 @@ def test_a_response_cut_by_max_tokens_is_incomplete() -> None:
 def test_failure_and_cancellation_states() -> None:
     translator = ResponseTranslator("m", {})
     translator.start()
-    translator.feed(chunks_of(events())[1])
+    translator.feed(events()[0])
     [error] = translator.fail("boom")
     assert error["type"] == "error" and error["code"] == "server_error"
     assert translator.response()["status"] == "failed"
     cancelled = ResponseTranslator("m", {})
     cancelled.start()
-    for chunk in chunks_of(events())[:4]:
-        cancelled.feed(chunk)
+    for event in events()[:3]:  # the reasoning, then "Hi"
+        cancelled.feed(event)
     cancelled.cancel()
     response = cancelled.response()
     assert response["status"] == "cancelled"
     assert response["output"][-1]["content"][0]["text"] == "Hi"  # the part generated
+
+
+def test_streamed_call_pieces_add_up_to_the_whole_call_in_both_formats() -> None:
+    """A call in pieces (id and name first, then arguments fragments) is one call."""
+    call = ToolCall("call_abc", "f", {"x": [1, 2]})
+    pieces = (ToolCallDelta(0, call.id, call.name, ""), ToolCallDelta(0, arguments='{"x": '),
+              ToolCallDelta(0, arguments="[1, 2]}"))
+    completion = Completion("raw", (1,), FinishReason.TOOL_CALLS, USAGE, tool_calls=(call,))
+    stream = [StreamEvent("a", tool_call_deltas=pieces[:2]),
+              StreamEvent("b", tool_call_deltas=pieces[2:], finish_reason=FinishReason.TOOL_CALLS,
+                          usage=USAGE, completion=completion)]
+    chunks = chunks_of(stream)
+    entries = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", ())]
+    assert entries[0] == {"index": 0, "id": "call_abc", "type": "function",
+                          "function": {"name": "f", "arguments": ""}}
+    assert all("id" not in e and "name" not in e["function"] for e in entries[1:])
+    assert "".join(e["function"]["arguments"] for e in entries) == call.arguments_text
+    _, out = translate(stream)
+    kinds = [e["type"] for e in out]
+    assert kinds[2:] == ["response.output_item.added", "response.function_call_arguments.delta",
+                         "response.function_call_arguments.delta",
+                         "response.function_call_arguments.done", "response.output_item.done",
+                         "response.completed"]
+    [item] = out[-1]["response"]["output"]
+    assert item["arguments"] == call.arguments_text and item["call_id"] == "call_abc"

@@ -31,6 +31,7 @@ from engine import (
     JsonSchema,
     StreamEvent,
     ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from engine.requests.messages import template_messages
@@ -301,8 +302,10 @@ def test_chunks_add_up_to_one_message_with_usage_counted_once() -> None:
         tool_calls=(ToolCall("c1", "add", {"a": 1, "b": 2}),),
         invalid_tool_calls=(InvalidToolCall("c2", None, '{"name": "add", "arguments": {"a"',
                                             "the tool call was not closed"),))
+    kept = ToolCallDelta(0, "c1", "add", '{"a": 1, "b": 2}')  # as the engine streams the call
     events = [StreamEvent("Hi", (1,), content="Hi"), StreamEvent(" there", (2,), content=" there"),
-              StreamEvent("", (), finish_reason=FinishReason.STOP, usage=USAGE, completion=final)]
+              StreamEvent("", (), finish_reason=FinishReason.STOP, usage=USAGE, completion=final,
+                          tool_call_deltas=(kept,))]
     chunks = [c for e in events if (c := event_chunk(e, "m")) is not None]
     assert [c.message.usage_metadata is not None for c in chunks] == [False, False, True]
     assert chunks[-1].message.chunk_position == "last"  # type: ignore[attr-defined]

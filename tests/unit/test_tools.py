@@ -27,3 +27,24 @@ def test_channel_splitter_handles_markers_split_across_tokens() -> None:
     assert "".join(d[1] for d in deltas) == "hmm"
     assert [(c.name, c.arguments) for c in channels.calls] == [("a", {}), ("b", {"x": 1})]
     assert len(channels.invalid) == 1 and channels.invalid[0].raw == "{bad"
+
+
+def test_calls_become_deltas_only_once_kept() -> None:
+    """A call is released the piece its closing marker arrives in, never before; repeats,
+    extra calls (parallel off), malformed and cut calls are never released."""
+    markers = {"tool": ("<tool_call>", "</tool_call>")}
+    a = '{"name": "a", "arguments": {"x": 1}}'
+    b = '{"name": "b", "arguments": {}}'
+    for parallel, kept in ((True, ["a", "b"]), (False, ["a"])):
+        channels = RowChannels(ChannelSplitter(markers), None, (), parallel)
+        released: list[list[str | None]] = []
+        for piece in ["<tool_call>", a[:20], a[20:], "</tool", "_call>\n<tool_call>" + a,
+                      "</tool_call><tool_call>" + b + "</tool_call>", "<tool_call>{bad",
+                      "</tool_call><tool_call>" + b[:10]]:
+            channels.feed(piece)
+            released.append([d.name for d in channels.take_deltas()])
+        channels.finish()
+        assert channels.take_deltas() == ()
+        assert released == [[], [], [], [], ["a"], kept[1:], [], []]
+        assert [c.name for c in channels.calls] == kept
+        assert channels.repeated_calls == 1 and len(channels.invalid) == 2  # {bad, and cut b
