@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import (
+    ChatRequest,
     Completion,
     EngineConfig,
     EngineStats,
@@ -33,6 +34,7 @@ from engine import (
     SamplingParams,
     StreamEvent,
     ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from engine.core.streams import RequestStream
@@ -123,6 +125,10 @@ class ScriptedEngine:
         check_callbacks(on_token, timeout)
         spec = request_spec(prompt, params, tools, tool_choice, parallel_tool_calls,
                             chat_template_kwargs)  # raises what the engine raises
+        if isinstance(prompt, ChatRequest):  # the faces submit typed requests: record them
+            tools = [tool.as_openai() for tool in prompt.tools] or None
+            tool_choice, parallel_tool_calls = prompt.tool_choice, prompt.parallel_tool_calls
+            chat_template_kwargs = dict(prompt.template_kwargs) or None
         call = Submitted(prompt, spec.params, tools, tool_choice, parallel_tool_calls,
                          chat_template_kwargs, timeout)
         self.calls.append(call)
@@ -139,8 +145,14 @@ class ScriptedEngine:
             completion = Completion(text, tuple(ids), reason, final, content=text,
                                     reasoning=reply.reasoning, tool_calls=reply.tool_calls,
                                     invalid_tool_calls=reply.invalid_tool_calls)
+            # The engine streams each kept call (StreamEvent.tool_call_deltas) before the
+            # row ends; scripted calls come whole, on the last event.
+            deltas = () if reason is FinishReason.CANCELLED else tuple(
+                ToolCallDelta(i, c.id, c.name, c.arguments_text)
+                for i, c in enumerate(reply.tool_calls))
             stream.publish(StreamEvent("", (), None, reason, final, error,
-                                       completion=completion), completion)
+                                       completion=completion, tool_call_deltas=deltas),
+                           completion)
 
         def cancel() -> None:
             if not call.cancelled:
