@@ -109,9 +109,9 @@ class StatsBook:
             stats.drafted_tokens += drafted
 
     def ended(self, reason: FinishReason, *, was_running: bool, was_pending: bool,
-              kv_bytes_projected: int | None = None) -> None:
-        """A row ended: counted by outcome, no longer running or pending, and (when given)
-        the running rows' worst-case KV without it.
+              **gauges: int) -> None:
+        """A row ended: counted by outcome, no longer running or pending, and ``gauges``
+        (what it held: the running rows' worst-case KV, live grammar matchers) without it.
 
         Called before its consumer wakes, one row at a time, so whoever holds a result
         sees its row gone and the counts agree with completed/cancelled at every moment.
@@ -128,5 +128,5 @@ class StatsBook:
                 stats.running = max(0, stats.running - 1)
             elif was_pending:
                 stats.pending = max(0, stats.pending - 1)
-            if kv_bytes_projected is not None:
-                stats.kv_bytes_projected = kv_bytes_projected
+            for name, value in gauges.items():
+                setattr(stats, name, value)

@@ -185,8 +185,10 @@ class StepCore:
         """A row's last event: the row leaves the engine, its consumer wakes last."""
         self.ended_since_collect = True
         self.rows.pop(ending.row.request_id, None)
-        # The scheduler has let the row go: its KV leaves the figures with it.
-        end_row(ending, self._book, self.scheduler.kv_bytes_projected)
+        # The scheduler and the lane have let the row go (its grammar matcher closed): what
+        # it held leaves the figures with it, before its consumer wakes.
+        end_row(ending, self._book, kv_bytes_projected=self.scheduler.kv_bytes_projected,
+                live_matchers=self.preparer.compiler.live_matchers)
 
     def fail_rows(self, error: BaseException, reason: FinishReason) -> None:
         """End every row the core holds with ``error`` (the engine is going away)."""
@@ -195,7 +197,7 @@ class StepCore:
             self.end(Ending(row, reason, error))
 
 
-def end_row(ending: Ending, book: StatsBook, kv_bytes_projected: int | None = None) -> None:
+def end_row(ending: Ending, book: StatsBook, **gauges: int) -> None:
     """Publish a row's last event, counted first (also for a submit no core has seen)."""
     row = ending.row
     was = row.status
@@ -204,7 +206,7 @@ def end_row(ending: Ending, book: StatsBook, kv_bytes_projected: int | None = No
     book.ended(ending.reason,
                was_running=was in (RequestStatus.PREFILLING, RequestStatus.DECODING),
                was_pending=was is RequestStatus.WAITING and row.prepared is not None,
-               kv_bytes_projected=kv_bytes_projected)
+               **gauges)
     row.stream.publish(event, completion)
 
 

@@ -24,6 +24,15 @@ def test_endings_count_by_outcome_and_leave_running_or_pending() -> None:
     assert book.snapshot().running == 0  # never below zero
 
 
+def test_an_ending_takes_what_the_row_held_out_of_the_gauges_at_once() -> None:
+    book = StatsBook()
+    book.set(running=1, kv_bytes_projected=4096, live_matchers=1)
+    book.ended(FinishReason.STOP, was_running=True, was_pending=False,
+               kv_bytes_projected=0, live_matchers=0)
+    stats = book.snapshot()
+    assert (stats.running, stats.kv_bytes_projected, stats.live_matchers) == (0, 0, 0)
+
+
 def test_steps_add_up_and_keep_the_widest() -> None:
     book = StatsBook()
     book.stepped(0.5, width=3, tokens=3, forced=1, drafted=0)
