@@ -97,9 +97,10 @@ class RowChannels:
     call, between calls and after the last one is held back and dropped (released if text
     follows).
 
-    Tool calls stream (``take_deltas``). Without a model tool parser a call is JSON,
-    ``{"name": ..., "arguments": {...}}`` in ``<tool_call>`` markers, alone or as a JSON list
-    of such objects in one block (SmolLM2's format): ``CallScanner`` reads it as it arrives,
+    Tool calls stream (``take_deltas``). Without a model tool parser, or with mlx-lm's
+    ``json_tools`` one (``reads_json``), a call is JSON, ``{"name": ..., "arguments": {...}}``
+    in ``<tool_call>`` markers, alone or as a JSON list of such objects in one block
+    (SmolLM2's format): ``CallScanner`` reads it as it arrives,
     so a call's first delta (index, id, name) goes out once its name string is whole and
     its arguments object follows in fragments as the model writes them; the call keeps the
     model's own arguments text (``ToolCall.text``), so the fragments add up to exactly its
@@ -116,8 +117,8 @@ class RowChannels:
     sent. A call already sent stays sent (OpenAI streams what it generated): one that is
     malformed at its close, or cut by the row's end (max_tokens, a stop, EOS), is listed in
     ``invalid`` with the index its pieces went out under. Text that is not such JSON, and
-    every call read by a model's parser (formats a parser owns), is parsed whole at the
-    block's close and streams then, as one delta.
+    every call read by another model parser (the XML, pythonic and other formats mlx-lm's
+    parsers own), is parsed whole at the block's close and streams then, as one delta.
     """
 
     def __init__(self, splitter: ChannelSplitter, parser: ToolParser | None,
@@ -177,7 +178,7 @@ class RowChannels:
             if channel == TOOL:
                 if self._call_text is None:  # a call opens: the whitespace before it goes
                     self._call_text, self._spaces, self.saw_call = "", "", True
-                    self._scan = CallScanner() if self._parser is None else None
+                    self._scan = CallScanner() if reads_json(self._parser) else None
                 self._call_text += text
                 if self._scan is not None and text:
                     self._scan.feed(text)
@@ -526,6 +527,14 @@ class CallScanner:
         self._closed.append((element, element.text))
         self.element, self.end, self.closed = None, self.pos + 1, self.closed + 1
         self._state = "sep" if self._list else "after"
+
+
+def reads_json(parser: ToolParser | None) -> bool:
+    """Whether calls are the JSON objects ``CallScanner`` reads as they stream: no model
+    parser (the tagged-JSON fallback, SmolLM2's list), or mlx-lm's ``json_tools`` parser
+    (Qwen and the Hermes-style families), which is ``json.loads`` of the same text."""
+    return parser is None or getattr(parser, "__module__", "").endswith(
+        "tool_parsers.json_tools")
 
 
 def compact_json(text: str) -> str:
