@@ -319,8 +319,15 @@ def call_delta_chunks(deltas: Sequence[ToolCallDelta]) -> list[Any]:
     holds back a call it may still drop, so a merged stream never shows a call ``invoke``
     would drop; a call cut by the row's end was sent as far as it was written (as with
     ChatOpenAI), which ``invoke`` lists in ``invalid_tool_calls``."""
+    merged: list[ToolCallDelta] = []  # one chunk per call and step: LangChain merges
+    for d in deltas:                  # same-index entries across chunks, not within one
+        last = merged[-1] if merged else None
+        if last is not None and last.index == d.index and d.id is None:
+            merged[-1] = ToolCallDelta(d.index, last.id, last.name, last.arguments + d.arguments)
+        else:
+            merged.append(d)
     return [tool_call_chunk(name=d.name, args=d.arguments, id=d.id, index=d.index)
-            for d in deltas]
+            for d in merged]
 
 
 def invalid_call_chunks(completion: Completion) -> list[Any]:

@@ -33,6 +33,7 @@ from engine import (
     SamplingParams,
     StreamEvent,
     ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from engine.core.streams import RequestStream
@@ -139,8 +140,12 @@ class ScriptedEngine:
             completion = Completion(text, tuple(ids), reason, final, content=text,
                                     reasoning=reply.reasoning, tool_calls=reply.tool_calls,
                                     invalid_tool_calls=reply.invalid_tool_calls)
+            # The calls stream as a real engine's do: a first delta, then the arguments.
+            deltas = tuple(d for i, c in enumerate(reply.tool_calls) for d in (
+                ToolCallDelta(i, c.id, c.name, ""), ToolCallDelta(i, arguments=c.arguments_text)))
             stream.publish(StreamEvent("", (), None, reason, final, error,
-                                       completion=completion), completion)
+                                       completion=completion, tool_call_deltas=deltas),
+                           completion)
 
         def cancel() -> None:
             if not call.cancelled:
