@@ -615,9 +615,9 @@ async def test_streamed_tool_calls_add_up_to_the_invoked_message(model_dir: str,
             pieces.setdefault(c["index"], []).append(c)
     kept = len(expected[0])
     streamed = range(kept + (case == "cut_sent"))  # a never-streamed invalid call comes last
-    assert all(p[0]["id"] and p[0]["name"] and len(p) > 2
-               and all(c["id"] is None and c["name"] is None for c in p[1:])
-               for p in (pieces[i] for i in streamed))
+    assert all(p[0]["id"] and p[0]["name"] and (len(p) > 2 or i >= kept)  # a cut call may
+               and all(c["id"] is None and c["name"] is None for c in p[1:])  # be short
+               for i, p in ((i, pieces[i]) for i in streamed))
     sent = {i: "".join(c["args"] for c in p) for i, p in pieces.items()}
     assert [(pieces[i][0]["name"], json.loads(sent[i])) for i in range(kept)] == expected[0]
     if case == "cut_sent":  # sent as far as written; the whole answer: invalid, length
