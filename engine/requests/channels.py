@@ -218,10 +218,11 @@ class RowChannels:
         off, or one that may yet repeat a kept call (its arguments so far a prefix)."""
         if not self._parallel and (self.calls or self._next_index):
             return False
+        same = [call for call in self.calls if call.name == element.name]
+        if not same:
+            return True
         so_far = compact_json(element.args)
-        return not any(call.name == element.name
-                       and compact_json(call.arguments_text).startswith(so_far)
-                       for call in self.calls)
+        return not any(compact_json(call.arguments_text).startswith(so_far) for call in same)
 
     def _send(self, element: CallElement) -> None:
         if element.name is None:
