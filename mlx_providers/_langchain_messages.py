@@ -315,17 +315,28 @@ def _invalid_args(raw: str) -> str:
 
 def call_delta_chunks(deltas: Sequence[ToolCallDelta]) -> list[Any]:
     """The engine's tool-call deltas as ``tool_call_chunks``: LangChain merges them by
-    ``index`` (id and name from the first, ``args`` concatenated). The engine streams a call
-    only once it keeps it, so a merged stream never shows a call ``invoke`` would not."""
+    ``index`` (id and name from the first, ``args`` fragments concatenated). The engine
+    holds back a call it may still drop, so a merged stream never shows a call ``invoke``
+    would drop; a call cut by the row's end was sent as far as it was written (as with
+    ChatOpenAI), which ``invoke`` lists in ``invalid_tool_calls``."""
+    merged: list[ToolCallDelta] = []  # one chunk per call and step: LangChain merges
+    for d in deltas:                  # same-index entries across chunks, not within one
+        last = merged[-1] if merged else None
+        if last is not None and last.index == d.index and d.id is None:
+            merged[-1] = ToolCallDelta(d.index, last.id, last.name, last.arguments + d.arguments)
+        else:
+            merged.append(d)
     return [tool_call_chunk(name=d.name, args=d.arguments, id=d.id, index=d.index)
-            for d in deltas]
+            for d in merged]
 
 
 def invalid_call_chunks(completion: Completion) -> list[Any]:
-    """The completion's unparsed calls, after its kept ones, for the last chunk."""
-    offset = len(completion.tool_calls)
+    """The completion's unparsed calls that were never streamed, after every streamed
+    call, for the last chunk (a streamed one's pieces went out already)."""
+    unsent = [c for c in completion.invalid_tool_calls if c.index is None]
+    offset = len(completion.tool_calls) + len(completion.invalid_tool_calls) - len(unsent)
     return [tool_call_chunk(name=c.name, args=_invalid_args(c.raw), id=c.id, index=offset + i)
-            for i, c in enumerate(completion.invalid_tool_calls)]
+            for i, c in enumerate(unsent)]
 
 
 def event_chunk(event: StreamEvent, model_name: str) -> ChatGenerationChunk | None:

@@ -281,10 +281,10 @@ def keep_first_call(response: ChatResponse) -> ChatResponse:
 class StreamChunks:
     """Turns a request's stream events into LlamaIndex chunks with delta and accumulation.
 
-    Tool calls stream as the engine keeps them: a chunk that brings call pieces lists them
-    in ``additional_kwargs["tool_call_deltas"]`` (OpenAI's delta shape), and its message
-    holds every call completed so far as ``ToolCallBlock``s, so an agent reading any chunk's
-    message sees the calls a whole response would have.
+    Tool calls stream as they are written (a call's name, then its argument fragments): a
+    chunk that brings call pieces lists them in ``additional_kwargs["tool_call_deltas"]``
+    (OpenAI's delta shape), and its message holds every call whose arguments are whole so
+    far as ``ToolCallBlock``s, so an agent reading any chunk's message sees whole calls only.
     """
 
     def __init__(self, model_name: str,

@@ -145,11 +145,12 @@ class ScriptedEngine:
             completion = Completion(text, tuple(ids), reason, final, content=text,
                                     reasoning=reply.reasoning, tool_calls=reply.tool_calls,
                                     invalid_tool_calls=reply.invalid_tool_calls)
-            # The engine streams each kept call (StreamEvent.tool_call_deltas) before the
-            # row ends; scripted calls come whole, on the last event.
+            # The calls stream as a real engine's do: a first delta (id, name), then the
+            # arguments; a cancelled row sends none.
             deltas = () if reason is FinishReason.CANCELLED else tuple(
-                ToolCallDelta(i, c.id, c.name, c.arguments_text)
-                for i, c in enumerate(reply.tool_calls))
+                d for i, c in enumerate(reply.tool_calls) for d in (
+                    ToolCallDelta(i, c.id, c.name, ""),
+                    ToolCallDelta(i, arguments=c.arguments_text)))
             stream.publish(StreamEvent("", (), None, reason, final, error,
                                        completion=completion, tool_call_deltas=deltas),
                            completion)

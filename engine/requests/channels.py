@@ -93,17 +93,32 @@ class ChannelSplitter:
 class RowChannels:
     """One row's text sorted into content, reasoning and tool calls as it streams.
 
-    A call is parsed the moment its closing marker arrives. A call identical to one the
-    row already made (same name, same arguments as parsed JSON) is not kept: it counts in
-    ``repeated_calls``, which ``engine.core.update`` reads to end the row there. With
-    parallel calls off, calls after the first are not kept either (``extra_calls``). Whitespace
-    around calls is not an answer: whitespace-only content before the first call, between
-    calls and after the last one is held back and dropped (released if text follows).
+    Whitespace around calls is not an answer: whitespace-only content before the first
+    call, between calls and after the last one is held back and dropped (released if text
+    follows).
 
-    A kept call becomes ``ToolCallDelta``s the moment it is kept (``take_deltas``): a call is
-    only known to be kept once its closing marker has arrived and it parsed and is no
-    repeat; before that, max_tokens, a stop or a parse error can still make it invalid, and
-    no client protocol can take back a call it was sent.
+    Tool calls stream (``take_deltas``). Without a model tool parser, or with mlx-lm's
+    ``json_tools`` one (``reads_json``), a call is JSON, ``{"name": ..., "arguments": {...}}``
+    in ``<tool_call>`` markers, alone or as a JSON list of such objects in one block
+    (SmolLM2's format): ``CallScanner`` reads it as it arrives,
+    so a call's first delta (index, id, name) goes out once its name string is whole and
+    its arguments object follows in fragments as the model writes them; the call keeps the
+    model's own arguments text (``ToolCall.text``), so the fragments add up to exactly its
+    ``arguments_text``. A call is decided when its object closes: it parsed, or it is
+    invalid; a call identical to one the row already kept (same name, same arguments as
+    parsed JSON) is not kept (``repeated_calls``, which ``engine.core.update`` reads, at the
+    block's close, to end the row); with parallel calls off, calls after the first are not
+    kept (``extra_calls``).
+
+    What could still be dropped is held back, never sent: a call whose name is that of a
+    kept call while its arguments so far (whitespace outside strings aside) are a prefix of
+    that call's arguments text is sent, all of it in order, the moment it diverges, or at
+    its close unless it is a repeat; with parallel calls off nothing after the first call is
+    sent. A call already sent stays sent (OpenAI streams what it generated): one that is
+    malformed at its close, or cut by the row's end (max_tokens, a stop, EOS), is listed in
+    ``invalid`` with the index its pieces went out under. Text that is not such JSON, and
+    every call read by another model parser (the XML, pythonic and other formats mlx-lm's
+    parsers own), is parsed whole at the block's close and streams then, as one delta.
     """
 
     def __init__(self, splitter: ChannelSplitter, parser: ToolParser | None,
@@ -121,10 +136,13 @@ class RowChannels:
         self.repeated_calls = 0  # calls dropped because the row had made them already
         self.extra_calls = 0  # calls dropped after the first when parallel calls are off
         self._call_text: str | None = None
+        self._scan: CallScanner | None = None  # the open block's calls, read as they arrive
+        self._repeats = 0  # repeats in the open block, counted when it closes
         self._keys: set[str] = set()
         self._loose = True  # no answer text yet since the start or the last call
         self._spaces = ""  # whitespace content held back while loose
-        self._deltas: list[ToolCallDelta] = []  # kept calls not yet taken by an event
+        self._deltas: list[ToolCallDelta] = []  # call pieces not yet taken by an event
+        self._next_index = 0  # calls sent so far (each delta's index)
 
     def feed(self, text: str) -> tuple[str, str]:
         """New text -> (content delta, reasoning delta); tool markup is collected apart."""
@@ -134,9 +152,20 @@ class RowChannels:
         """Flush held text; a call left open (cut by max_tokens) is reported invalid."""
         content, reasoning = self._route(self._splitter.flush())
         if self._call_text is not None:
-            self.invalid.append(InvalidToolCall(new_call_id(), None, self._call_text,
-                                                "the tool call was not closed"))
-            self._call_text = None
+            raw, scan = self._call_text, self._scan
+            self._call_text = self._scan = None
+            closed = scan.closed if scan is not None else 0
+            element = scan.element if scan is not None else None
+            if element is not None and (closed or element.index is not None):
+                self.invalid.append(InvalidToolCall(element.id, element.name,
+                                                    raw[element.start:] if closed else raw,
+                                                    "the tool call was not closed",
+                                                    element.index))
+            elif not closed:
+                self.invalid.append(InvalidToolCall(new_call_id(), None, raw,
+                                                    "the tool call was not closed"))
+            self.repeated_calls += self._repeats
+            self._repeats = 0
         spaces, self._spaces = self._spaces, ""
         if spaces and not self.saw_call:  # a plain answer keeps its whitespace as written
             self.content += spaces
@@ -149,7 +178,11 @@ class RowChannels:
             if channel == TOOL:
                 if self._call_text is None:  # a call opens: the whitespace before it goes
                     self._call_text, self._spaces, self.saw_call = "", "", True
+                    self._scan = CallScanner() if reads_json(self._parser) else None
                 self._call_text += text
+                if self._scan is not None and text:
+                    self._scan.feed(text)
+                    self._advance(self._scan)
                 continue
             self._close_call()
             if channel == REASONING:
@@ -171,35 +204,358 @@ class RowChannels:
         out, self._spaces, self._loose = self._spaces + text, "", False
         return out
 
+    # ----- calls read as they stream ----------------------------------------------------
+
+    def _advance(self, scan: CallScanner) -> None:
+        """Decide the calls whose objects closed; send what the open one may send."""
+        for element, text in scan.take_closed():
+            self._close_element(element, text)
+        if scan.element is not None and not scan.failed:
+            self._send(scan.element)
+
+    def _may_send(self, element: CallElement) -> bool:
+        """False while the call could still be dropped: an extra call with parallel calls
+        off, or one that may yet repeat a kept call (its arguments so far a prefix)."""
+        if not self._parallel and (self.calls or self._next_index):
+            return False
+        same = [call for call in self.calls if call.name == element.name]
+        if not same:
+            return True
+        so_far = compact_json(element.args)
+        return not any(compact_json(call.arguments_text).startswith(so_far) for call in same)
+
+    def _send(self, element: CallElement) -> None:
+        if element.name is None:
+            return
+        if element.index is None:
+            if not self._may_send(element):
+                return
+            self._open_delta(element, element.name)
+        self._send_arguments(element, element.args)
+
+    def _open_delta(self, element: CallElement, name: str) -> None:
+        element.index, self._next_index = self._next_index, self._next_index + 1
+        self._deltas.append(ToolCallDelta(element.index, element.id, name, ""))
+
+    def _send_arguments(self, element: CallElement, text: str) -> None:
+        fresh = text[element.sent:]
+        if fresh and element.index is not None:
+            self._deltas.append(ToolCallDelta(element.index, arguments=fresh))
+            element.sent = len(text)
+
+    def _close_element(self, element: CallElement, text: str) -> None:
+        """A call object closed: keep it, or drop it (a repeat, an extra), or it is invalid."""
+        parsed = self._as_streamed(element, parse_call(text, None, self._tools))
+        if isinstance(parsed, InvalidToolCall):
+            self.invalid.append(parsed)
+            return
+        if element.index is None:  # nothing of it went out: it may still be dropped
+            if call_key(parsed) in self._keys:
+                self._repeats += 1
+                return
+            if not self._parallel and (self.calls or self._next_index):
+                self.extra_calls += 1
+                return
+            self._open_delta(element, parsed.name)
+        self._keys.add(call_key(parsed))
+        self.calls.append(parsed)
+        self._send_arguments(element, parsed.arguments_text)
+
+    def _as_streamed(self, element: CallElement,
+                     parsed: ToolCall | InvalidToolCall) -> ToolCall | InvalidToolCall:
+        """The call as its pieces streamed it: its id, and the model's arguments text when
+        that is the arguments object it parsed to; invalid if it differs from what was sent."""
+        if isinstance(parsed, InvalidToolCall):
+            return InvalidToolCall(element.id, parsed.name or element.name, parsed.raw,
+                                   parsed.error, element.index)
+        if (element.args_done and element.args_key == element.used_key
+                and element.name == parsed.name
+                and json.loads(element.args) == parsed.arguments):
+            return ToolCall(element.id, parsed.name, parsed.arguments, element.args)
+        if element.index is None or (element.sent == 0 and element.name == parsed.name):
+            return ToolCall(element.id, parsed.name, parsed.arguments)
+        return InvalidToolCall(element.id, element.name, element.text,
+                               "the call's closed object differs from the pieces sent",
+                               element.index)
+
+    # ----- whole blocks ----------------------------------------------------------------
+
     def _close_call(self) -> None:
         if self._call_text is None:
             return
-        raw, self._call_text = self._call_text, None
+        raw, scan = self._call_text, self._scan
+        self._call_text = self._scan = None
         self._loose = True
-        # A JSON list of calls in one block (SmolLM2's format) is one call per element.
-        bodies = split_call_list(raw) if self._parser is None else None
-        for body in [raw] if bodies is None else bodies:
-            self._add_call(parse_call(body, self._parser, self._tools))
+        element = scan.element if scan is not None else None
+        if scan is not None and (scan.closed or (element is not None
+                                                 and element.index is not None)):
+            self._close_scanned(raw, scan)
+        else:
+            # A JSON list of calls in one block (SmolLM2's format) is one call per element.
+            bodies = split_call_list(raw) if self._parser is None else None
+            for body in [raw] if bodies is None else bodies:
+                self._add_call(parse_call(body, self._parser, self._tools))
+        self.repeated_calls += self._repeats
+        self._repeats = 0
+
+    def _close_scanned(self, raw: str, scan: CallScanner) -> None:
+        """A block some of whose calls closed already: an object left open, or text after the
+        calls that is not JSON, is one invalid call."""
+        element = scan.element
+        if element is not None:
+            text = raw[element.start:] if scan.closed else raw
+            self.invalid.append(InvalidToolCall(element.id, element.name, text,
+                                                "the tool call's JSON is not complete",
+                                                element.index))
+        elif scan.failed:
+            self.invalid.append(InvalidToolCall(new_call_id(), None, raw[scan.end:],
+                                                "text after the tool calls is not JSON"))
 
     def _add_call(self, parsed: ToolCall | InvalidToolCall) -> None:
+        """A call parsed whole at its block's close (nothing of it was sent)."""
         if isinstance(parsed, InvalidToolCall):
             self.invalid.append(parsed)
             return
         key = call_key(parsed)
         if key in self._keys:
-            self.repeated_calls += 1
+            self._repeats += 1
             return
-        if self.calls and not self._parallel:  # a model may ignore the prompt's one-call rule
-            self.extra_calls += 1
+        if not self._parallel and (self.calls or self._next_index):
+            self.extra_calls += 1  # a model may ignore the prompt's one-call rule
             return
         self._keys.add(key)
-        self._deltas += call_deltas(len(self.calls), parsed)
+        self._deltas += call_deltas(self._next_index, parsed)
+        self._next_index += 1
         self.calls.append(parsed)
 
     def take_deltas(self) -> tuple[ToolCallDelta, ...]:
-        """Deltas of the calls kept since the last take (each call streams exactly once)."""
+        """Call pieces produced since the last take (each piece is taken exactly once)."""
         deltas, self._deltas = tuple(self._deltas), []
         return deltas
+
+
+class CallElement:
+    """One call object of a tool block as it streams."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start  # offset of its "{" in the block's text
+        self.id = new_call_id()
+        self.name: str | None = None
+        self.args = ""  # the arguments object's text so far, as the model writes it
+        self.args_key: str | None = None  # "arguments" or "parameters", the one captured
+        self.args_done = False
+        self.keys: list[str] = []  # the object's keys, in order
+        self.text = ""  # the whole object's text, once it closed
+        self.index: int | None = None  # set when its first delta goes out
+        self.sent = 0  # characters of its arguments text sent
+
+    @property
+    def used_key(self) -> str | None:
+        """The key ``parse_call`` reads the arguments from."""
+        for key in ("arguments", "parameters"):
+            if key in self.keys:
+                return key
+        return None
+
+
+_SPACE = " \t\r\n"
+
+
+class CallScanner:
+    """A tool block's text read as it arrives as JSON call objects: one object, or a JSON
+    list of them. Tracks the open object's name (once its string is whole) and its
+    arguments object's text as it grows; hands each object's text over when it closes.
+    ``failed`` once the text cannot be such JSON (the rest is then not read)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.pos = 0
+        self.failed = False
+        self.element: CallElement | None = None  # the object being written
+        self.end = 0  # offset after the last closed object
+        self.closed = 0  # objects closed so far
+        self._closed: list[tuple[CallElement, str]] = []
+        self._state = "start"
+        self._list = False
+        self._token = ""  # a key or a name string being read
+        self._key = ""
+        self._escape = False
+        self._depth = 0
+        self._in_string = False
+        self._capture = False
+
+    def feed(self, text: str) -> None:
+        self.text += text
+        while self.pos < len(self.text) and not self.failed:
+            self._step(self.text[self.pos])
+            self.pos += 1
+
+    def take_closed(self) -> list[tuple[CallElement, str]]:
+        closed, self._closed = self._closed, []
+        return closed
+
+    def _fail(self) -> None:
+        self.failed = True
+
+    def _string_char(self, ch: str) -> bool:
+        """One character of a string being read; True when it closed the string."""
+        if self._escape:
+            self._escape = False
+        elif ch == "\\":
+            self._escape = True
+        elif ch == '"':
+            return True
+        return False
+
+    def _step(self, ch: str) -> None:
+        state = self._state
+        if state in ("start", "item", "sep", "after", "key_or_close", "colon",
+                     "comma_or_close", "key", "value") and ch in _SPACE:
+            return
+        if state == "start":
+            if ch == "[":
+                self._list, self._state = True, "item"
+            elif ch == "{":
+                self._open()
+            else:
+                self._fail()
+        elif state == "item":
+            if ch == "{":
+                self._open()
+            elif ch == "]":
+                self._state = "after"
+            else:
+                self._fail()
+        elif state == "sep":
+            if ch == ",":
+                self._state = "item"
+            elif ch == "]":
+                self._state = "after"
+            else:
+                self._fail()
+        elif state == "after":
+            self._fail()
+        elif state in ("key_or_close", "key"):
+            if ch == '"':
+                self._token, self._state = ch, "key_text"
+            elif ch == "}" and state == "key_or_close":
+                self._close()
+            else:
+                self._fail()
+        elif state == "key_text":
+            self._token += ch
+            if self._string_char(ch):
+                self._key = json.loads(self._token)
+                assert self.element is not None
+                self.element.keys.append(self._key)
+                self._state = "colon"
+        elif state == "colon":
+            if ch == ":":
+                self._state = "value"
+            else:
+                self._fail()
+        elif state == "value":
+            self._value(ch)
+        elif state == "name":
+            self._token += ch
+            if self._string_char(ch):
+                assert self.element is not None
+                self.element.name = json.loads(self._token)
+                self._state = "comma_or_close"
+        elif state == "string":
+            if self._string_char(ch):
+                self._state = "comma_or_close"
+        elif state == "nested":
+            self._nested(ch)
+        elif state == "scalar":
+            if ch in _SPACE:
+                self._state = "comma_or_close"
+            elif ch == ",":
+                self._state = "key"
+            elif ch == "}":
+                self._close()
+        elif state == "comma_or_close":
+            if ch == ",":
+                self._state = "key"
+            elif ch == "}":
+                self._close()
+            else:
+                self._fail()
+
+    def _value(self, ch: str) -> None:
+        element = self.element
+        assert element is not None
+        if self._key == "name" and ch == '"' and element.name is None:
+            self._token, self._state = ch, "name"
+        elif ch in "{[":
+            self._capture = (ch == "{" and self._key in ("arguments", "parameters")
+                             and element.args_key is None)
+            if self._capture:
+                element.args_key, element.args = self._key, ch
+            self._depth, self._in_string, self._state = 1, False, "nested"
+        elif ch == '"':
+            self._escape, self._state = False, "string"
+        elif ch in ",}]:":
+            self._fail()
+        else:
+            self._state = "scalar"
+
+    def _nested(self, ch: str) -> None:
+        element = self.element
+        assert element is not None
+        if self._capture:
+            element.args += ch
+        if self._in_string:
+            self._in_string = not self._string_char(ch)
+            return
+        if ch == '"':
+            self._in_string, self._escape = True, False
+        elif ch in "{[":
+            self._depth += 1
+        elif ch in "}]":
+            self._depth -= 1
+            if self._depth == 0:
+                element.args_done = element.args_done or self._capture
+                self._capture, self._state = False, "comma_or_close"
+
+    def _open(self) -> None:
+        self.element, self._state = CallElement(self.pos), "key_or_close"
+
+    def _close(self) -> None:
+        element = self.element
+        assert element is not None
+        element.text = self.text[element.start:self.pos + 1]
+        self._closed.append((element, element.text))
+        self.element, self.end, self.closed = None, self.pos + 1, self.closed + 1
+        self._state = "sep" if self._list else "after"
+
+
+def reads_json(parser: ToolParser | None) -> bool:
+    """Whether calls are the JSON objects ``CallScanner`` reads as they stream: no model
+    parser (the tagged-JSON fallback, SmolLM2's list), or mlx-lm's ``json_tools`` parser
+    (Qwen and the Hermes-style families), which is ``json.loads`` of the same text."""
+    return parser is None or getattr(parser, "__module__", "").endswith(
+        "tool_parsers.json_tools")
+
+
+def compact_json(text: str) -> str:
+    """JSON text (whole or a prefix) without the whitespace outside its strings."""
+    out: list[str] = []
+    in_string = escape = False
+    for ch in text:
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in _SPACE:
+            continue
+        out.append(ch)
+    return "".join(out)
 
 
 def call_key(call: ToolCall) -> str:

@@ -281,8 +281,10 @@ class StreamEvent:
 
     ``text`` is the raw new text; ``content`` and ``reasoning`` split it into the answer
     and the model's thinking, with tool-call markup left out. ``tool_call_deltas`` are the
-    pieces of the calls kept at this step (``engine.ToolCallDelta``); over a stream they add
-    up to exactly ``completion.tool_calls``.
+    pieces of tool calls written at this step (``engine.ToolCallDelta``: a call's name
+    first, then its arguments in fragments); a call the engine may still drop is held back,
+    so over a stream they add up to exactly ``completion.tool_calls``, plus any call that
+    was cut (or malformed) after it went out, listed in ``completion.invalid_tool_calls``.
     """
 
     text: str

@@ -26,16 +26,25 @@ ToolParser = Callable[[str, Any], Any]
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A parsed call: a unique id, the tool's name and its arguments."""
+    """A parsed call: a unique id, the tool's name and its arguments.
+
+    ``text`` is the model's own text of the arguments object when the call streamed it
+    (``engine.requests.channels``); it parses to ``arguments``.
+    """
 
     id: str
     name: str
     arguments: dict[str, Any]
+    text: str | None = None
 
     @property
     def arguments_text(self) -> str:
         """The arguments as JSON text: what every face sends, streamed or whole (one spelling,
-        so a client's concatenated argument deltas equal the call it would get whole)."""
+        so a client's concatenated argument deltas equal the call it would get whole). The
+        model's own text when the call streamed as it was generated, else ``arguments``
+        serialised."""
+        if self.text is not None:
+            return self.text
         return json.dumps(self.arguments, ensure_ascii=False)
 
 
@@ -43,10 +52,14 @@ class ToolCall:
 class ToolCallDelta:
     """A piece of one tool call as it streams (``StreamEvent.tool_call_deltas``).
 
-    ``index`` is the call's place in ``Completion.tool_calls``. The first piece of a call
-    carries its ``id`` and ``name``; the ``arguments`` pieces of a call concatenate to its
-    ``arguments_text``. A call is streamed only once the engine keeps it, so a call it drops
-    (a repeat, an invalid or cut one) never appears here.
+    ``index`` is the call's place among the calls the stream sent: its place in
+    ``Completion.tool_calls``, unless a call sent before it ended invalid (cut by the end
+    of the row, or malformed at its close), which keeps its index and is listed in
+    ``Completion.invalid_tool_calls`` with it. The first piece of a call carries its ``id``
+    and ``name`` (``arguments`` ""); the ``arguments`` pieces that follow are the model's
+    text as it is generated, and for a kept call they concatenate to its ``arguments_text``.
+    A call that may still be dropped (a repeat, an extra call with parallel calls off) is
+    held back until it cannot be, so a call the engine drops never appears here.
     """
 
     index: int
@@ -68,6 +81,7 @@ class InvalidToolCall:
     name: str | None
     raw: str
     error: str
+    index: int | None = None  # the index its pieces streamed under; None: never streamed
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
 Content and reasoning stream as they are generated (reasoning as ``reasoning_content``
 deltas, as vLLM and mlx-lm servers do); tool calls stream as the engine's
 ``tool_call_deltas`` (index, id and name on a call's first delta, then ``arguments``
-fragments), each call once the engine keeps it, so a client's accumulated calls equal the
-non-streamed ones. ``ChatAnswer`` is this endpoint's side of the shared generation flow.
+fragments as the model writes them); the engine holds back a call it may still drop, so a
+client's accumulated kept calls equal the non-streamed ones (a call cut by max_tokens was
+sent as far as it was written, as OpenAI does, and the finish reason is ``length``).
+``ChatAnswer`` is this endpoint's side of the shared generation flow.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ class ChatCompletionShaper:
             chunks.append(self.chunk({"reasoning_content": event.reasoning}))
         if event.content or logprobs:
             chunks.append(self.chunk({"content": event.content}, logprobs=logprobs))
-        for delta in event.tool_call_deltas:  # calls the engine kept at this step
+        for delta in event.tool_call_deltas:  # call pieces written at this step
             chunks.append(self.chunk({"tool_calls": [tool_call_delta_dict(delta)]}))
         if not event.is_final:
             return chunks

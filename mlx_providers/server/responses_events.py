@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine import FinishReason, StreamEvent, ToolCallDelta, Usage
+from engine import Completion, FinishReason, StreamEvent, ToolCallDelta, Usage
 from mlx_providers.server.chat_completions import new_id
 
 Event = dict[str, Any]
@@ -82,7 +82,7 @@ class ResponseTranslator:
             events += self._call_delta(delta)
         if event.is_final and event.error is None:
             assert event.finish_reason is not None and event.usage is not None
-            events += self._end(event.usage, event.finish_reason)
+            events += self._end(event.usage, event.finish_reason, event.completion)
         return events
 
     def fail(self, message: str) -> list[Event]:
@@ -137,7 +137,8 @@ class ResponseTranslator:
         index = len(self.output) - 1
         item, text = self.output[index], opened["_text"]
         if opened["type"] == "function_call":
-            item.update(status="completed", arguments=text)
+            status = "incomplete" if item["status"] == "incomplete" else "completed"
+            item.update(status=status, arguments=text)
             events = [self._event("response.function_call_arguments.done",
                                   item_id=item["id"], output_index=index,
                                   name=item["name"], arguments=text)]
@@ -177,7 +178,13 @@ class ResponseTranslator:
                                       delta=delta.arguments))
         return events
 
-    def _end(self, usage: Usage, finish: FinishReason) -> list[Event]:
+    def _end(self, usage: Usage, finish: FinishReason,
+             completion: Completion | None) -> list[Event]:
+        cut = {c.id for c in completion.invalid_tool_calls if c.index is not None} if (
+            completion is not None) else set()
+        if self._open is not None and self._open["type"] == "function_call" and (
+                self.output[-1]["call_id"] in cut):
+            self.output[-1]["status"] = "incomplete"  # cut by the row's end: sent as written
         events = self._close_open()
         self.usage = usage_of(usage)
         if finish is FinishReason.LENGTH:

@@ -152,6 +152,8 @@ def messages_of(items: list[dict[str, Any]], instructions: str | None) -> tuple[
         if kind == "message":
             messages.append({"role": item["role"], "content": _text(item["content"])})
             origins.append(f"input[{i}]")
+        elif kind == "function_call" and item.get("status") == "incomplete":
+            continue  # a call cut by its response's end (sent as written), never run
         elif kind == "function_call":
             names[item["call_id"]] = item["name"]
             call = {"id": item["call_id"], "type": "function",

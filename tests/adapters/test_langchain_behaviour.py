@@ -563,15 +563,24 @@ def calls_of(message: Any) -> tuple[list[Any], list[Any]]:
             [c["name"] for c in message.invalid_tool_calls])
 
 
-@pytest.mark.parametrize("case", ["one", "parallel", "repeat", "cut"])
+@pytest.mark.parametrize("case", ["one", "parallel", "repeat", "cut", "cut_sent"])
 async def test_streamed_tool_calls_add_up_to_the_invoked_message(model_dir: str,
                                                                  case: str) -> None:
-    """Calls stream as the engine keeps them; a dropped (repeated) or cut call never does,
-    so LangChain's partial-JSON merge cannot turn it into a valid call."""
+    """Calls stream as they are written: the name first, then argument fragments. A
+    dropped (repeated) call never streams, so the summed stream is ``invoke``'s calls. A
+    call cut while it could still be a repeat ("cut": its arguments so far a prefix of the
+    first call's) was held, so it never streams either. A call cut after it diverged
+    ("cut_sent") was sent as far as it was written (OpenAI semantics, as with ChatOpenAI):
+    ``invoke`` lists it invalid, the summed stream may show LangChain's partial-JSON reading
+    of it, so there only the kept calls must agree, and the cut call's fragments are what
+    was generated of its arguments."""
     one_call = f'{weather_call("Oslo")}\n'
     before_cut = len(chat(model_dir).get_token_ids(
         '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "get_weather", "arguments": {"ci'))
+    after_divergence = len(chat(model_dir).get_token_ids(
+        '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro'))
     model, kw = {
         "one": (chat(model_dir, max_tokens=60).bind_tools([WEATHER_TOOL]),
                 {"constraint": LarkGrammar(f"start: {one_call}")}),
@@ -581,23 +590,42 @@ async def test_streamed_tool_calls_add_up_to_the_invoked_message(model_dir: str,
                    {"constraint": SAME_CALL_THRICE}),
         "cut": (chat(model_dir, max_tokens=before_cut).bind_tools([WEATHER_TOOL]),
                 {"constraint": TWO_CITIES}),  # max_tokens falls inside the second call's args
+        "cut_sent": (chat(model_dir, max_tokens=after_divergence).bind_tools([WEATHER_TOOL]),
+                     {"constraint": TWO_CITIES}),  # ... after "Ro", where it is no repeat
     }[case]
     invoked = await model.ainvoke("Weather?", **kw)
     chunks = [chunk async for chunk in model.astream("Weather?", **kw)]
     full = chunks[0]
     for chunk in chunks[1:]:
         full = full + chunk
-    assert calls_of(full) == calls_of(invoked)
+    if case != "cut_sent":
+        assert calls_of(full) == calls_of(invoked)
     expected = {"one": ([("get_weather", {"city": "Oslo"})], []),
                 "parallel": ([("get_weather", {"city": "Oslo"}),
                               ("get_weather", {"city": "Rome"})], []),
                 "repeat": ([("get_weather", {"city": "Oslo"})], []),
-                "cut": ([("get_weather", {"city": "Oslo"})], [None])}[case]  # name unread
+                "cut": ([("get_weather", {"city": "Oslo"})], [None]),  # held: name unread
+                # sent, so its name was read as it streamed
+                "cut_sent": ([("get_weather", {"city": "Oslo"})], ["get_weather"])}[case]
     assert calls_of(invoked) == expected
-    # Every kept call arrived in one chunk per call, id and name together with its args.
-    streamed = [c for chunk in chunks for c in chunk.tool_call_chunks if c["id"] and
-                c["index"] < len(expected[0])]
-    assert [(c["name"], json.loads(c["args"])) for c in streamed] == expected[0]
+    # Each call's first chunk has its id and name, its argument fragments follow.
+    pieces: dict[int, list[Any]] = {}
+    for chunk in chunks:
+        for c in chunk.tool_call_chunks:
+            pieces.setdefault(c["index"], []).append(c)
+    kept = len(expected[0])
+    streamed = range(kept + (case == "cut_sent"))  # a never-streamed invalid call comes last
+    assert all(p[0]["id"] and p[0]["name"] and (len(p) > 2 or i >= kept)  # a cut call may
+               and all(c["id"] is None and c["name"] is None for c in p[1:])  # be short
+               for i, p in ((i, pieces[i]) for i in streamed))
+    sent = {i: "".join(c["args"] for c in p) for i, p in pieces.items()}
+    assert [(pieces[i][0]["name"], json.loads(sent[i])) for i in range(kept)] == expected[0]
+    if case == "cut_sent":  # sent as far as written; the whole answer: invalid, length
+        assert calls_of(full)[0][:kept] == expected[0] and set(sent) == {0, 1}
+        assert sent[1] and invoked.invalid_tool_calls[0]["args"].endswith(sent[1])
+        assert '{"city": "Rome"}'.startswith(sent[1])
+        assert full.response_metadata["finish_reason"] == "length"
+        assert invoked.response_metadata["finish_reason"] == "length"
     if case == "parallel":  # the first call is out before the row ends
         first = next(i for i, c in enumerate(chunks) if c.tool_call_chunks)
         assert first < len(chunks) - 1

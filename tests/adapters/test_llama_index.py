@@ -264,7 +264,7 @@ def test_parallel_calls_to_one_tool_get_distinct_ids(llm: MLXBatchLLM) -> None:
     assert chunks[-1].raw["finish_reason"] == "tool_calls"
 
 
-async def test_astream_chat_sends_each_call_as_the_engine_keeps_it(llm: MLXBatchLLM) -> None:
+async def test_astream_chat_streams_each_call_as_it_is_written(llm: MLXBatchLLM) -> None:
     tools = [FunctionTool.from_defaults(add)]
     stream = await llm.astream_chat_with_tools(tools, user_msg="Add 1 and 2, twice.",
                                                max_tokens=64, allow_parallel_tool_calls=True,
@@ -280,9 +280,14 @@ async def test_astream_chat_sends_each_call_as_the_engine_keeps_it(llm: MLXBatch
     final = llm.get_tool_calls_from_response(chunks[-1])
     assert [(c["id"], c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
         (c.tool_id, c.tool_name, c.tool_kwargs) for c in final]
-    # The first call is out (in the message too) before the second one is written.
-    first = next(i for i, c in enumerate(chunks) if c.additional_kwargs.get("tool_call_deltas"))
-    assert first < len(chunks) - 1
+    # Each call's name comes first, its arguments in fragments after; the first call is
+    # whole (in the message too) before the second one starts.
+    assert [len([p for p in pieces if p["index"] == i]) > 2 for i in calls] == [True, True]
+    first = next(i for i, c in enumerate(chunks)
+                 if llm.get_tool_calls_from_response(c, error_on_no_tool_call=False))
+    second = next(i for i, c in enumerate(chunks)
+                  if any(d["index"] == 1 for d in c.additional_kwargs.get("tool_call_deltas", ())))
+    assert first < second < len(chunks) - 1
     early = llm.get_tool_calls_from_response(chunks[first])
     assert [(c.tool_id, c.tool_kwargs) for c in early] == [(final[0].tool_id, {"a": 1, "b": 2})]
 

@@ -1,17 +1,21 @@
-"""Tool calls stream as ``StreamEvent.tool_call_deltas``: each call the step it is kept.
+"""Tool calls stream as ``StreamEvent.tool_call_deltas``: a call's name once it is written,
+then its arguments in fragments as the model writes them.
 
-A call is released once its closing marker arrived, it parsed and it repeats no earlier
-call; a call the engine drops (a repeat, a malformed or cut call) never appears, and the
-deltas of a stream add up to exactly ``completion.tool_calls``.
+A call the engine may still drop (a repeat, an extra call with parallel calls off) is held
+back and never sent if it is dropped; the deltas of a stream add up to exactly
+``completion.tool_calls``, except a call cut by the row's end, which was sent as far as it
+was written and is invalid under its index (OpenAI's semantics). Grammar-forced spans
+arrive in one step (fast-forward); the token-by-token tests push tokens with a logits
+processor instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine import Engine, LarkGrammar, StreamEvent, ToolCallDelta
+from engine import Engine, FinishReason, LarkGrammar, StreamEvent, ToolCallDelta
 from tests.conftest import greedy
-from tests.engine.test_engine_call_repeats import _lark, call_text
+from tests.engine.test_engine_call_repeats import _lark, call_text, ids, pushing
 from tests.engine.test_engine_tools import ASK, CLOCK
 
 
@@ -30,7 +34,7 @@ def deltas_of(events: Sequence[StreamEvent]) -> list[ToolCallDelta]:
     return [d for e in events for d in e.tool_call_deltas]
 
 
-def test_each_call_streams_the_step_it_closes_and_adds_up_to_the_result(
+def test_each_call_streams_as_it_is_written_and_adds_up_to_the_result(
         tiny_engine: Engine) -> None:
     grammar = LarkGrammar(f'start: {_lark(call_text("UTC"))} "\\n" '
                           f'{_lark(call_text("CET"))} "\\nDone."\n')
@@ -40,11 +44,13 @@ def test_each_call_streams_the_step_it_closes_and_adds_up_to_the_result(
         {"tz": "UTC"}, {"tz": "CET"}]
     assert joined(deltas_of(events)) == [(c.id, c.name, c.arguments_text)
                                          for c in result.tool_calls]
-    # The first call is out before the second one is written, both before the row ends.
-    at = [i for i, e in enumerate(events) if e.tool_call_deltas]
-    assert len(at) == 2 and at[0] < at[1] < len(events) - 1
-    text_before_second = "".join(e.text for e in events[:at[1] + 1])
-    assert text_before_second.endswith(call_text("CET"))
+    # The first call is out, whole, the step its object closed, before the second one is
+    # written; the second streams before the row ends.
+    first_done = max(i for i, e in enumerate(events)
+                     if any(d.index == 0 for d in e.tool_call_deltas))
+    second = first_event(events, 1)
+    assert first_done < second < len(events) - 1
+    assert "".join(e.text for e in events[:first_done + 1]).endswith('"UTC"}')
 
 
 def test_a_repeated_call_never_streams(tiny_engine: Engine) -> None:
@@ -57,13 +63,13 @@ def test_a_repeated_call_never_streams(tiny_engine: Engine) -> None:
                                          for c in result.tool_calls]
 
 
-def test_malformed_and_cut_calls_never_stream(tiny_engine: Engine) -> None:
+def test_malformed_and_nameless_cut_calls_never_stream(tiny_engine: Engine) -> None:
     broken = LarkGrammar('start: "Sure. " <tool_call> "\\n{\\"name\\": oops\\n" </tool_call>')
     events = list(tiny_engine.submit(ASK, greedy(40, constraint=broken), tools=[CLOCK]))
     assert events[-1].completion is not None
     assert len(events[-1].completion.invalid_tool_calls) == 1
     assert deltas_of(events) == []
-    # Cut by max_tokens inside its arguments: reported invalid, never streamed.
+    # Cut by max_tokens (in one forced span) before its name was read: never streamed.
     one = LarkGrammar(f"start: {_lark(call_text('UTC'))}\n")
     cut = list(tiny_engine.submit(ASK, greedy(8, constraint=one), tools=[CLOCK]))
     result = cut[-1].completion
@@ -83,3 +89,73 @@ def test_with_parallel_calls_off_only_the_first_call_is_kept_or_streamed(
     assert result.invalid_tool_calls == ()
     assert joined(deltas_of(events)) == [(c.id, c.name, c.arguments_text)
                                          for c in result.tool_calls]
+
+
+def pushed(eng: Engine, text: str, max_tokens: int = 400) -> list[StreamEvent]:
+    """The events of a row whose model writes ``text`` token by token, then stops."""
+    sequence = [*ids(eng, text), min(eng.tokenizer.eos_token_ids)]
+    params = greedy(max_tokens, logits_processors=(pushing(sequence),))
+    return list(eng.submit(ASK, params, tools=[CLOCK]))
+
+
+def first_event(events: Sequence[StreamEvent], index: int) -> int:
+    return next(i for i, e in enumerate(events)
+                if any(d.index == index for d in e.tool_call_deltas))
+
+
+def test_a_call_streams_its_name_then_its_arguments_as_they_are_written(
+        tiny_engine: Engine) -> None:
+    events = pushed(tiny_engine, call_text("Europe/Paris") + "\n")
+    result = events[-1].completion
+    assert result is not None and result.finish_reason is FinishReason.TOOL_CALLS
+    (call,) = result.tool_calls
+    deltas = deltas_of(events)
+    assert (deltas[0].index, deltas[0].id, deltas[0].name, deltas[0].arguments) == (
+        0, call.id, "get_time", "")
+    assert len(deltas) > 3 and all(d.name is None and d.arguments for d in deltas[1:])
+    assert "".join(d.arguments for d in deltas) == call.arguments_text == '{"tz": "Europe/Paris"}'
+    # The name went out before its arguments were written; each fragment the step its
+    # text was generated, before the call's object closed.
+    at = first_event(events, 0)
+    assert '"arguments"' not in "".join(e.text for e in events[:at + 1])
+    last = max(i for i, e in enumerate(events) if e.tool_call_deltas)
+    assert "".join(e.text for e in events[:last + 1]).endswith('"Europe/Paris"}')
+
+
+def test_a_repeat_is_held_and_never_sent_a_near_repeat_flushes_where_it_diverges(
+        tiny_engine: Engine) -> None:
+    events = pushed(tiny_engine, f"{call_text('Europe/Paris')}\n{call_text('Europe/Paris')}\n")
+    result = events[-1].completion
+    assert result is not None and len(result.tool_calls) == 1
+    assert {d.index for d in deltas_of(events)} == {0}
+    assert joined(deltas_of(events)) == [(c.id, c.name, c.arguments_text)
+                                         for c in result.tool_calls]
+    events = pushed(tiny_engine, f"{call_text('Europe/Paris')}\n{call_text('Europe/Berlin')}\n")
+    result = events[-1].completion
+    assert result is not None and [c.arguments["tz"] for c in result.tool_calls] == [
+        "Europe/Paris", "Europe/Berlin"]
+    assert joined(deltas_of(events)) == [(c.id, c.name, c.arguments_text)
+                                         for c in result.tool_calls]
+    at = first_event(events, 1)  # held while it read as a repeat of the first call
+    before = "".join(e.text for e in events[:at]).split("</tool_call>", 1)[1]
+    upto = "".join(e.text for e in events[:at + 1]).split("</tool_call>", 1)[1]
+    assert "Europe/B" not in before and "Europe/B" in upto  # sent the step it diverged
+    flushed = [d for d in events[at].tool_call_deltas if d.index == 1]
+    assert flushed[0].name == "get_time" and "".join(d.arguments for d in flushed).startswith(
+        '{"tz": "Europe/B')
+
+
+def test_a_cut_call_was_sent_as_far_as_written_and_is_invalid(tiny_engine: Engine) -> None:
+    text = call_text("Europe/Paris")
+    tokens = ids(tiny_engine, text)
+    k = next(k for k in range(len(tokens))
+             if '"tz": "Eu' in tiny_engine.tokenizer.decode(tokens[:k]))
+    events = pushed(tiny_engine, text, max_tokens=k)
+    result = events[-1].completion
+    assert result is not None and result.finish_reason is FinishReason.LENGTH
+    assert result.tool_calls == ()
+    (cut,) = result.invalid_tool_calls
+    ((cid, _, arguments),) = joined(deltas_of(events))
+    assert (cut.id, cut.name, cut.index) == (cid, "get_time", 0)
+    assert arguments and '{"tz": "Europe/Paris"}'.startswith(arguments)
+    assert cut.raw.endswith(arguments)  # what was generated, the arguments last

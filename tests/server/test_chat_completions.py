@@ -111,7 +111,9 @@ def test_parallel_tool_calls_false_gives_one_call(client: openai.OpenAI) -> None
     assert len(r.choices[0].message.tool_calls or ()) == 1
 
 
-def test_streamed_tool_calls_come_whole_with_stable_ids(client: openai.OpenAI) -> None:
+def test_streamed_tool_calls_accumulate_with_stable_ids(client: openai.OpenAI) -> None:
+    """A call's first delta has its id, type and name (arguments ""), argument fragments
+    follow; accumulated by index they are the non-streamed calls."""
     whole = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],  # type: ignore[arg-type, list-item]
         tool_choice="required", max_tokens=200)
@@ -119,10 +121,20 @@ def test_streamed_tool_calls_come_whole_with_stable_ids(client: openai.OpenAI) -
         model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],  # type: ignore[arg-type, list-item]
         tool_choice="required", max_tokens=200, stream=True))
     deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
-    assert deltas and all(d.id and d.id.startswith("call_") for d in deltas)
-    assert len({d.id for d in deltas}) == len(deltas) == len({d.index for d in deltas})
+    firsts = [d for d in deltas if d.id is not None]
+    assert firsts and all(d.id and d.id.startswith("call_") and d.type == "function"
+                          for d in firsts)
+    assert len({d.id for d in firsts}) == len(firsts) == len({d.index for d in deltas})
+    assert all(d.function and d.function.name and d.function.arguments == "" for d in firsts)
+    assert len(deltas) > len(firsts)  # the arguments came in fragments after the name
+    accumulated: dict[int, list[str]] = {}
+    for d in deltas:
+        assert d.function is not None
+        name, arguments = accumulated.setdefault(d.index, ["", ""])
+        accumulated[d.index] = [name + (d.function.name or ""),
+                                arguments + (d.function.arguments or "")]
     expected = whole.choices[0].message.tool_calls or []
-    assert [(d.function.name, d.function.arguments) for d in deltas if d.function] == [
+    assert [tuple(v) for _, v in sorted(accumulated.items())] == [
         (c.function.name, c.function.arguments) for c in expected]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 

@@ -9,9 +9,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine import Completion, FinishReason, StreamEvent, ToolCall, ToolCallDelta, Usage
+from engine import (
+    Completion,
+    FinishReason,
+    InvalidToolCall,
+    StreamEvent,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
 from mlx_providers.server.chat_completions import ChatCompletionShaper
 from mlx_providers.server.responses_events import ResponseTranslator
+from mlx_providers.server.responses_request import messages_of
 
 USAGE = Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=4)
 
@@ -147,3 +156,27 @@ def test_streamed_call_pieces_add_up_to_the_whole_call_in_both_formats() -> None
                          "response.completed"]
     [item] = out[-1]["response"]["output"]
     assert item["arguments"] == call.arguments_text and item["call_id"] == "call_abc"
+
+
+def test_a_cut_call_ends_as_an_incomplete_item_a_continuation_leaves_out() -> None:
+    """max_tokens cut a call after its pieces went out: the item is ``incomplete`` (not the
+    call before it), and ``previous_response_id``'s history skips it (it never ran)."""
+    kept = ToolCall("call_a", "f", {"x": 1}, '{"x": 1}')
+    cut = InvalidToolCall("call_b", "f", '{"name": "f", "arguments": {"x": 2',
+                          "the tool call was not closed", 1)
+    completion = Completion("raw", (1,), FinishReason.LENGTH, USAGE, tool_calls=(kept,),
+                            invalid_tool_calls=(cut,))
+    stream = [StreamEvent("a", tool_call_deltas=(ToolCallDelta(0, "call_a", "f", ""),
+                                                 ToolCallDelta(0, arguments='{"x": 1}'))),
+              StreamEvent("b", tool_call_deltas=(ToolCallDelta(1, "call_b", "f", ""),
+                                                 ToolCallDelta(1, arguments='{"x": 2'))),
+              StreamEvent("", finish_reason=FinishReason.LENGTH, usage=USAGE,
+                          completion=completion)]
+    _, out = translate(stream)
+    response = out[-1]["response"]
+    assert response["status"] == "incomplete"
+    assert [(i["call_id"], i["status"], i["arguments"]) for i in response["output"]] == [
+        ("call_a", "completed", '{"x": 1}'), ("call_b", "incomplete", '{"x": 2')]
+    history = messages_of([{"type": "message", "role": "user", "content": "hi"},
+                           *response["output"]], None)
+    assert [c.id for m in history for c in m.tool_calls] == ["call_a"]

@@ -322,6 +322,30 @@ def test_chunks_add_up_to_one_message_with_usage_counted_once() -> None:
     assert [c["id"] for c in full.invalid_tool_calls] == ["c2"]
 
 
+def test_a_step_is_one_chunk_per_call_and_a_streamed_invalid_call_is_not_sent_again() -> None:
+    """A step's name delta and first fragment are one tool_call_chunk (LangChain merges
+    same-index entries across chunks only); an invalid call whose pieces streamed (cut by
+    max_tokens) is not re-sent in the last chunk, and a never-streamed one comes after every
+    streamed index."""
+    final = completion(
+        finish_reason=FinishReason.LENGTH,
+        tool_calls=(ToolCall("c1", "add", {"a": 1}, '{"a": 1}'),),
+        invalid_tool_calls=(InvalidToolCall("c2", "add", '{"name": "add", "arguments": {"a": 2',
+                                            "the tool call was not closed", 1),
+                            InvalidToolCall("c3", None, "{bad", "JSONDecodeError")))
+    events = [StreamEvent("", (1,), tool_call_deltas=(
+                  ToolCallDelta(0, "c1", "add", ""), ToolCallDelta(0, arguments='{"a"'))),
+              StreamEvent("", (2,), tool_call_deltas=(
+                  ToolCallDelta(0, arguments=": 1}"), ToolCallDelta(1, "c2", "add", ""),
+                  ToolCallDelta(1, arguments='{"a": 2'))),
+              StreamEvent("", (), finish_reason=FinishReason.LENGTH, usage=USAGE,
+                          completion=final)]
+    chunks = [c for e in events if (c := event_chunk(e, "m")) is not None]
+    assert [[(t["index"], t["id"], t["args"]) for t in c.message.tool_call_chunks]  # type: ignore[attr-defined]
+            for c in chunks] == [[(0, "c1", '{"a"')], [(0, None, ": 1}"), (1, "c2", '{"a": 2')],
+                                 [(2, "c3", json.dumps("{bad"))]]  # quoted: stays invalid
+
+
 # ----- the model's fields ----------------------------------------------------------------
 
 
