@@ -35,9 +35,11 @@ class Turn:
     """What one turn did: its seconds in lane steps, and the peak right after admission."""
 
     step_seconds: float
-    admitted: tuple[int, ...]  # request ids started this turn, batch lane first, in order
-    kv_bytes_projected: int
-    prefix_bytes: int
+    # For a StepProbe's report only (empty without one): request ids started this turn,
+    # batch lane first, in order, and the KV figures right after admission.
+    admitted: tuple[int, ...] = ()
+    kv_bytes_projected: int = 0
+    prefix_bytes: int = 0
 
 
 class StepCore:
@@ -93,15 +95,17 @@ class StepCore:
         plan = self.scheduler.plan()
         self._apply(plan)
         self.scheduler.fit_cache()  # rows evicted by the plan may have stored their KV
-        admitted = tuple(t.request_id for kind in LaneKind for t in plan.admitted(kind))
-        peak = (self.scheduler.kv_bytes_projected, self._prefix_bytes())
+        peak = None
+        if self._probe is not None:  # the turn's peak: right after admission, before any step
+            peak = (tuple(t.request_id for kind in LaneKind for t in plan.admitted(kind)),
+                    self.scheduler.kv_bytes_projected, self._prefix_bytes())
         stepping = 0.0
         for kind in LaneKind:
             lane = self._lanes(kind)
             if len(lane):
                 stepping += self._step(kind, lane)
         self.scheduler.fit_cache()  # heads and finished rows may have been stored
-        return Turn(stepping, admitted, *peak)
+        return Turn(stepping, *peak) if peak is not None else Turn(stepping)
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
