@@ -31,8 +31,26 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                    "repetition_penalty", "seed", "stop")
 
 
+class ToolChoiceView:
+    """What a request's tools and resolved tool choice mean, for every request type that
+    carries them (``ChatRequest``, ``engine.requests.prepare.RequestSpec``)."""
+
+    tools: tuple[ToolSpec, ...]
+    tool_choice: str
+
+    @property
+    def rendered_tools(self) -> tuple[ToolSpec, ...]:
+        """The tools the prompt shows: none when ``tool_choice`` is "none"."""
+        return self.tools if self.tool_choice != "none" else ()
+
+    @property
+    def forces_call(self) -> bool:
+        """A tool choice other than auto/none: the engine's grammar forces the call."""
+        return forces_call(self.tools, self.tool_choice)
+
+
 @dataclass(frozen=True)
-class ChatRequest:
+class ChatRequest(ToolChoiceView):
     """One chat request, checked: build it with ``from_openai`` (or from typed parts).
 
     ``tool_choice`` is resolved: "auto", "none", "required" or the name of one of
@@ -90,16 +108,6 @@ class ChatRequest:
                    specs, normalize_tool_choice(tool_choice, specs),
                    parallel_tool_calls,
                    chat_template_kwargs if chat_template_kwargs is not None else {})
-
-    @property
-    def rendered_tools(self) -> tuple[ToolSpec, ...]:
-        """The tools the prompt shows: none when ``tool_choice`` is "none"."""
-        return self.tools if self.tool_choice != "none" else ()
-
-    @property
-    def forces_call(self) -> bool:
-        """A tool choice other than auto/none: the engine's grammar forces the call."""
-        return forces_call(self.tools, self.tool_choice)
 
     @cached_property
     def call_schema(self) -> dict[str, Any] | None:

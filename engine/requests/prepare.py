@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.requests.channels import TOOL, ChannelSplitter, RowChannels
-from engine.requests.chat import ChatRequest, forces_call
+from engine.requests.chat import ChatRequest, ToolChoiceView
 from engine.requests.constraints import Constraint, JsonSchema
 from engine.requests.grammar import GrammarCompiler, validate_constraint
 from engine.requests.prompts import PromptRenderer, checked_prompt, is_chat
@@ -29,7 +29,7 @@ from engine.requests.tools import ToolSpec, forced_call_grammar
 
 
 @dataclass(frozen=True)
-class RequestSpec:
+class RequestSpec(ToolChoiceView):
     """A submitted request as validated at the door (no tokenizer needed)."""
 
     prompt: Prompt
@@ -45,15 +45,6 @@ class RequestSpec:
         """A typed chat request as it is: nothing is converted again."""
         return cls(chat.messages, chat.params, chat.tools, chat.tool_choice,
                    chat.parallel_tool_calls, chat.template_kwargs, chat.call_schema)
-
-    @property
-    def rendered_tools(self) -> tuple[ToolSpec, ...]:
-        """The tools the prompt shows: none when ``tool_choice`` is "none"."""
-        return self.tools if self.tool_choice != "none" else ()
-
-    @property
-    def forces_call(self) -> bool:
-        return forces_call(self.tools, self.tool_choice)
 
 
 @dataclass(frozen=True)
