@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -75,6 +76,17 @@ def greedy(max_tokens: int = 24, **kw: object) -> SamplingParams:
 def alone(eng: Engine, prompts: list[object], params: SamplingParams) -> list[tuple[int, ...]]:
     """Each prompt's tokens when it is the only request in the engine."""
     return [eng.submit(p, params).result(timeout=60).token_ids for p in prompts]  # type: ignore[arg-type]
+
+
+def own_copy(source: Path, target: Path) -> Path:
+    """A hard-linked copy of a model dir: a path of its own gets an engine of its own."""
+    target.mkdir(parents=True)
+    for item in source.iterdir():
+        try:
+            os.link(item, target / item.name)
+        except OSError:  # another filesystem: copy instead
+            shutil.copy2(item, target / item.name)
+    return target
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlx_providers import ChatMLXBatch, MLXBatchLLM
-from tests.adapters.test_llama_index import own_copy
+from tests.conftest import own_copy
 from tests.engine.test_fuzz_engine import FUZZ, LongRows, garbage, messages, scalars, tools
 
 CLEAR = (TypeError, ValueError)

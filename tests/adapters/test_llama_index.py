@@ -4,8 +4,6 @@ structured output, reasoning, and a RAG query engine."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +36,7 @@ from pydantic import BaseModel, Field
 from engine import LarkGrammar, OutputTruncatedError, SamplingParams, messages_from_openai
 from engine.requests.messages import template_messages
 from mlx_providers import MLXBatchLLM
+from tests.conftest import own_copy
 from tests.fake_engine import scripted
 
 ASK = [ChatMessage(role=MessageRole.USER, content="What is the weather in Paris?")]
@@ -54,17 +53,6 @@ def add_call(a: int, b: int) -> str:
 TWO_ADDS = LarkGrammar(f'start: "\\n" {add_call(1, 2)} "\\n" {add_call(3, 4)} "\\n"\n')
 SAME_ADD_THRICE = LarkGrammar(
     f'start: {add_call(1, 2)} "\\n" {add_call(1, 2)} "\\n" {add_call(1, 2)}\n')
-
-
-def own_copy(source: Path, target: Path) -> Path:
-    """A hard-linked copy of a model dir: a path of its own gets an engine of its own."""
-    target.mkdir(parents=True)
-    for item in source.iterdir():
-        try:
-            os.link(item, target / item.name)
-        except OSError:  # another filesystem: copy instead
-            shutil.copy2(item, target / item.name)
-    return target
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from llama_index.core.tools import FunctionTool
 
 from engine import LarkGrammar
 from mlx_providers import MLXBatchLLM
-from tests.adapters.test_llama_index import own_copy
+from tests.conftest import own_copy
 
 
 def _call(name: str, a: int, b: int) -> str:

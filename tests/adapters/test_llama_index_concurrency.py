@@ -15,8 +15,7 @@ from llama_index.core.tools import FunctionTool
 
 from engine import EngineStats
 from mlx_providers import MLXBatchLLM
-from tests.adapters.test_llama_index import own_copy
-from tests.conftest import wait_until
+from tests.conftest import own_copy, wait_until
 
 LONG = 1500  # tokens: far more than a test waits for, so only a cancel ends these rows
 

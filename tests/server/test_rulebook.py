@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ from pydantic import ValidationError
 from engine import Engine, SamplingParams
 from mlx_providers import ChatMLXBatch, MLXBatchLLM
 from mlx_providers.server import create_app
+from tests.conftest import own_copy
 from tests.server.conftest import LiveServer
 
 OK = "accepted"
@@ -232,14 +231,7 @@ def responses_door(server: LiveServer, case: Case) -> str:
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A hard-linked copy of the tiny model: a path of its own, so an engine of its own."""
-    target = tmp_path_factory.mktemp("rulebook") / "tiny"
-    target.mkdir()
-    for item in tiny_model_dir.iterdir():
-        try:
-            os.link(item, target / item.name)
-        except OSError:  # another filesystem: copy instead
-            shutil.copy2(item, target / item.name)
-    return target
+    return own_copy(tiny_model_dir, tmp_path_factory.mktemp("rulebook") / "tiny")
 
 
 @pytest.fixture(scope="module")
