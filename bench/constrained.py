@@ -14,7 +14,7 @@ import time
 
 import engine  # noqa: F401 - loads the fast BLAS before mlx
 from engine import Engine, EngineConfig, SamplingParams, blas_info
-from engine.requests.constraints import JsonSchema
+from engine.requests.inbound.output_constraint import JsonSchema
 
 # Cannot complete within the token budget, so constrained rows decode as long as the rest.
 LONG_LIST = JsonSchema({"type": "array", "minItems": 200,

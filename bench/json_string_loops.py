@@ -21,7 +21,7 @@ import jsonschema
 
 import engine  # noqa: F401 - loads the fast BLAS before mlx
 from engine import Engine, EngineConfig, FinishReason, SamplingParams, blas_info
-from engine.requests.constraints import JsonSchema
+from engine.requests.inbound.output_constraint import JsonSchema
 
 _STR = {"type": "string"}
 _INT = {"type": "integer"}

@@ -34,25 +34,25 @@ from engine.errors import (
 from engine.models import resolve_model
 from engine.models.embedding_model import DEFAULT_EMBEDDING_NAME, embedding_model_name
 from engine.registry import get_embedding_engine, get_engine
-from engine.requests.chat import SAMPLING_FIELDS, ChatRequest, sampling_from_openai
-from engine.requests.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
-from engine.requests.messages import Message, MessageToolCall, messages_from_openai
-from engine.requests.request import (
+from engine.requests.inbound.chat import SAMPLING_FIELDS, ChatRequest, sampling_from_openai
+from engine.requests.inbound.messages import Message, MessageToolCall, messages_from_openai
+from engine.requests.inbound.output_constraint import (
+    Constraint,
+    JsonObject,
+    JsonSchema,
+    LarkGrammar,
+    Regex,
+)
+from engine.requests.inbound.sampling import SamplingParams
+from engine.requests.inbound.tool_specs import ToolSpec, normalize_tool_choice, normalize_tools
+from engine.requests.outbound.results import (
     Completion,
     FinishReason,
-    SamplingParams,
     StreamEvent,
     TokenLogprob,
     Usage,
 )
-from engine.requests.tools import (
-    InvalidToolCall,
-    ToolCall,
-    ToolCallDelta,
-    ToolSpec,
-    normalize_tool_choice,
-    normalize_tools,
-)
+from engine.requests.outbound.tool_calls import InvalidToolCall, ToolCall, ToolCallDelta
 
 __all__ = [
     "DEFAULT_EMBEDDING_NAME",

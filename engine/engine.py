@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.config import EngineConfig, checked_engine_args
+from engine.config import EngineConfig, ModelSpec, checked_engine_args
 from engine.core.memory import resident_bytes
 from engine.core.rows import Row
 from engine.core.scheduler import BatchMode, Scheduler
@@ -46,23 +46,22 @@ from engine.embedding.request import EmbeddingHandle, EmbeddingRequest, Embeddin
 from engine.embedding.service import EmbeddingService
 from engine.errors import EngineClosedError, EngineDeadError
 from engine.models import config_context_limit, model_path_for
-from engine.requests.chat import ChatRequest
-from engine.requests.prepare import Preparer, request_spec
-from engine.requests.request import (
-    FinishReason,
+from engine.requests.inbound.chat import ChatRequest
+from engine.requests.inbound.sampling import (
     Prompt,
     SamplingParams,
     TokenCallback,
     Tools,
     check_callbacks,
 )
+from engine.requests.outbound.results import FinishReason
+from engine.requests.prepare import Preparer, request_spec
 
 if TYPE_CHECKING:
     from engine.device.loader import Lanes, LoadedModel
     from engine.distributed.link import Link
 
 log = logging.getLogger("engine")
-ModelSpec = str | os.PathLike[str] | None
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ class KVBudgetError(RequestError, ValueError):
 
 
 class InvalidRequestError(RequestError, ValueError, TypeError):
-    """A request the rulebook refuses (``engine.requests.messages`` and friends).
+    """A request the rulebook refuses (``engine.requests.inbound.messages`` and friends).
 
     ``field`` names what is wrong as the caller spelled it (``messages[0].content[1].type``),
     so every door (the engine, both adapters, the server's 400s) reports the same field.

@@ -13,7 +13,7 @@ import pytest
 
 import engine  # noqa: F401 - loads the fast BLAS before anything imports mlx
 from engine import Engine, EngineConfig, SamplingParams, StepProbe, TurnReport
-from engine.requests.prompts import PromptRenderer
+from engine.requests.inbound.prompts import PromptRenderer
 from testkit.tiny_model import build_tiny_model
 
 _build_lock = threading.Lock()

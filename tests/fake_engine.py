@@ -39,8 +39,8 @@ from engine import (
 )
 from engine.core.streams import RequestStream
 from engine.registry import shared_engine
+from engine.requests.inbound.sampling import check_callbacks
 from engine.requests.prepare import request_spec
-from engine.requests.request import check_callbacks
 
 
 @dataclass(frozen=True)

@@ -9,24 +9,32 @@ row ends; the loop decides when it starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from engine.core.lane import LaneKind
 from engine.core.streams import RequestStream
-from engine.requests.channels import RowChannels
-from engine.requests.prepare import PreparedRequest, RequestSpec
-from engine.requests.request import (
+from engine.requests.inbound.sampling import SamplingParams, TokenCallback
+from engine.requests.outbound.results import (
     Completion,
     FinishReason,
-    RequestStatus,
-    SamplingParams,
     StreamEvent,
-    TokenCallback,
     TokenLogprob,
     Usage,
     truncation,
 )
-from engine.requests.text import RowText
-from engine.requests.tools import ToolCallDelta
+from engine.requests.outbound.row_channels import RowChannels
+from engine.requests.outbound.text import RowText
+from engine.requests.outbound.tool_calls import ToolCallDelta
+from engine.requests.prepare import PreparedRequest, RequestSpec
+
+
+class RequestStatus(str, Enum):
+    """Where a request is on the engine thread; FINISHED rows carry a ``FinishReason``."""
+
+    WAITING = "waiting"  # accepted, not admitted yet (no KV memory held)
+    PREFILLING = "prefilling"  # admitted to a lane, no token generated yet
+    DECODING = "decoding"  # generating tokens
+    FINISHED = "finished"
 
 
 @dataclass

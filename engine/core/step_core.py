@@ -18,14 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core.lane import Lane, LaneKind, LaneRow
-from engine.core.rows import Row
+from engine.core.rows import RequestStatus, Row
 from engine.core.scheduler import Scheduler, StepPlan, Ticket
 from engine.core.stats import StatsBook
 from engine.core.step_probe import StepProbe
 from engine.core.update import Ending, update
 from engine.errors import EngineDeadError, EngineError, RequestTimeoutError
+from engine.requests.outbound.results import FinishReason
 from engine.requests.prepare import Preparer
-from engine.requests.request import FinishReason, RequestStatus
 
 log = logging.getLogger("engine")
 

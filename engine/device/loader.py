@@ -35,7 +35,7 @@ from engine.device.memory import (
 from engine.device.prefix_reuse import PrefixReuse, reuse_policy
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
-from engine.requests.grammar import GrammarCompiler
+from engine.requests.constraints.grammar import GrammarCompiler
 
 
 @dataclass

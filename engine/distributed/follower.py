@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import logging
 
-from engine.config import EngineConfig, checked_engine_args
+from engine.config import EngineConfig, ModelSpec, checked_engine_args
 from engine.core.lane import LaneKind
 from engine.distributed.protocol import follower_patience
-from engine.engine import ModelSpec
 from engine.errors import EngineError
 from engine.models import config_context_limit, model_path_for
 from engine.requests.prepare import Preparer

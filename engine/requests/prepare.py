@@ -17,15 +17,18 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.requests.channels import TOOL, ChannelSplitter, RowChannels
-from engine.requests.chat import ChatRequest, ToolChoiceView
-from engine.requests.constraints import Constraint, JsonSchema
-from engine.requests.grammar import GrammarCompiler, validate_constraint
-from engine.requests.prompts import PromptRenderer, checked_prompt, is_chat
-from engine.requests.request import Prompt, SamplingParams, Tools, check_template_options
-from engine.requests.string_repeats import DEFAULT_NGRAM
-from engine.requests.text import RowText
-from engine.requests.tools import ToolSpec, forced_call_grammar
+from engine.requests.constraints.forced_calls import forced_call_grammar, forced_call_schema
+from engine.requests.constraints.grammar import GrammarCompiler, validate_constraint
+from engine.requests.constraints.string_repeats import DEFAULT_NGRAM
+from engine.requests.inbound.chat import ChatRequest, ToolChoiceView
+from engine.requests.inbound.output_constraint import Constraint, JsonSchema
+from engine.requests.inbound.prompts import PromptRenderer, checked_prompt, is_chat
+from engine.requests.inbound.sampling import Prompt, SamplingParams, Tools, check_template_options
+from engine.requests.inbound.tool_specs import ToolSpec
+from engine.requests.outbound.channels import CONTENT, REASONING, TOOL, ChannelSplitter
+from engine.requests.outbound.markers import channel_markers, tool_parser
+from engine.requests.outbound.row_channels import RowChannels
+from engine.requests.outbound.text import RowText
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,9 @@ class RequestSpec(ToolChoiceView):
     @classmethod
     def of_chat(cls, chat: ChatRequest) -> RequestSpec:
         """A typed chat request as it is: nothing is converted again."""
+        schema = forced_call_schema(chat.tools, chat.tool_choice) if chat.forces_call else None
         return cls(chat.messages, chat.params, chat.tools, chat.tool_choice,
-                   chat.parallel_tool_calls, chat.template_kwargs, chat.call_schema)
+                   chat.parallel_tool_calls, chat.template_kwargs, schema)
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ class PreparedRequest:
     params: SamplingParams  # with the forced-call grammar as its constraint, if any
     stop_ids: frozenset[int]
     head_len: int = 0  # tokens of the shared head (system + tools); 0 = none
-    start_channel: str = "content"
+    start_channel: str = CONTENT
 
 
 class Preparer:
@@ -79,7 +83,7 @@ class Preparer:
         if params.constraint is not None:
             self.compiler.compile(params.constraint)  # cached: the lane's matcher reuses it
         return PreparedRequest(encoded.ids, params, self.stop_ids(params), encoded.head_len,
-                               encoded.start_channel)
+                               REASONING if encoded.opens_reasoning else CONTENT)
 
     def count_tokens(self, spec: RequestSpec) -> int:
         encoded = self.prompts.encode_request(spec.prompt, spec.rendered_tools,
@@ -94,13 +98,13 @@ class Preparer:
         return RowText(self.tokenizer.detokenizer, params.stop)
 
     def row_channels(self, spec: RequestSpec, prepared: PreparedRequest) -> RowChannels:
-        splitter = ChannelSplitter(self.prompts.channel_markers(), prepared.start_channel)
-        return RowChannels(splitter, self.prompts.tool_parser, spec.tools,
+        splitter = ChannelSplitter(channel_markers(self.tokenizer), prepared.start_channel)
+        return RowChannels(splitter, tool_parser(self.tokenizer), spec.tools,
                            spec.parallel_tool_calls)
 
     def _forced_call(self, spec: RequestSpec) -> Constraint:
         """The grammar that forces tool calls, with markers as this tokenizer spells them."""
-        start, end = self.prompts.channel_markers()[TOOL]
+        start, end = channel_markers(self.tokenizer)[TOOL]
         return forced_call_grammar(spec.tools, spec.tool_choice, spec.parallel_tool_calls,
                                    self.compiler.lark_literal(start),
                                    self.compiler.lark_literal(end), schema=spec.call_schema)
@@ -128,7 +132,7 @@ def request_spec(
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        checked = checked_prompt(prompt)  # a checked private copy (engine.requests.prompts)
+        checked = checked_prompt(prompt)  # a checked private copy (engine.requests.inbound.prompts)
         if is_chat(checked):
             spec = RequestSpec.of_chat(ChatRequest.from_openai(
                 checked, params, tools=tools, tool_choice=tool_choice,

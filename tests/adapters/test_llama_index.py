@@ -34,7 +34,7 @@ from llama_index.core.tools import FunctionTool
 from pydantic import BaseModel, Field
 
 from engine import LarkGrammar, OutputTruncatedError, SamplingParams, messages_from_openai
-from engine.requests.messages import template_messages
+from engine.requests.inbound.messages import template_messages
 from mlx_providers import MLXBatchLLM
 from tests.conftest import own_copy
 from tests.fake_engine import scripted

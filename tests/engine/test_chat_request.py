@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine import ChatRequest, Engine, JsonSchema, SamplingParams
-from engine.requests.request import FORCED_CALL, STRUCTURED_JSON
+from engine.requests.outbound.results import FORCED_CALL, STRUCTURED_JSON
 from tests.conftest import greedy
 
 WEATHER = {"type": "function", "function": {

@@ -11,8 +11,8 @@ import pytest
 
 from engine import Engine, FinishReason, SamplingParams
 from engine.errors import InvalidConstraintError
-from engine.requests.constraints import JsonObject, JsonSchema, LarkGrammar, Regex
-from engine.requests.grammar import GrammarCompiler
+from engine.requests.constraints.grammar import GrammarCompiler
+from engine.requests.inbound.output_constraint import JsonObject, JsonSchema, LarkGrammar, Regex
 from tests.conftest import Turns, alone, greedy, prompts_of_lengths, wait_until
 
 TRIP = {

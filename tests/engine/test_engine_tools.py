@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 
 from engine import Engine, FinishReason, SamplingParams
-from engine.requests.constraints import LarkGrammar
-from engine.requests.tools import normalize_tool_choice, normalize_tools
+from engine.requests.inbound.output_constraint import LarkGrammar
+from engine.requests.inbound.tool_specs import normalize_tool_choice, normalize_tools
 from tests.conftest import greedy, prompt_renderer
 from tests.unit.test_tools import WEATHER
 

@@ -18,7 +18,7 @@ import mlx.core as mx
 import pytest
 
 from engine import Engine, FinishReason, SamplingParams
-from engine.requests.constraints import JsonSchema, LarkGrammar, Regex
+from engine.requests.inbound.output_constraint import JsonSchema, LarkGrammar, Regex
 from tests.conftest import greedy, wait_until
 from tests.engine.test_engine_tools import ASK, CLOCK
 from tests.unit.test_tools import WEATHER

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine import Engine, EngineConfig, FinishReason, SamplingParams
-from engine.requests.constraints import JsonSchema
+from engine.requests.inbound.output_constraint import JsonSchema
 
 pytestmark = pytest.mark.slow
 

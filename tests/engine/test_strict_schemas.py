@@ -14,8 +14,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from engine import Engine, FinishReason, SamplingParams
-from engine.requests.constraints import JsonSchema
-from engine.requests.schemas import strict_schema
+from engine.requests.constraints.schemas import strict_schema
+from engine.requests.inbound.output_constraint import JsonSchema
 from tests.conftest import greedy
 
 # Nothing required below the top: the model chooses which declared keys to write.

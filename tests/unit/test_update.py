@@ -11,21 +11,15 @@ from __future__ import annotations
 import pytest
 
 from engine.core.lane import LaneStep, RowToken
-from engine.core.rows import Row
+from engine.core.rows import RequestStatus, Row
 from engine.core.streams import RequestStream
 from engine.core.update import Ending, StepOutcome, take_token, update
-from engine.requests.channels import ChannelSplitter, RowChannels
+from engine.requests.inbound.sampling import SamplingParams, TokenCallback
+from engine.requests.outbound.channels import ChannelSplitter
+from engine.requests.outbound.results import Completion, FinishReason, StreamEvent, TokenLogprob
+from engine.requests.outbound.row_channels import RowChannels
+from engine.requests.outbound.text import RowText
 from engine.requests.prepare import PreparedRequest, RequestSpec
-from engine.requests.request import (
-    Completion,
-    FinishReason,
-    RequestStatus,
-    SamplingParams,
-    StreamEvent,
-    TokenCallback,
-    TokenLogprob,
-)
-from engine.requests.text import RowText
 
 EOS = 0
 VOCAB = {
@@ -53,7 +47,8 @@ OPEN, CALL, CLOSE, NL, OTHER, REORDERED, DONE, OTHER_TOOL = range(11, 19)
 
 
 class FakeDetokenizer:
-    """Maps each token id to a fixed piece of text (engine.requests.text.StreamingDetokenizer)."""
+    """Maps each token id to a fixed piece of text (a ``StreamingDetokenizer`` of
+    engine.requests.outbound.text)."""
 
     def __init__(self) -> None:
         self.seen: list[int] = []

@@ -21,9 +21,9 @@ from engine import (
     Regex,
     SamplingParams,
 )
+from engine.requests.inbound.prompts import checked_prompt
+from engine.requests.inbound.sampling import check_callbacks
 from engine.requests.prepare import request_spec
-from engine.requests.prompts import checked_prompt
-from engine.requests.request import check_callbacks
 
 USER = {"role": "user", "content": "hi"}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {

@@ -15,9 +15,19 @@ from typing import Any
 import numpy as np
 
 from engine.errors import InvalidConstraintError
-from engine.requests.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
-from engine.requests.schemas import strict_schema
-from engine.requests.string_repeats import DEFAULT_NGRAM, StringRepeats, refuse_in_bitmask
+from engine.requests.constraints.schemas import strict_schema
+from engine.requests.constraints.string_repeats import (
+    DEFAULT_NGRAM,
+    StringRepeats,
+    refuse_in_bitmask,
+)
+from engine.requests.inbound.output_constraint import (
+    Constraint,
+    JsonObject,
+    JsonSchema,
+    LarkGrammar,
+    Regex,
+)
 
 # Compact JSON: no free whitespace, so a model cannot wander in indentation forever.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

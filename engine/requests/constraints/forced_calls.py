@@ -1,0 +1,68 @@
+"""The grammar that forces tool calls: only well-formed calls to the chosen tools.
+
+Forced choices ("required"/"any" or a tool name) become a Lark grammar whose JSON part is
+the tool's own argument schema, closed as in OpenAI's strict mode, so the row can only
+produce well-formed calls. No mlx.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from engine.requests.constraints.schemas import rebase_refs, strict_schema
+from engine.requests.inbound.output_constraint import LarkGrammar
+from engine.requests.inbound.tool_prompts import TOOL_CALL_END, TOOL_CALL_START
+from engine.requests.inbound.tool_specs import ToolSpec
+
+
+def quoted(text: str) -> str:
+    """A Lark string literal for ``text``."""
+    return json.dumps(text)
+
+
+def forced_call_grammar(
+    tools: Sequence[ToolSpec],
+    choice: str,
+    parallel: bool,
+    start: str = quoted(TOOL_CALL_START),
+    end: str = quoted(TOOL_CALL_END),
+    schema: dict[str, Any] | None = None,
+) -> LarkGrammar:
+    """A grammar that admits only well-formed calls (one, or several when parallel).
+
+    ``start`` / ``end`` are Lark fragments for the call markers: a quoted string, or
+    ``<tool_call>`` when the tokenizer has the marker as one special token (llguidance
+    only matches special tokens written that way). ``schema`` is the call schema when the
+    request built it already (``RequestSpec.call_schema``), so it is built once.
+    """
+    schema = schema if schema is not None else forced_call_schema(tools, choice)
+    # A newline may follow the last call: models write one, and it must not force another.
+    repeat = ' ("\\n" call)* "\\n"?' if parallel else ' "\\n"?'
+    lark = (
+        f"start: call{repeat}\n"
+        f'call: {start} "\\n" body "\\n" {end}\n'
+        f"body: %json {json.dumps(schema)}\n"
+    )
+    return LarkGrammar(lark)
+
+
+def forced_call_schema(tools: Sequence[ToolSpec], choice: str) -> dict[str, Any]:
+    """The JSON schema of one call body: {"name": <a chosen tool>, "arguments": {...}}."""
+    chosen = [t for t in tools if choice == "required" or t.name == choice]
+    return {"anyOf": [{
+        "type": "object",
+        "properties": {"name": {"const": t.name},
+                       "arguments": _closed(t.parameters, f"#/anyOf/{i}/properties/arguments")},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    } for i, t in enumerate(chosen)], "x-guidance": {"whitespace_flexible": False,
+                                                     "item_separator": ", ", "key_separator": ": "}}
+
+
+def _closed(schema: dict[str, Any], at: str) -> dict[str, Any]:
+    # Forced calls name only declared arguments, at every level, unless the schema says
+    # otherwise, as in OpenAI's strict mode; otherwise a small model can invent keys forever.
+    # The schema now sits at ``at`` in the call schema: its local $refs must point there.
+    return rebase_refs(strict_schema(schema), at)
