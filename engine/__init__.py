@@ -12,7 +12,6 @@ from engine.config import EngineConfig
 from engine.core.stats import EngineStats
 from engine.core.step_probe import StepProbe, TurnReport
 from engine.core.streams import RequestHandle
-from engine.distributed.follower import distributed_rank, follow
 from engine.embedding.request import EmbeddingHandle, Embeddings, check_texts
 from engine.engine import Engine
 from engine.errors import (
@@ -25,6 +24,9 @@ from engine.errors import (
     InvalidRequestError,
     KVBudgetError,
     ModelDownloadError,
+    ModelFormatError,
+    ModelLoadError,
+    ModelUnavailableError,
     OutputTruncatedError,
     RequestCancelledError,
     RequestError,
@@ -44,6 +46,7 @@ from engine.requests.inbound.output_constraint import (
     Regex,
 )
 from engine.requests.inbound.sampling import SamplingParams
+from engine.requests.inbound.text_request import Request, TextRequest
 from engine.requests.inbound.tool_specs import ToolSpec, normalize_tool_choice, normalize_tools
 from engine.requests.outbound.results import (
     Completion,
@@ -53,6 +56,7 @@ from engine.requests.outbound.results import (
     Usage,
 )
 from engine.requests.outbound.tool_calls import InvalidToolCall, ToolCall, ToolCallDelta
+from engine.runtime.follower import distributed_rank, follow
 
 __all__ = [
     "DEFAULT_EMBEDDING_NAME",
@@ -81,8 +85,12 @@ __all__ = [
     "Message",
     "MessageToolCall",
     "ModelDownloadError",
+    "ModelFormatError",
+    "ModelLoadError",
+    "ModelUnavailableError",
     "OutputTruncatedError",
     "Regex",
+    "Request",
     "RequestCancelledError",
     "RequestError",
     "RequestHandle",
@@ -90,6 +98,7 @@ __all__ = [
     "SamplingParams",
     "StepProbe",
     "StreamEvent",
+    "TextRequest",
     "TokenLogprob",
     "ToolCall",
     "ToolCallDelta",

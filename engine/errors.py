@@ -21,6 +21,23 @@ class EngineDeadError(EngineError):
     """The engine thread died; every waiter and every later submit gets this."""
 
 
+class ModelLoadError(EngineDeadError):
+    """The model could not be loaded; the message names the model and the cause, which is
+    also ``__cause__``. The engine that tried is dead (a new one may retry, once the cause is
+    fixed: ``get_engine`` makes a new one). Caught as one of two families by what failed:
+    ``ModelUnavailableError`` (an ``OSError``) or ``ModelFormatError`` (a ``ValueError``)."""
+
+
+class ModelUnavailableError(ModelLoadError, OSError):
+    """Getting the model's files failed: a missing path, an unreachable hub id, an
+    unreadable or incomplete file."""
+
+
+class ModelFormatError(ModelLoadError, ValueError):
+    """The model's files are there but cannot be run: an architecture mlx-lm does not ship,
+    a corrupt or inconsistent config, weights that do not fit the architecture."""
+
+
 class EngineClosedError(EngineError):
     """The engine was closed before or while the request ran."""
 

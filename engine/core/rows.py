@@ -14,6 +14,7 @@ from enum import Enum
 from engine.core.lane import LaneKind
 from engine.core.streams import RequestStream
 from engine.requests.inbound.sampling import SamplingParams, TokenCallback
+from engine.requests.inbound.text_request import Request
 from engine.requests.outbound.results import (
     Completion,
     FinishReason,
@@ -25,7 +26,7 @@ from engine.requests.outbound.results import (
 from engine.requests.outbound.row_channels import RowChannels
 from engine.requests.outbound.text import RowText
 from engine.requests.outbound.tool_calls import ToolCallDelta
-from engine.requests.prepare import PreparedRequest, RequestSpec
+from engine.requests.prepare import PreparedRequest
 
 
 class RequestStatus(str, Enum):
@@ -42,7 +43,7 @@ class Row:
     """A request the engine thread knows about, from submit to its final event."""
 
     request_id: int
-    spec: RequestSpec
+    request: Request
     stream: RequestStream
     on_token: TokenCallback | None
     submitted_at: float
@@ -66,7 +67,7 @@ class Row:
 
     @property
     def params(self) -> SamplingParams:
-        return self.prepared.params if self.prepared is not None else self.spec.params
+        return self.prepared.params if self.prepared is not None else self.request.params
 
     @property
     def holds_lane(self) -> bool:
@@ -111,7 +112,7 @@ class Row:
         calls = tuple(channels.calls) if channels is not None else ()
         invalid = tuple(channels.invalid) if channels is not None else ()
         answer = channels.content if channels is not None else ""
-        forces_call = self.spec.forces_call
+        forces_call = self.prepared is not None and self.prepared.forces_call
         completion = Completion(
             text=self.text.text if self.text is not None else "",
             token_ids=tuple(self.token_ids),

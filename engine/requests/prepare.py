@@ -1,54 +1,31 @@
 """A request prepared once, outside the step loop: prompt ids, tools, constraint, stops.
 
-``RequestSpec`` is what ``Engine.submit`` validated on the caller's thread without a
-tokenizer: a ``ChatRequest`` taken as it is (the faces converted into it once), or raw
-arguments converted through the same ``ChatRequest.from_openai``. ``Preparer`` turns
-it into a ``PreparedRequest`` for this model's tokenizer: the prompt rendered and
-encoded, the forced-call grammar built and compiled, the stop ids resolved. The loop
-only ever sees prepared requests. No mlx here.
+Every door hands ``Engine.submit`` one request value (``ChatRequest`` or ``TextRequest``,
+checked when it was built); ``checked_request`` adds, on the caller's thread, what needs
+no tokenizer. ``Preparer`` turns it into a ``PreparedRequest`` for this model's
+tokenizer: the prompt rendered and encoded, the forced-call grammar built and compiled,
+the stop ids resolved. The loop only ever sees prepared requests. No mlx here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from engine.errors import InvalidRequestError
 from engine.requests.constraints.forced_calls import forced_call_grammar, forced_call_schema
 from engine.requests.constraints.grammar import GrammarCompiler, validate_constraint
 from engine.requests.constraints.string_repeats import DEFAULT_NGRAM
-from engine.requests.inbound.chat import ChatRequest, ToolChoiceView
+from engine.requests.inbound.chat import ChatRequest
 from engine.requests.inbound.output_constraint import Constraint, JsonSchema
-from engine.requests.inbound.prompts import PromptRenderer, checked_prompt, is_chat
-from engine.requests.inbound.sampling import Prompt, SamplingParams, Tools, check_template_options
-from engine.requests.inbound.tool_specs import ToolSpec
+from engine.requests.inbound.prompts import EncodedPrompt, PromptRenderer
+from engine.requests.inbound.sampling import SamplingParams
+from engine.requests.inbound.text_request import Request, TextRequest
 from engine.requests.outbound.channels import CONTENT, REASONING, TOOL, ChannelSplitter
 from engine.requests.outbound.markers import channel_markers, tool_parser
 from engine.requests.outbound.row_channels import RowChannels
 from engine.requests.outbound.text import RowText
-
-
-@dataclass(frozen=True)
-class RequestSpec(ToolChoiceView):
-    """A submitted request as validated at the door (no tokenizer needed)."""
-
-    prompt: Prompt
-    params: SamplingParams
-    tools: tuple[ToolSpec, ...] = ()
-    tool_choice: str = "auto"  # "auto", "none", "required" or a tool name
-    parallel_tool_calls: bool = True
-    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    call_schema: dict[str, Any] | None = None  # the forced call's schema, built once
-
-    @classmethod
-    def of_chat(cls, chat: ChatRequest) -> RequestSpec:
-        """A typed chat request as it is: nothing is converted again."""
-        schema = forced_call_schema(chat.tools, chat.tool_choice) if chat.forces_call else None
-        return cls(chat.messages, chat.params, chat.tools, chat.tool_choice,
-                   chat.parallel_tool_calls, chat.template_kwargs, schema)
 
 
 @dataclass(frozen=True)
@@ -60,6 +37,7 @@ class PreparedRequest:
     stop_ids: frozenset[int]
     head_len: int = 0  # tokens of the shared head (system + tools); 0 = none
     start_channel: str = CONTENT
+    forces_call: bool = False  # the tool choice forces a call (a cut one is truncation)
 
 
 class Preparer:
@@ -72,23 +50,28 @@ class Preparer:
         self.compiler = GrammarCompiler(tokenizer._tokenizer, vocab_size,
                                         string_ngram=json_string_ngram)
 
-    def prepare(self, spec: RequestSpec) -> PreparedRequest:
+    def prepare(self, request: Request) -> PreparedRequest:
         """Render, encode and compile; raises the request's own error if it cannot run."""
-        spec.params.check_vocabulary(self.prompts.vocab_size)
-        tools = spec.rendered_tools
-        encoded = self.prompts.encode_request(spec.prompt, tools, dict(spec.template_kwargs))
-        params = spec.params
-        if spec.forces_call:
-            params = replace(params, constraint=self._forced_call(spec))
+        request.params.check_vocabulary(self.prompts.vocab_size)
+        params = request.params
+        if isinstance(request, TextRequest):
+            encoded = EncodedPrompt(self.prompts.encode(request.prompt))
+            forces_call = False
+        else:
+            encoded = self._encoded_chat(request)
+            forces_call = request.forces_call
+            if forces_call:
+                params = replace(params, constraint=self._forced_call(request))
         if params.constraint is not None:
             self.compiler.compile(params.constraint)  # cached: the lane's matcher reuses it
         return PreparedRequest(encoded.ids, params, self.stop_ids(params), encoded.head_len,
-                               REASONING if encoded.opens_reasoning else CONTENT)
+                               REASONING if encoded.opens_reasoning else CONTENT, forces_call)
 
-    def count_tokens(self, spec: RequestSpec) -> int:
-        encoded = self.prompts.encode_request(spec.prompt, spec.rendered_tools,
-                                              dict(spec.template_kwargs))
-        return len(encoded.ids)
+    def count_tokens(self, request: Request) -> int:
+        """Prompt tokens the request would use (rendered and encoded as ``prepare`` does)."""
+        if isinstance(request, TextRequest):
+            return len(self.prompts.encode(request.prompt))
+        return len(self._encoded_chat(request).ids)
 
     def stop_ids(self, params: SamplingParams) -> frozenset[int]:
         eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
@@ -97,60 +80,41 @@ class Preparer:
     def row_text(self, params: SamplingParams) -> RowText:
         return RowText(self.tokenizer.detokenizer, params.stop)
 
-    def row_channels(self, spec: RequestSpec, prepared: PreparedRequest) -> RowChannels:
+    def row_channels(self, request: Request, prepared: PreparedRequest) -> RowChannels:
         splitter = ChannelSplitter(channel_markers(self.tokenizer), prepared.start_channel)
-        return RowChannels(splitter, tool_parser(self.tokenizer), spec.tools,
-                           spec.parallel_tool_calls)
+        if isinstance(request, TextRequest):
+            return RowChannels(splitter, tool_parser(self.tokenizer), ())
+        return RowChannels(splitter, tool_parser(self.tokenizer), request.tools,
+                           request.parallel_tool_calls)
 
-    def _forced_call(self, spec: RequestSpec) -> Constraint:
+    def _encoded_chat(self, request: ChatRequest) -> EncodedPrompt:
+        return self.prompts.encode_request(request.messages, request.rendered_tools,
+                                           dict(request.template_kwargs))
+
+    def _forced_call(self, request: ChatRequest) -> Constraint:
         """The grammar that forces tool calls, with markers as this tokenizer spells them."""
         start, end = channel_markers(self.tokenizer)[TOOL]
-        return forced_call_grammar(spec.tools, spec.tool_choice, spec.parallel_tool_calls,
+        return forced_call_grammar(request.tools, request.tool_choice,
+                                   request.parallel_tool_calls,
                                    self.compiler.lark_literal(start),
-                                   self.compiler.lark_literal(end), schema=spec.call_schema)
+                                   self.compiler.lark_literal(end))
 
 
-def request_spec(
-    prompt: Prompt | ChatRequest,
-    params: SamplingParams | None,
-    tools: Tools | None,
-    tool_choice: str | Mapping[str, Any] | None,
-    parallel_tool_calls: bool,
-    chat_template_kwargs: Mapping[str, Any] | None,
-) -> RequestSpec:
-    """Everything ``submit`` can check without a tokenizer, checked once, at the door.
-
-    A ``ChatRequest`` was checked when it was built and is taken as it is; raw chat
-    messages go through ``ChatRequest.from_openai`` (the one rulebook) here.
-    """
-    if isinstance(prompt, ChatRequest):
-        if params is not None or tools or tool_choice is not None or chat_template_kwargs:
-            raise TypeError("a ChatRequest carries its own params, tools, tool_choice and "
-                            "template options: pass them when building it, not to submit")
-        spec = RequestSpec.of_chat(prompt)
-    else:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        checked = checked_prompt(prompt)  # a checked private copy (engine.requests.inbound.prompts)
-        if is_chat(checked):
-            spec = RequestSpec.of_chat(ChatRequest.from_openai(
-                checked, params, tools=tools, tool_choice=tool_choice,
-                parallel_tool_calls=parallel_tool_calls,
-                chat_template_kwargs=chat_template_kwargs, root="prompt"))
-        else:
-            template_kwargs = check_template_options(parallel_tool_calls, chat_template_kwargs)
-            plain = ChatRequest.from_openai([{"role": "user", "content": ""}], params,
-                                            tools=tools, tool_choice=tool_choice)
-            if plain.tools and plain.tool_choice != "none":
-                raise InvalidRequestError("tools need a chat-messages prompt", "tools")
-            spec = RequestSpec(checked, params, plain.tools, plain.tool_choice,
-                               parallel_tool_calls, template_kwargs)
-    if spec.call_schema is not None:  # the call schema now; its grammar is built when prepared
-        _validated(JsonSchema(spec.call_schema))
-    elif spec.params.constraint is not None:
-        _validated(spec.params.constraint)
-    return spec
+def checked_request(request: Any) -> Request:
+    """Everything ``submit`` can check without a tokenizer that building the request did
+    not: its type, and that its output constraint or forced call compiles (once per
+    distinct schema). Returns the request as it is: nothing is converted again."""
+    if not isinstance(request, ChatRequest | TextRequest):
+        hint = (" (chat messages: ChatRequest.from_openai(messages, params, tools=...); text "
+                "or token ids: TextRequest(prompt, params))")
+        raise TypeError(f"submit takes a ChatRequest or a TextRequest, got "
+                        f"{type(request).__name__}{hint}")
+    if isinstance(request, ChatRequest) and request.forces_call:
+        # The call's schema now; its grammar is built when the request is prepared.
+        _validated(JsonSchema(forced_call_schema(request.tools, request.tool_choice)))
+    elif request.params.constraint is not None:
+        _validated(request.params.constraint)
+    return cast(Request, request)
 
 
 @lru_cache(maxsize=256)

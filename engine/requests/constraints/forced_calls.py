@@ -28,16 +28,14 @@ def forced_call_grammar(
     parallel: bool,
     start: str = quoted(TOOL_CALL_START),
     end: str = quoted(TOOL_CALL_END),
-    schema: dict[str, Any] | None = None,
 ) -> LarkGrammar:
     """A grammar that admits only well-formed calls (one, or several when parallel).
 
     ``start`` / ``end`` are Lark fragments for the call markers: a quoted string, or
     ``<tool_call>`` when the tokenizer has the marker as one special token (llguidance
-    only matches special tokens written that way). ``schema`` is the call schema when the
-    request built it already (``RequestSpec.call_schema``), so it is built once.
+    only matches special tokens written that way).
     """
-    schema = schema if schema is not None else forced_call_schema(tools, choice)
+    schema = forced_call_schema(tools, choice)
     # A newline may follow the last call: models write one, and it must not force another.
     repeat = ' ("\\n" call)* "\\n"?' if parallel else ' "\\n"?'
     lark = (

@@ -27,7 +27,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
 
 class ToolChoiceView:
     """What a request's tools and resolved tool choice mean, for every request type that
-    carries them (``ChatRequest``, ``engine.requests.prepare.RequestSpec``)."""
+    carries them (``ChatRequest``)."""
 
     tools: tuple[ToolSpec, ...]
     tool_choice: str

@@ -7,8 +7,7 @@ no mlx.
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,46 +20,6 @@ from engine.requests.inbound.tool_prompts import (
     with_fallback_tool_prompt,
 )
 from engine.requests.inbound.tool_specs import ToolSpec
-
-_MAX_TOKEN_ID = 2**31 - 1  # mlx holds token ids as 32-bit integers
-_PROMPT_KINDS = "text, a list of token ids, or a list of chat messages (dicts)"
-
-
-def checked_prompt(prompt: Any) -> str | list[int] | list[Message]:
-    """``submit``'s prompt, checked at the door on the caller's thread, as a private copy.
-
-    Text stays text. Token ids must be integers (numpy's too, never bools or floats) in
-    [0, 2**31); whether they are inside this model's vocabulary is checked when the
-    request is prepared. Chat messages become ``Message`` values by the one rulebook
-    (``engine.requests.inbound.messages``). The copy means a caller that changes its list after
-    ``submit`` changes nothing queued.
-    """
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt is empty: give at least one token")
-        return prompt
-    if isinstance(prompt, (bytes, bytearray, Mapping)) or not isinstance(prompt, Iterable):
-        hint = " (one message? pass a list of messages)" if isinstance(prompt, Mapping) else ""
-        raise TypeError(f"prompt must be {_PROMPT_KINDS}, got {type(prompt).__name__}{hint}")
-    items = list(prompt)
-    if not items:
-        raise ValueError("prompt is empty: give at least one token or message")
-    if isinstance(items[0], Mapping | Message):
-        return list(messages_from_openai(items, "prompt"))
-    return [_token_id(t, i) for i, t in enumerate(items)]
-
-
-def _token_id(value: Any, i: int) -> int:
-    if isinstance(value, Mapping):
-        raise TypeError(f"prompt[{i}] is a dict after token ids: a prompt is {_PROMPT_KINDS}, "
-                        "not a mix")
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"prompt[{i}] must be an integer token id, got "
-                        f"{type(value).__name__} {value!r:.40}")
-    token = operator.index(value)
-    if not 0 <= token <= _MAX_TOKEN_ID:
-        raise ValueError(f"prompt token ids out of range [0, 2**31): prompt[{i}] = {token}")
-    return token
 
 
 def is_chat(prompt: Any) -> bool:
