@@ -14,10 +14,11 @@ Rules, one test each:
     nor the adapter modules that do;
 (h) the subpackages point one way, a row for each: device (mlx) imports no models,
     distributed, embedding or facade module; models, embedding and distributed may use
-    device, never the reverse, and none of them the facade; request preparation
-    (engine/requests) imports nothing of the loop (engine/core); inside it, what comes in
-    (inbound) imports neither the constraints nor what goes out (outbound), and those two
-    import neither each other nor the preparation that joins them (prepare.py);
+    device, never the reverse, and none of them the runtime or the facade above it (the
+    runtime, the thread and its composition, imports everything but the facade); request
+    preparation (engine/requests) imports nothing of the loop (engine/core); inside it, what
+    comes in (inbound) imports neither the constraints nor what goes out (outbound), and
+    those two import neither each other nor the preparation that joins them (prepare.py);
 (i) no module imports another module's private (``_name``) names, and bench/ and
     examples/ import nothing from tests/.
 """
@@ -260,7 +261,8 @@ def _engine_imports(path: Path, prefixes: tuple[str, ...]) -> set[str]:
 
 
 # (h) what each subpackage must not import: the arrows point from the facade down to device.
-FACADE = ("engine.engine", "engine.registry")
+# The facade and the runtime under it: nothing below them may import either.
+FACADE = ("engine.engine", "engine.registry", "engine.runtime")
 FORBIDDEN = {
     "device": ("engine.models", "engine.distributed", "engine.embedding", *FACADE),
     "requests": ("engine.core", "engine.device", "engine.distributed", "engine.embedding",
@@ -277,6 +279,7 @@ FORBIDDEN = {
     "distributed": ("engine.embedding", *FACADE),
     "_platform": ("engine.core", "engine.requests", "engine.device", "engine.distributed",
                   "engine.embedding", "engine.models", *FACADE),
+    "runtime": ("engine.engine", "engine.registry"),
 }
 LAYERED = [(pkg, p) for pkg in FORBIDDEN for p in sorted((ENGINE / pkg).rglob("*.py"))]
 SUBPACKAGES = sorted(p.parent.relative_to(ENGINE).as_posix()

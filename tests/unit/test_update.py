@@ -15,11 +15,12 @@ from engine.core.rows import RequestStatus, Row
 from engine.core.streams import RequestStream
 from engine.core.update import Ending, StepOutcome, take_token, update
 from engine.requests.inbound.sampling import SamplingParams, TokenCallback
+from engine.requests.inbound.text_request import TextRequest
 from engine.requests.outbound.channels import ChannelSplitter
 from engine.requests.outbound.results import Completion, FinishReason, StreamEvent, TokenLogprob
 from engine.requests.outbound.row_channels import RowChannels
 from engine.requests.outbound.text import RowText
-from engine.requests.prepare import PreparedRequest, RequestSpec
+from engine.requests.prepare import PreparedRequest
 
 EOS = 0
 VOCAB = {
@@ -71,7 +72,7 @@ def make_row(request_id: int = 1, *, max_tokens: int = 10, stop: tuple[str, ...]
              on_token: TokenCallback | None = None,
              stop_ids: frozenset[int] = frozenset({EOS})) -> Row:
     params = SamplingParams(max_tokens=max_tokens, stop=stop)
-    row = Row(request_id, RequestSpec("hi", params), RequestStream(), on_token,
+    row = Row(request_id, TextRequest("hi", params), RequestStream(), on_token,
               submitted_at=0.0, deadline=None, status=RequestStatus.PREFILLING)
     row.prepared = PreparedRequest([100, 101, 102], params, stop_ids)
     row.text = RowText(FakeDetokenizer(), params.stop)
