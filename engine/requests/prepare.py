@@ -14,16 +14,17 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
-from engine.requests.constraints.forced_calls import forced_call_grammar, forced_call_schema
+from engine.requests.constraints.forced_calls import forced_call_schema, forced_grammar
 from engine.requests.constraints.grammar import GrammarCompiler, validate_constraint
 from engine.requests.constraints.string_repeats import DEFAULT_NGRAM
+from engine.requests.dialects.dialect import TokenizerFacts
+from engine.requests.dialects.registry import dialect_for
 from engine.requests.inbound.chat import ChatRequest
 from engine.requests.inbound.output_constraint import Constraint, JsonSchema
 from engine.requests.inbound.prompts import EncodedPrompt, PromptRenderer
 from engine.requests.inbound.sampling import SamplingParams
 from engine.requests.inbound.text_request import Request, TextRequest
-from engine.requests.outbound.channels import CONTENT, REASONING, TOOL, ChannelSplitter
-from engine.requests.outbound.markers import channel_markers, tool_parser
+from engine.requests.outbound.channels import CONTENT, REASONING
 from engine.requests.outbound.row_channels import RowChannels
 from engine.requests.outbound.text import RowText
 
@@ -49,6 +50,7 @@ class Preparer:
         self.prompts = PromptRenderer(tokenizer, model_path, vocab_size)
         self.compiler = GrammarCompiler(tokenizer._tokenizer, vocab_size,
                                         string_ngram=json_string_ngram)
+        self.dialect = dialect_for(TokenizerFacts.of(tokenizer))
 
     def prepare(self, request: Request) -> PreparedRequest:
         """Render, encode and compile; raises the request's own error if it cannot run."""
@@ -61,7 +63,8 @@ class Preparer:
             encoded = self._encoded_chat(request)
             forces_call = request.forces_call
             if forces_call:
-                params = replace(params, constraint=self._forced_call(request))
+                params = replace(params, constraint=self._forced_call(request,
+                                                                      encoded.opens_reasoning))
         if params.constraint is not None:
             self.compiler.compile(params.constraint)  # cached: the lane's matcher reuses it
         return PreparedRequest(encoded.ids, params, self.stop_ids(params), encoded.head_len,
@@ -81,23 +84,27 @@ class Preparer:
         return RowText(self.tokenizer.detokenizer, params.stop)
 
     def row_channels(self, request: Request, prepared: PreparedRequest) -> RowChannels:
-        splitter = ChannelSplitter(channel_markers(self.tokenizer), prepared.start_channel)
+        dialect = self.dialect
+        splitter = dialect.splitter(prepared.start_channel)
         if isinstance(request, TextRequest):
-            return RowChannels(splitter, tool_parser(self.tokenizer), ())
-        return RowChannels(splitter, tool_parser(self.tokenizer), request.tools,
-                           request.parallel_tool_calls)
+            return RowChannels(splitter, dialect.parser, (), new_id=dialect.new_call_id)
+        return RowChannels(splitter, dialect.parser, request.tools,
+                           request.parallel_tool_calls, new_id=dialect.new_call_id)
 
     def _encoded_chat(self, request: ChatRequest) -> EncodedPrompt:
         return self.prompts.encode_request(request.messages, request.rendered_tools,
                                            dict(request.template_kwargs))
 
-    def _forced_call(self, request: ChatRequest) -> Constraint:
-        """The grammar that forces tool calls, with markers as this tokenizer spells them."""
-        start, end = channel_markers(self.tokenizer)[TOOL]
-        return forced_call_grammar(request.tools, request.tool_choice,
-                                   request.parallel_tool_calls,
-                                   self.compiler.lark_literal(start),
-                                   self.compiler.lark_literal(end))
+    def _forced_call(self, request: ChatRequest, opens_reasoning: bool) -> Constraint:
+        """The grammar that forces tool calls in this model's own syntax. A prompt that
+        opened the reasoning block has it closed first, so the call is never reasoning."""
+        literal = self.compiler.lark_text
+        calls = self.dialect.forced_calls(request.tools, request.tool_choice,
+                                          request.parallel_tool_calls, literal)
+        close = self.dialect.reasoning_close
+        prefix = (f"{literal(close)} {literal(self.dialect.after_reasoning)}"
+                  if opens_reasoning and close else "")
+        return forced_grammar(calls, prefix)
 
 
 def checked_request(request: Any) -> Request:

@@ -24,8 +24,6 @@ from typing import Any
 from engine.requests.inbound.tool_specs import ToolSpec
 
 TOOL_CALL_START = "<tool_call>"
-
-
 TOOL_CALL_END = "</tool_call>"
 
 

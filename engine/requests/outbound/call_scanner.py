@@ -9,6 +9,7 @@ comparison form the hold-back policy uses. No mlx.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from engine.requests.outbound.tool_calls import ToolParser, new_call_id
 
@@ -16,9 +17,9 @@ from engine.requests.outbound.tool_calls import ToolParser, new_call_id
 class CallElement:
     """One call object of a tool block as it streams."""
 
-    def __init__(self, start: int) -> None:
+    def __init__(self, start: int, call_id: str) -> None:
         self.start = start  # offset of its "{" in the block's text
-        self.id = new_call_id()
+        self.id = call_id
         self.name: str | None = None
         self.args = ""  # the arguments object's text so far, as the model writes it
         self.args_key: str | None = None  # "arguments" or "parameters", the one captured
@@ -46,7 +47,8 @@ class CallScanner:
     arguments object's text as it grows; hands each object's text over when it closes.
     ``failed`` once the text cannot be such JSON (the rest is then not read)."""
 
-    def __init__(self) -> None:
+    def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
+        self._new_id = new_id  # call ids as the model's chat template accepts them
         self.text = ""
         self.pos = 0
         self.failed = False
@@ -198,7 +200,7 @@ class CallScanner:
                 self._capture, self._state = False, "comma_or_close"
 
     def _open(self) -> None:
-        self.element, self._state = CallElement(self.pos), "key_or_close"
+        self.element, self._state = CallElement(self.pos, self._new_id()), "key_or_close"
 
     def _close(self) -> None:
         element = self.element

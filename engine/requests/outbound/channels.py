@@ -7,13 +7,26 @@ is held back until it is known. Markers themselves are never emitted.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 CONTENT = "content"
-
-
 REASONING = "reasoning"
-
-
 TOOL = "tool"
+
+
+class Splitter(Protocol):
+    """A row's text sorted into channels as it streams; a model family may bring its own
+    (``engine.requests.dialects``), ``ChannelSplitter`` splits on marker pairs."""
+
+    @property
+    def channel(self) -> str:
+        """The channel the next text belongs to."""
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """Pieces in order; a (channel, "") piece marks each switch of channel."""
+
+    def flush(self) -> list[tuple[str, str]]:
+        """The row ended: whatever was held back, as text of the current channel."""
 
 
 class ChannelSplitter:

@@ -117,8 +117,6 @@ class Completion:
 
 
 FORCED_CALL = "the forced tool call"
-
-
 STRUCTURED_JSON = "the structured output (JSON)"
 
 

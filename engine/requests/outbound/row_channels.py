@@ -5,10 +5,11 @@ hold-back policy that keeps a call the engine may still drop from ever being sen
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.call_scanner import CallElement, CallScanner, compact_json, reads_json
-from engine.requests.outbound.channels import REASONING, TOOL, ChannelSplitter
+from engine.requests.outbound.channels import REASONING, TOOL, Splitter
 from engine.requests.outbound.tool_calls import (
     InvalidToolCall,
     ToolCall,
@@ -53,9 +54,12 @@ class RowChannels:
     parsers own), is parsed whole at the block's close and streams then, as one delta.
     """
 
-    def __init__(self, splitter: ChannelSplitter, parser: ToolParser | None,
-                 tools: tuple[ToolSpec, ...], parallel: bool = True) -> None:
+    def __init__(self, splitter: Splitter, parser: ToolParser | None,
+                 tools: tuple[ToolSpec, ...], parallel: bool = True, *,
+                 new_id: Callable[[], str] = new_call_id) -> None:
+        """``new_id`` makes call ids as the model's chat template accepts them."""
         self._splitter = splitter
+        self._new_id = new_id
         self._parser = parser
         self._tools = tools
         self._parallel = parallel  # False: only the first call is kept (parallel_tool_calls)
@@ -94,7 +98,7 @@ class RowChannels:
                                                     "the tool call was not closed",
                                                     element.index))
             elif not closed:
-                self.invalid.append(InvalidToolCall(new_call_id(), None, raw,
+                self.invalid.append(InvalidToolCall(self._new_id(), None, raw,
                                                     "the tool call was not closed"))
             self.repeated_calls += self._repeats
             self._repeats = 0
@@ -110,7 +114,7 @@ class RowChannels:
             if channel == TOOL:
                 if self._call_text is None:  # a call opens: the whitespace before it goes
                     self._call_text, self._spaces, self.saw_call = "", "", True
-                    self._scan = CallScanner() if reads_json(self._parser) else None
+                    self._scan = CallScanner(self._new_id) if reads_json(self._parser) else None
                 self._call_text += text
                 if self._scan is not None and text:
                     self._scan.feed(text)
@@ -177,7 +181,7 @@ class RowChannels:
 
     def _close_element(self, element: CallElement, text: str) -> None:
         """A call object closed: keep it, or drop it (a repeat, an extra), or it is invalid."""
-        parsed = self._as_streamed(element, parse_call(text, None, self._tools))
+        parsed = self._as_streamed(element, parse_call(text, None, self._tools, self._new_id))
         if isinstance(parsed, InvalidToolCall):
             self.invalid.append(parsed)
             return
@@ -226,7 +230,7 @@ class RowChannels:
             # A JSON list of calls in one block (SmolLM2's format) is one call per element.
             bodies = split_call_list(raw) if self._parser is None else None
             for body in [raw] if bodies is None else bodies:
-                self._add_call(parse_call(body, self._parser, self._tools))
+                self._add_call(parse_call(body, self._parser, self._tools, self._new_id))
         self.repeated_calls += self._repeats
         self._repeats = 0
 
@@ -240,7 +244,7 @@ class RowChannels:
                                                 "the tool call's JSON is not complete",
                                                 element.index))
         elif scan.failed:
-            self.invalid.append(InvalidToolCall(new_call_id(), None, raw[scan.end:],
+            self.invalid.append(InvalidToolCall(self._new_id(), None, raw[scan.end:],
                                                 "text after the tool calls is not JSON"))
 
     def _add_call(self, parsed: ToolCall | InvalidToolCall) -> None:

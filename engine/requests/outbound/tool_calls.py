@@ -82,11 +82,11 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_call(raw: str, parser: ToolParser | None, tools: Sequence[ToolSpec]) -> (
-        ToolCall | InvalidToolCall):
+def parse_call(raw: str, parser: ToolParser | None, tools: Sequence[ToolSpec],
+               new_id: Callable[[], str] = new_call_id) -> ToolCall | InvalidToolCall:
     """Parse one call's markup body with the model's parser, else as tagged JSON."""
     text = raw.strip()
-    call_id = new_call_id()
+    call_id = new_id()
     try:
         parsed = parser(text, [t.as_openai() for t in tools]) if parser else json.loads(text)
         if isinstance(parsed, list) and len(parsed) == 1:
