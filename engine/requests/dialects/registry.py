@@ -4,9 +4,10 @@ default (tagged JSON in mlx-lm's markers). Families are checked most specific fi
 from __future__ import annotations
 
 from engine.requests.dialects.dialect import Dialect, TokenizerFacts
+from engine.requests.dialects.harmony import Harmony
 
 # Family dialects, most specific first; each module of this package adds its own.
-FAMILIES: tuple[type[Dialect], ...] = ()
+FAMILIES: tuple[type[Dialect], ...] = (Harmony,)
 
 
 def dialect_for(facts: TokenizerFacts) -> Dialect:
