@@ -199,6 +199,10 @@ TEXT_MODELS: dict[str, tuple[str, str]] = {
 }
 
 
+# model_types mlx-lm loads with another architecture's module (its MODEL_REMAPPING).
+MODEL_REMAPS = {"mistral": "llama"}
+
+
 def architectures() -> list[str]:
     """Every model_type mlx-lm ships a module for, sorted."""
     import mlx_lm.models
@@ -266,23 +270,21 @@ def tiny_config(model_type: str, vocab_size: int = 512) -> dict[str, Any]:
     return config
 
 
-def build_architecture_model(model_type: str, out: Path, tokenizer_dir: Path, *,
-                             vocab_size: int, seed: int = 0,
-                             weight_scale: float = 2.0) -> Path:
-    """Write a random-weight ``model_type`` model with ``tokenizer_dir``'s tokenizer to
-    ``out`` (created) and return it. Weights are float32, scaled up so that greedy
-    continuations vary (default init makes a model this small repeat one token)."""
+def save_random_model(config: dict[str, Any], out: Path, *, seed: int = 0,
+                      weight_scale: float = 2.0, max_params: int = 5_000_000) -> Path:
+    """Write random float32 weights and ``config`` as an mlx-lm model directory (``out``,
+    created). Weights are scaled up so that greedy continuations vary (default init makes
+    a model this small repeat one token)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.utils import save_config, save_model
 
-    config = tiny_config(model_type, vocab_size)
-    weight_scale = WEIGHT_SCALES.get(model_type, weight_scale)
+    model_type = str(config["model_type"])
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(copy.deepcopy(config)))
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    if n_params > 5_000_000:  # a field the config missed left a published default size
+    if n_params > max_params:  # a field the config missed left a published default size
         raise ValueError(f"{model_type}: the tiny config still makes {n_params} parameters")
     model.update(tree_map(lambda p: p * weight_scale if p.ndim == 2 else p,
                           model.parameters()))
@@ -294,6 +296,16 @@ def build_architecture_model(model_type: str, out: Path, tokenizer_dir: Path, *,
     out.mkdir(parents=True, exist_ok=True)
     save_model(out, model)
     save_config({**config, "torch_dtype": "float32"}, out / "config.json")
+    return out
+
+
+def build_architecture_model(model_type: str, out: Path, tokenizer_dir: Path, *,
+                             vocab_size: int, seed: int = 0,
+                             weight_scale: float = 2.0) -> Path:
+    """Write a random-weight ``model_type`` model with ``tokenizer_dir``'s tokenizer to
+    ``out`` (created) and return it."""
+    save_random_model(tiny_config(model_type, vocab_size), out, seed=seed,
+                      weight_scale=WEIGHT_SCALES.get(model_type, weight_scale))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out / name)
