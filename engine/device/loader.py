@@ -33,7 +33,7 @@ from engine.device.memory import (
     usable_memory_bytes,
     weights_bytes,
 )
-from engine.device.padding_probe import batch_divergence
+from engine.device.padding_probe import KNOWN_DIVERGENT, batch_divergence
 from engine.device.prefix_reuse import PrefixReuse, reuse_policy
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
@@ -136,10 +136,13 @@ def _batch_divergence(model: Any, stream: Any, layers: list[LayerFootprint]) -> 
     decode (its rows then run serially, exact); nothing to probe when already serial."""
     if not all(layer.batchable for layer in layers):
         return []
+    kind = type(model).__module__.rsplit(".", 1)[-1]
+    if kind in KNOWN_DIVERGENT:
+        return [f"{kind}: {KNOWN_DIVERGENT[kind]}"]
+    if all(layer.kind in ("KVCache", "RotatingKVCache") for layer in layers):
+        return []  # attention masks its padding (every such kind checked by the sweep)
     why = batch_divergence(model, stream)
-    if why is None:
-        return []
-    return [f"{type(model).__module__.rsplit('.', 1)[-1]}: {why}"]
+    return [] if why is None else [f"{kind}: {why}"]
 
 
 def memory_bounds(model: Any, config: EngineConfig) -> MemoryBounds:
