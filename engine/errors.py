@@ -101,7 +101,8 @@ class RequestCancelledError(RequestError):
 
 
 class InvalidModelError(ValueError):
-    """A local path exists but is neither a model directory nor a ``.gguf`` file."""
+    """A local path exists but is not a model: neither a model directory nor a ``.gguf``
+    file, a corrupt config.json, or weights that do not fit the config."""
 
 
 class ModelDownloadError(OSError):
@@ -112,7 +113,9 @@ class ModelDownloadError(OSError):
 
 
 class UnsupportedModelError(ValueError):
-    """The GGUF file uses an architecture, tensor type or tokenizer this converter cannot map."""
+    """A model this install cannot run: a ``model_type`` the installed mlx-lm has no
+    architecture for, or a GGUF architecture, tensor type or tokenizer the converter
+    cannot map."""
 
 
 class OutputTruncatedError(ValueError):
