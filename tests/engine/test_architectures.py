@@ -28,11 +28,38 @@ SKIPPED = {**arch.UNRUNNABLE, **arch.METAL_ONLY, **arch.CRASHES}
 # kind, and the architectures whose rows the load-time probe sends to the serial lane.
 # MLX_PROVIDERS_ALL_ARCHITECTURES=1 runs all of mlx-lm's (~3.5 min on 2 cores).
 DEFAULT = (
-    "llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "smollm3", "ministral3", "olmo2",
-    "gemma2", "gemma3_text", "gemma3", "gemma3n", "gemma4_text", "gemma4", "gpt_oss",
-    "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen2_vl", "qwen3_vl", "mistral3", "pixtral",
-    "lfm2", "lfm2-vl", "granitemoehybrid", "nemotron_h", "mamba", "mamba2", "gpt_bigcode",
-    "llama4", "deepseek_v3", "recurrent_gemma",
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "phi3",
+    "smollm3",
+    "ministral3",
+    "olmo2",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+    "gemma3n",
+    "gemma4_text",
+    "gemma4",
+    "gpt_oss",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen2_vl",
+    "qwen3_vl",
+    "mistral3",
+    "pixtral",
+    "lfm2",
+    "lfm2-vl",
+    "granitemoehybrid",
+    "nemotron_h",
+    "mamba",
+    "mamba2",
+    "gpt_bigcode",
+    "llama4",
+    "deepseek_v3",
+    "recurrent_gemma",
 )
 # Rows of these run one at a time on the serial lane (mlx-lm 0.32.2): the load-time probe
 # finds their batched decode differs from their plain one, or the cache cannot merge.
@@ -98,8 +125,9 @@ def mlx_lm_greedy(model_dir: Path, prompts: list[list[int]]) -> list[tuple[int, 
     out = []
     for prompt in prompts:
         tokens: list[int] = []
-        for step in stream_generate(model, tokenizer, prompt, max_tokens=TOKENS,
-                                    sampler=make_sampler(0.0)):
+        for step in stream_generate(
+            model, tokenizer, prompt, max_tokens=TOKENS, sampler=make_sampler(0.0)
+        ):
             if step.token in eos:
                 break
             tokens.append(step.token)
@@ -145,7 +173,9 @@ def test_architecture_loads_and_decodes_exactly(model_type: str, engine_for) -> 
     seen: list[int] = []
     victim_params = greedy(400)
     handles = [eng.submit(TextRequest(p, params)) for p in prompts[:3]]
-    victim = eng.submit(TextRequest(prompts[3], victim_params), on_token=lambda t, _: seen.append(t))
+    victim = eng.submit(
+        TextRequest(prompts[3], victim_params), on_token=lambda t, _: seen.append(t)
+    )
     wait_until(lambda: len(seen) >= 2 or victim.done)
     victim.cancel()
     assert [h.result(timeout=60).token_ids for h in handles] == expected[:3]

@@ -52,21 +52,29 @@ CANNOT_RENDER: dict[str, dict[str, str]] = {
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-    return str(tokenizer.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=False,
-                                             **kwargs))
+    return str(
+        tokenizer.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=False, **kwargs)
+    )
 
 
 def _renders(tokenizer: Any) -> dict[str, str]:
     """What the template did with tools, a call and a result: rendered/dropped/raises."""
     question = [{"role": "user", "content": QUESTION}]
-    result = {"role": "tool", "tool_call_id": "a1b2c3d4e", "name": "get_weather",
-              "content": "22 degrees and sunny"}
+    result = {
+        "role": "tool",
+        "tool_call_id": "a1b2c3d4e",
+        "name": "get_weather",
+        "content": "22 degrees and sunny",
+    }
     found: dict[str, str] = {}
     checks = {
         "tools": (question, {"add_generation_prompt": True}, "get_weather"),
         "call": ([*question, tool_call_message()], {}, "Paris"),
-        "result": ([*question, tool_call_message(), result], {"add_generation_prompt": True},
-                   "22 degrees and sunny"),
+        "result": (
+            [*question, tool_call_message(), result],
+            {"add_generation_prompt": True},
+            "22 degrees and sunny",
+        ),
     }
     for what, (messages, kwargs, needle) in checks.items():
         try:
@@ -86,20 +94,23 @@ def test_tokenizer_ids_equal_the_reference(family: Family, family_dir: Path) -> 
     assert same == total, f"{family.name}: {same}/{total} texts tokenized as the reference"
 
 
-def test_the_engine_tokenizer_places_the_family_tokens(family: Family,
-                                                       family_engine: Engine) -> None:
+def test_the_engine_tokenizer_places_the_family_tokens(
+    family: Family, family_engine: Engine
+) -> None:
     tokenizer = family_engine.tokenizer
     for token_id, token in family.added.items():
         if token.content.startswith(("<SPECIAL_", "<|reserved_", "<unused_slot_")):
             continue
         assert tokenizer.encode(token.content, add_special_tokens=False) == [token_id], (
-            f"{family.name}: {token.content!r} is not the single token {token_id}")
+            f"{family.name}: {token.content!r} is not the single token {token_id}"
+        )
     eos = {tokenizer.convert_tokens_to_ids(t) for t in family.eos}
     assert eos <= set(tokenizer.eos_token_ids)
 
 
 def test_mlx_lm_infers_what_it_infers_for_the_real_checkpoint(
-        family: Family, family_engine: Engine) -> None:
+    family: Family, family_engine: Engine
+) -> None:
     tokenizer = family_engine.tokenizer
     parser = tokenizer._tokenizer.init_kwargs.get("tool_parser_type")
     think = tokenizer.think_start if tokenizer.has_thinking else None
@@ -107,29 +118,37 @@ def test_mlx_lm_infers_what_it_infers_for_the_real_checkpoint(
 
 
 def test_the_template_renders_a_tool_round_trip_or_fails_as_recorded(
-        family: Family, family_engine: Engine) -> None:
+    family: Family, family_engine: Engine
+) -> None:
     expected = {"tools": "rendered", "call": "rendered", "result": "rendered"}
-    expected.update({what: how.split(" ")[0]
-                     for what, how in CANNOT_RENDER.get(family.name, {}).items()})
+    expected.update(
+        {what: how.split(" ")[0] for what, how in CANNOT_RENDER.get(family.name, {}).items()}
+    )
     assert _renders(family_engine.tokenizer) == expected
 
 
-def test_the_family_loads_and_batched_greedy_equals_alone(family: Family,
-                                                          family_engine: Engine) -> None:
-    questions = ["What is the weather in Paris?", "Hi", "Name three colours.",
-                 "Write a haiku about the sea, please, in English."]
+def test_the_family_loads_and_batched_greedy_equals_alone(
+    family: Family, family_engine: Engine
+) -> None:
+    questions = [
+        "What is the weather in Paris?",
+        "Hi",
+        "Name three colours.",
+        "Write a haiku about the sea, please, in English.",
+    ]
     chats = [[{"role": "user", "content": q}] for q in questions]
     params = greedy(8)
-    alone = [family_engine.submit(ChatRequest.from_openai(chat, params)).result(timeout=120).token_ids
-             for chat in chats]
+    alone = [
+        family_engine.submit(ChatRequest.from_openai(chat, params)).result(timeout=120).token_ids
+        for chat in chats
+    ]
     assert all(alone), f"{family.name}: a chat decoded nothing"
     handles = [family_engine.submit(ChatRequest.from_openai(chat, params)) for chat in chats]
     assert [h.result(timeout=120).token_ids for h in handles] == alone
     assert family_engine.stats().batch_mode in ("batch", "serial")
 
 
-def test_the_vocabulary_is_the_models_logits_width(family: Family,
-                                                   family_engine: Engine) -> None:
+def test_the_vocabulary_is_the_models_logits_width(family: Family, family_engine: Engine) -> None:
     # Read from the logits, wherever the config keeps vocab_size (text_config wrappers).
     last = family.vocab_size - 1
     assert family_engine.submit(TextRequest([1, 2, last], greedy(2))).result(timeout=60).token_ids
