@@ -24,6 +24,7 @@ from engine import (
     TextRequest,
     TurnReport,
 )
+from engine.models.resolve import exclusive_lock
 from engine.requests.inbound.prompts import PromptRenderer
 from testkit.tiny_model import build_tiny_model
 
@@ -31,16 +32,24 @@ _build_lock = threading.Lock()
 
 
 def _cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # CI points this at a directory that outlives one pytest session.
+    # CI points this at a directory that outlives one pytest session. Without it, the
+    # session's temp root: under pytest-xdist the root all workers' temp dirs share, so
+    # each model is built once per run, not once per worker.
     root = os.environ.get("MLX_PROVIDERS_TEST_CACHE")
-    return Path(root) if root else tmp_path_factory.getbasetemp()
+    if root:
+        return Path(root)
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 def _built(out: Path, **options: bool) -> Path:
-    # Built once, published by rename, so a crashed build never looks finished.
-    with _build_lock:
+    # Built once, published by rename, so a crashed build never looks finished; the file
+    # lock makes the other processes of the run (xdist workers, a second session on the
+    # same cache) wait for the first build instead of racing it.
+    with _build_lock, exclusive_lock(out.with_name(f".{out.name}.lock")):
         if not (out / "config.json").exists():
             partial = out.with_name(out.name + f".tmp{os.getpid()}")
+            shutil.rmtree(partial, ignore_errors=True)  # a crashed build's leftovers
             build_tiny_model(partial, **options)  # type: ignore[arg-type]
             os.replace(partial, out)
     return out

@@ -9,7 +9,6 @@ pip the dependent tests skip, naming the package that could not be fetched.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,13 +16,13 @@ import pytest
 
 from engine import Engine, EngineConfig
 from testkit.families import FAMILIES, AssetUnavailable, Family, built_family_model
+from tests.conftest import _cache_root
 
 
 @pytest.fixture(scope="session")
 def family_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Where family models are built (one directory per family and content key)."""
-    root = os.environ.get("MLX_PROVIDERS_TEST_CACHE")
-    return Path(root) if root else tmp_path_factory.getbasetemp()
+    return _cache_root(tmp_path_factory)  # shared by a run's xdist workers
 
 
 @pytest.fixture(scope="session")
