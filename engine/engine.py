@@ -387,7 +387,8 @@ class Engine:
                        prefix_cache_limit_bytes=store.max_bytes,
                        buffer_cache_limit_bytes=bounds.buffer_cache_bytes,
                        loaded=True, batch_mode=self._scheduler.mode.value,
-                       context_limit=model.footprint.context_limit, **self._weights())
+                       context_limit=model.footprint.context_limit, **self._weights(),
+                       **model.weights.stats())
         if self._scheduler.mode is BatchMode.SERIAL:
             log.warning("model caches (%s) cannot batch: requests run one at a time",
                         ", ".join(model.footprint.non_batchable_kinds))

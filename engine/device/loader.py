@@ -35,6 +35,7 @@ from engine.device.memory import (
 from engine.device.prefix_reuse import PrefixReuse, reuse_policy
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
+from engine.device.weight_policy import WeightChoice, apply_weight_policy
 from engine.requests.grammar import GrammarCompiler
 
 
@@ -49,6 +50,8 @@ class LoadedModel:
     vocab_size: int
     bounds: MemoryBounds
     group: Group | None = None  # set when the model is sharded over a group of ranks
+    # The CPU weight policy's choice (weight_policy.py).
+    weights: WeightChoice = field(default_factory=lambda: WeightChoice("", ""))
 
 
 @dataclass
@@ -106,6 +109,7 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
     else:
         group = None
         model, tokenizer = mlx_load(str(path))[:2]
+    weights = apply_weight_policy(model, config.quantized)
     cache = make_prompt_cache(model, config.max_kv_size)
     with mx.stream(stream):
         model(mx.array([[0]]), cache=cache)
@@ -115,7 +119,7 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
     vocab = int(args.vocab_size) if args is not None else len(tokenizer)
     footprint = ModelFootprint.of(layers, context_limit)
     bounds = memory_bounds(model, config)
-    return LoadedModel(model, tokenizer, footprint, stream, vocab, bounds, group)
+    return LoadedModel(model, tokenizer, footprint, stream, vocab, bounds, group, weights)
 
 
 def memory_bounds(model: Any, config: EngineConfig) -> MemoryBounds:

@@ -81,14 +81,15 @@ def cache_dir() -> Path:
 
 
 def prefer_quantized() -> bool:
-    """Whether the default backend runs quantized weights well (Metal or CUDA).
+    """Whether the default backend runs quantized weights well: Metal, CUDA, or the CPU with
+    this package's kernels (engine.device.cpu_kernels).
 
-    On mlx's CPU backend only float32 matmuls use BLAS: bf16 and 4-bit run 2-6x slower than
-    float32 there, so the CPU default is to dequantize.
+    MLX's own CPU ops run only float32 matmuls through BLAS: there bf16 and 4-bit run 2-6x
+    slower than float32, so without the kernels the CPU default is to dequantize.
     """
-    from engine.device.weights import accelerator_available
+    from engine.device.weights import accelerator_available, cpu_kernels_available
 
-    return accelerator_available()
+    return accelerator_available() or cpu_kernels_available()
 
 
 # --- the cache key ------------------------------------------------------------------------------
@@ -178,8 +179,12 @@ def converted_gguf_dir(gguf_path: str | os.PathLike[str], *, quantized: bool) ->
     The cache key is the file's fingerprint plus the weight format, so a cache hit costs a
     few milliseconds. Raises ``UnsupportedModelError`` for files the converter can't map.
     """
+    from engine.device.weights import accelerator_available
+
     src = Path(gguf_path).expanduser().resolve()
-    float_dtype: FloatDtype = "float16" if quantized and prefer_quantized() else "float32"
+    # float16 halves the non-quantized weights on a GPU; on the CPU MLX's float16 ops are
+    # slow, and the activations follow the weights' dtype.
+    float_dtype: FloatDtype = "float16" if quantized and accelerator_available() else "float32"
     name = _cache_name(src, gguf_fingerprint(src), quantized, float_dtype)
     root = cache_dir() / "models"
     final = root / name
@@ -349,7 +354,8 @@ def resolve_model(
     """A local directory that ``mlx_lm.load`` accepts for ``spec``.
 
     ``quantized`` applies to GGUF conversions: True keeps the file's 4/8-bit weights, False
-    writes float32; None picks by backend (quantized on Metal and CUDA, float32 on CPU).
+    writes float32; None picks by backend (quantized on Metal and CUDA, and on the CPU where
+    this package's CPU kernels run; float32 on the CPU without them).
     A missing path that looks like one (starting with ``/ . ~`` or ending ``.gguf``) raises
     ``FileNotFoundError`` rather than being tried on the hub.
     """
