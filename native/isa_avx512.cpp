@@ -113,15 +113,13 @@ inline __m512 dequant16(__m128i q8, float scale, float bias) {
                          _mm512_set1_ps(bias));
 }
 
-// Column n's weights in float32, in the activations' order: K floats into wf.
+// Column n's weights in float32, in the activations' order: K floats into wf; s and b are
+// the column's scales and biases in float32.
 template <int BITS>
-inline void dequant_column(const QmmProblem& p, int n, float* s, float* b, float* wf) {
+inline void dequant_column(const QmmProblem& p, int n, const float* s, const float* b,
+                           float* wf) {
   const int chunks = p.K / 64;
-  const int groups = p.K / p.group;
   const uint8_t* w = p.w + static_cast<size_t>(n) * (static_cast<size_t>(p.K) * BITS / 8);
-  const int64_t goff = static_cast<int64_t>(n) * groups;
-  row_to_f32(p.scales, p.s_dtype, goff, groups, s);
-  row_to_f32(p.biases, p.s_dtype, goff, groups, b);
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   for (int c = 0; c < chunks; c++) {
     const int ga = (64 * c) / p.group;  // the chunk's blocks of 32: A, then B
@@ -148,8 +146,8 @@ inline void dequant_column(const QmmProblem& p, int n, float* s, float* b, float
 // R rows by C columns: each output is the same sequence of operations whatever R and C are
 // (the tails use smaller tiles), so a row's result never depends on the batch around it.
 template <int R, int C>
-inline void tile(const QmmProblem& p, const float* const* rows, const float* const* cols, int n,
-                 int m) {
+inline void tile(const QmmProblem& p, const float* const* rows, const float* cols,
+                 size_t col_stride, int n, int m) {
   const int vecs = p.K / 16;
   __m512 acc[R][C];
   for (int r = 0; r < R; r++) {
@@ -160,7 +158,7 @@ inline void tile(const QmmProblem& p, const float* const* rows, const float* con
   for (int v = 0; v < vecs; v++) {
     __m512 wv[C];
     for (int j = 0; j < C; j++) {
-      wv[j] = _mm512_load_ps(cols[j] + 16 * v);
+      wv[j] = _mm512_load_ps(cols + j * col_stride + 16 * v);
     }
     for (int r = 0; r < R; r++) {
       const __m512 xv = _mm512_load_ps(rows[r] + 16 * v);
@@ -177,20 +175,17 @@ inline void tile(const QmmProblem& p, const float* const* rows, const float* con
   }
 }
 
-template <int C>
-inline void columns(const QmmProblem& p, const uint8_t* scratch, size_t stride,
-                    const float* const* cols, int n, int m0, int m1) {
-  const float* rows[4];
-  int m = m0;
-  for (; m + 4 <= m1; m += 4) {
-    for (int r = 0; r < 4; r++) {
-      rows[r] = reinterpret_cast<const float*>(scratch + static_cast<size_t>(m + r) * stride);
-    }
-    tile<4, C>(p, rows, cols, n, m);
+// All rows of [m0, m1) against the nb dequantized columns at cols (column n0 first): tiles
+// of 4 x 4, row by row, so that each row's outputs are written in order.
+template <int R>
+inline void rows_against(const QmmProblem& p, const float* const* rows, const float* cols,
+                         size_t col_stride, int n0, int nb, int m) {
+  int j = 0;
+  for (; j + COLS <= nb; j += COLS) {
+    tile<R, COLS>(p, rows, cols + j * col_stride, col_stride, n0 + j, m);
   }
-  for (; m < m1; m++) {
-    rows[0] = reinterpret_cast<const float*>(scratch + static_cast<size_t>(m) * stride);
-    tile<1, C>(p, rows, cols, n, m);
+  for (; j < nb; j++) {
+    tile<R, 1>(p, rows, cols + j * col_stride, col_stride, n0 + j, m);
   }
 }
 
@@ -201,28 +196,45 @@ inline void* align64(void* p) {
 template <int BITS>
 void compute_bits(const QmmProblem& p, const uint8_t* scratch, int n0, int n1) {
   const size_t stride = X4::row_bytes(p.K);
+  const size_t col_stride = stride / 4;
   const int groups = p.K / p.group;
-  // COLS columns of dequantized weights (K floats each): L1/L2-resident while the
-  // activation rows pass over them.
-  auto* area = static_cast<float*>(align64(__builtin_alloca(COLS * stride + 64)));
-  auto* s = static_cast<float*>(__builtin_alloca(sizeof(float) * (groups + 16)));
-  auto* b = static_cast<float*>(__builtin_alloca(sizeof(float) * (groups + 16)));
-  const float* cols[COLS];
-  for (int j = 0; j < COLS; j++) {
-    cols[j] = area + j * (stride / 4);
-  }
+  // A block of columns dequantized at once (at most ~192 KB: L2-resident while the rows
+  // pass over it); its scales and biases converted to float32 in one go.
+  int block = static_cast<int>((192 * 1024) / stride);
+  block = block < COLS ? COLS : (block > 64 ? 64 : block / COLS * COLS);
+  auto* cols = static_cast<float*>(align64(__builtin_alloca(block * stride + 64)));
+  auto* s = static_cast<float*>(__builtin_alloca(sizeof(float) * (block * groups + 16)));
+  auto* b = static_cast<float*>(__builtin_alloca(sizeof(float) * (block * groups + 16)));
   for (int m0 = 0; m0 < p.M; m0 += ROW_BLOCK) {
     const int m1 = m0 + ROW_BLOCK < p.M ? m0 + ROW_BLOCK : p.M;
-    int n = n0;
-    for (; n + COLS <= n1; n += COLS) {
-      for (int j = 0; j < COLS; j++) {
-        dequant_column<BITS>(p, n + j, s, b, area + j * (stride / 4));
+    for (int nb0 = n0; nb0 < n1; nb0 += block) {
+      const int nb = n1 - nb0 < block ? n1 - nb0 : block;
+      const int64_t goff = static_cast<int64_t>(nb0) * groups;
+      const float* sp = s;
+      const float* bp = b;
+      if (p.s_dtype == DType::f32) {
+        sp = static_cast<const float*>(p.scales) + goff;
+        bp = static_cast<const float*>(p.biases) + goff;
+      } else {
+        row_to_f32(p.scales, p.s_dtype, goff, nb * groups, s);
+        row_to_f32(p.biases, p.s_dtype, goff, nb * groups, b);
       }
-      columns<COLS>(p, scratch, stride, cols, n, m0, m1);
-    }
-    for (; n < n1; n++) {
-      dequant_column<BITS>(p, n, s, b, area);
-      columns<1>(p, scratch, stride, cols, n, m0, m1);
+      for (int j = 0; j < nb; j++) {
+        dequant_column<BITS>(p, nb0 + j, sp + j * groups, bp + j * groups,
+                             cols + j * col_stride);
+      }
+      const float* rows[4];
+      int m = m0;
+      for (; m + 4 <= m1; m += 4) {
+        for (int r = 0; r < 4; r++) {
+          rows[r] = reinterpret_cast<const float*>(scratch + static_cast<size_t>(m + r) * stride);
+        }
+        rows_against<4>(p, rows, cols, col_stride, nb0, nb, m);
+      }
+      for (; m < m1; m++) {
+        rows[0] = reinterpret_cast<const float*>(scratch + static_cast<size_t>(m) * stride);
+        rows_against<1>(p, rows, cols, col_stride, nb0, nb, m);
+      }
     }
   }
 }

@@ -449,6 +449,36 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up) {
                    {gate, up});
 }
 
+// Reads an evaluated array's bytes with the pool's threads (what a memory-bound kernel can
+// get); the benchmark times it. Returns a checksum so the reads cannot be skipped.
+uint64_t read_through(const mx::array& a) {
+  const uint64_t* words = reinterpret_cast<const uint64_t*>(a.data<uint8_t>());
+  const int64_t n = static_cast<int64_t>(a.nbytes() / 8);
+  const int parts = split(static_cast<int>(n / 4096 + 1), 1, 4);
+  const int64_t each = (n + parts - 1) / parts;
+  std::vector<uint64_t> sums(parts, 0);
+  parallel_for(parts, [&](int i) {
+    uint64_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const int64_t i0 = i * each;
+    const int64_t i1 = i0 + each < n ? i0 + each : n;
+    int64_t j = i0;
+    for (; j + 8 <= i1; j += 8) {
+      for (int t = 0; t < 8; t++) {
+        acc[t] += words[j + t];
+      }
+    }
+    for (; j < i1; j++) {
+      acc[0] += words[j];
+    }
+    sums[i] = acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+  });
+  uint64_t total = 0;
+  for (uint64_t v : sums) {
+    total += v;
+  }
+  return total;
+}
+
 nb::dict info() {
   nb::dict d;
   d["isa"] = std::string(best_kernels().name);
@@ -469,5 +499,7 @@ NB_MODULE(cpu_native, m) {
         "mask"_a = nb::none(), "causal"_a = false,
         "Fused attention of (B, Hq, Lq, D) queries over (B, Hkv, Lk, D) keys and values.");
   m.def("silu_mul", &mlxp::silu_mul, "gate"_a, "up"_a, "silu(gate) * up (mlx-lm's swiglu).");
+  m.def("read_through", &mlxp::read_through, "a"_a,
+        "Reads an evaluated array's bytes on the kernels' threads (memory bandwidth).");
   m.def("info", &mlxp::info, "The kernel set in use, its threads and the mlx it was built on.");
 }

@@ -126,3 +126,10 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     drops are never read, so padding costs nothing and changes no result.
     """
     return _ext().attention(q, k, v, scale, mask, causal)  # type: ignore[no-any-return]
+
+
+def read_through(a: mx.array) -> int:
+    """Reads ``a``'s bytes (evaluated first) on the kernels' threads; a checksum. What a
+    memory-bound kernel can stream at best: ``bench/cpu_kernels.py`` times it."""
+    mx.eval(a)
+    return int(_ext().read_through(a))
