@@ -189,6 +189,57 @@ inline void rows_against(const QmmProblem& p, const float* const* rows, const fl
   }
 }
 
+// One activation row against C columns, each dequantized in registers on the way (no
+// buffer): a decode step of one row is bound by reading the weights. The same operations
+// per output as tile<1, C> over dequant_column, so the bits match a row in a batch.
+template <int BITS, int C>
+inline void row_fused(const QmmProblem& p, const float* x, const float* s, const float* b,
+                      int n) {
+  const int chunks = p.K / 64;
+  const int groups = p.K / p.group;
+  const size_t wrow = static_cast<size_t>(p.K) * BITS / 8;
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  __m512 acc[C];
+  for (int j = 0; j < C; j++) {
+    acc[j] = _mm512_setzero_ps();
+  }
+  for (int c = 0; c < chunks; c++) {
+    const int ga = (64 * c) / p.group;
+    const int gb = (64 * c + 32) / p.group;
+    __m512 xv[4];
+    for (int t = 0; t < 4; t++) {
+      xv[t] = _mm512_load_ps(x + 64 * c + 16 * t);
+    }
+    for (int j = 0; j < C; j++) {
+      const uint8_t* w = p.w + static_cast<size_t>(n + j) * wrow;
+      const float* sj = s + j * groups;
+      const float* bj = b + j * groups;
+      __m128i q[4];
+      if (BITS == 4) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
+        const __m256i lo = _mm256_and_si256(raw, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        q[0] = _mm256_castsi256_si128(lo);
+        q[1] = _mm256_extracti128_si256(lo, 1);
+        q[2] = _mm256_castsi256_si128(hi);
+        q[3] = _mm256_extracti128_si256(hi, 1);
+      } else {
+        for (int t = 0; t < 4; t++) {
+          q[t] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 64 * c + 16 * t));
+        }
+      }
+      for (int t = 0; t < 4; t++) {
+        // 4-bit: vectors 0 and 2 lie in block A; 8-bit: vectors 0 and 1.
+        const int g = (BITS == 4 ? (t & 1) : (t >> 1)) ? gb : ga;
+        acc[j] = _mm512_fmadd_ps(dequant16(q[t], sj[g], bj[g]), xv[t], acc[j]);
+      }
+    }
+  }
+  for (int j = 0; j < C; j++) {
+    store_f(p.out, p.out_dtype, n + j, _mm512_reduce_add_ps(acc[j]));
+  }
+}
+
 inline void* align64(void* p) {
   return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
 }
@@ -218,6 +269,17 @@ void compute_bits(const QmmProblem& p, const uint8_t* scratch, int n0, int n1) {
       } else {
         row_to_f32(p.scales, p.s_dtype, goff, nb * groups, s);
         row_to_f32(p.biases, p.s_dtype, goff, nb * groups, b);
+      }
+      if (p.M == 1) {
+        const float* x = reinterpret_cast<const float*>(scratch);
+        int j = 0;
+        for (; j + COLS <= nb; j += COLS) {
+          row_fused<BITS, COLS>(p, x, sp + j * groups, bp + j * groups, nb0 + j);
+        }
+        for (; j < nb; j++) {
+          row_fused<BITS, 1>(p, x, sp + j * groups, bp + j * groups, nb0 + j);
+        }
+        continue;
       }
       for (int j = 0; j < nb; j++) {
         dequant_column<BITS>(p, nb0 + j, sp + j * groups, bp + j * groups,

@@ -43,6 +43,7 @@ __all__ = [
     "converted_gguf_dir",
     "default_model_gguf",
     "gguf_fingerprint",
+    "on_accelerator",
     "prefer_quantized",
     "resolve_model",
 ]
@@ -80,6 +81,13 @@ def cache_dir() -> Path:
     return base / "mlx-providers"
 
 
+def on_accelerator() -> bool:
+    """Whether mlx runs on Metal or CUDA here."""
+    from engine.device.weights import accelerator_available
+
+    return accelerator_available()
+
+
 def prefer_quantized() -> bool:
     """Whether the default backend runs quantized weights well: Metal, CUDA, or the CPU with
     this package's kernels (engine.device.cpu_kernels).
@@ -87,9 +95,9 @@ def prefer_quantized() -> bool:
     MLX's own CPU ops run only float32 matmuls through BLAS: there bf16 and 4-bit run 2-6x
     slower than float32, so without the kernels the CPU default is to dequantize.
     """
-    from engine.device.weights import accelerator_available, cpu_kernels_available
+    from engine.device.weights import cpu_kernels_available
 
-    return accelerator_available() or cpu_kernels_available()
+    return on_accelerator() or cpu_kernels_available()
 
 
 # --- the cache key ------------------------------------------------------------------------------
@@ -179,12 +187,10 @@ def converted_gguf_dir(gguf_path: str | os.PathLike[str], *, quantized: bool) ->
     The cache key is the file's fingerprint plus the weight format, so a cache hit costs a
     few milliseconds. Raises ``UnsupportedModelError`` for files the converter can't map.
     """
-    from engine.device.weights import accelerator_available
-
     src = Path(gguf_path).expanduser().resolve()
     # float16 halves the non-quantized weights on a GPU; on the CPU MLX's float16 ops are
     # slow, and the activations follow the weights' dtype.
-    float_dtype: FloatDtype = "float16" if quantized and accelerator_available() else "float32"
+    float_dtype: FloatDtype = "float16" if quantized and on_accelerator() else "float32"
     name = _cache_name(src, gguf_fingerprint(src), quantized, float_dtype)
     root = cache_dir() / "models"
     final = root / name
