@@ -32,9 +32,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check engine mlx_providers tests testkit bench examples
 	$(BIN)/mypy
 
+# BENCH_ARGS go to both scripts (tests/engine/test_bench.py runs them small, on a tiny model).
 bench: $(STAMP)
-	$(BIN)/python bench/engine_throughput.py
-	$(BIN)/python bench/blas.py
+	$(BIN)/python bench/engine_throughput.py $(BENCH_ARGS) $(THROUGHPUT_ARGS)
+	$(BIN)/python bench/blas.py $(BENCH_ARGS) $(BLAS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

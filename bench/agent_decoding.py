@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import engine  # noqa: F401 - loads the fast BLAS before mlx
-from engine import Engine, EngineConfig, JsonSchema, SamplingParams, blas_info
+from engine import ChatRequest, Engine, EngineConfig, JsonSchema, SamplingParams, blas_info
 
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Rome", "Quito", "Seoul",
           "Dakar", "Perth", "Hanoi", "Bern", "Doha", "Riga", "Kyiv"]
@@ -60,12 +60,14 @@ def load(eng: Engine, kind: str, rows: int, parallel: bool = False) -> Run:
         city = CITIES[i % len(CITIES)]
         if kind == "tool":
             messages = [{"role": "user", "content": f"What is the weather in {city} in celsius?"}]
-            handles.append(eng.submit(messages, SamplingParams(max_tokens=96), tools=[WEATHER],
-                                      tool_choice="required", parallel_tool_calls=parallel))
+            handles.append(eng.submit(ChatRequest.from_openai(
+                messages, SamplingParams(max_tokens=96), tools=[WEATHER],
+                tool_choice="required", parallel_tool_calls=parallel)))
         else:
             messages = [{"role": "user", "content": f"Plan a trip to {city}: answer as JSON "
                          "with destination, days and season."}]
-            handles.append(eng.submit(messages, SamplingParams(max_tokens=64, constraint=TRIP)))
+            handles.append(eng.submit(ChatRequest.from_openai(
+                messages, SamplingParams(max_tokens=64, constraint=TRIP))))
     results = [h.result() for h in handles]
     wall = time.perf_counter() - started
     after = eng.stats()
@@ -94,7 +96,8 @@ SPEC_LOADS = {
 def spec_load(eng: Engine, messages: list[dict[str, str]], rows: int) -> tuple[Run, list[Any]]:
     before = eng.stats()
     started = time.perf_counter()
-    handles = [eng.submit(messages, SamplingParams(max_tokens=96)) for _ in range(rows)]
+    request = ChatRequest.from_openai(messages, SamplingParams(max_tokens=96))
+    handles = [eng.submit(request) for _ in range(rows)]
     results = [h.result() for h in handles]
     wall = time.perf_counter() - started
     after = eng.stats()

@@ -4,41 +4,37 @@ The BLAS is chosen once per process (before mlx.core loads), so each side runs i
 subprocess: the reference side with MLX_PROVIDERS_FAST_BLAS=0, each fast side with the
 default search and OPENBLAS_NUM_THREADS as given by --threads.
 
-    python bench/blas.py --model PATH [--rows 1,16] [--threads auto,1,2] [--repeat 3]
+    python bench/blas.py [--model PATH] [--rows 1,16] [--threads auto,1,2] [--repeat 3]
+                         [--matmuls 16x2048x2048,2048x2048x2048] [--tokens 64]
 
-PATH is an mlx-lm model directory; a float32 one shows BLAS best (mlx's CPU backend uses
-BLAS for float32 matmuls only). Decode rate = tokens generated after every row's first
-token / time from that first token to the last. Timings are best-of --repeat: other
-processes on the machine only ever make a run slower.
+PATH is an mlx-lm model directory (default: the default model's float32 conversion); a
+float32 one shows BLAS best (mlx's CPU backend uses BLAS for float32 matmuls only). Decode
+rate = tokens generated after every row's first token / time from that first token to the
+last. Timings are best-of --repeat: other processes on the machine only ever make a run
+slower.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-BLAS_PY = Path(__file__).resolve().parents[1] / "engine" / "blas.py"
-MATMULS = [(16, 2048, 2048), (2048, 2048, 2048)]
+MATMULS = "16x2048x2048,2048x2048x2048"
 PROMPT_TOKENS = 32
-MAX_TOKENS = 64
 
 
 def load_blas_module() -> ModuleType:
-    """engine/blas.py by path: the bench needs neither engine/__init__ nor an install."""
-    spec = importlib.util.spec_from_file_location("engine_blas", BLAS_PY)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["engine_blas"] = module
-    spec.loader.exec_module(module)
-    return module
+    """engine._platform.blas. Importing ``engine`` activates the BLAS this process's
+    environment asks for (MLX_PROVIDERS_FAST_BLAS=0: the reference one) before mlx loads."""
+    import engine._platform.blas as blas
+
+    return blas
 
 
 def time_matmul(m: int, k: int, n: int, repeat: int) -> float:
@@ -58,20 +54,20 @@ def time_matmul(m: int, k: int, n: int, repeat: int) -> float:
     return best
 
 
-def time_decode(model: Any, prompts: list[list[int]], repeat: int) -> float:
+def time_decode(model: Any, prompts: list[list[int]], repeat: int, max_tokens: int) -> float:
     from mlx_lm.generate import BatchGenerator
 
     rows = len(prompts)
     best = 0.0
     for _ in range(repeat):
-        # No stop tokens: every row decodes exactly MAX_TOKENS, whatever the weights say.
+        # No stop tokens: every row decodes exactly max_tokens, whatever the weights say.
         gen = BatchGenerator(
-            model, max_tokens=MAX_TOKENS, completion_batch_size=rows, prefill_batch_size=rows
+            model, max_tokens=max_tokens, completion_batch_size=rows, prefill_batch_size=rows
         )
-        gen.insert(prompts, max_tokens=[MAX_TOKENS] * rows)
+        gen.insert(prompts, max_tokens=[max_tokens] * rows)
         first = last = 0.0
         count = 0
-        while count < MAX_TOKENS * rows:
+        while count < max_tokens * rows:
             responses = gen.next_generated()
             now = time.perf_counter()
             if not first:
@@ -98,7 +94,8 @@ def worker(args: argparse.Namespace) -> None:
         "active": info.active,
         "threads": info.threads,
         "bound_to": binding.library if binding else None,
-        "matmul_s": {f"{m}x{k}x{n}": time_matmul(m, k, n, args.repeat) for m, k, n in MATMULS},
+        "matmul_s": {f"{m}x{k}x{n}": time_matmul(m, k, n, args.repeat)
+                     for m, k, n in args.matmuls},
     }
     model, tokenizer = load(args.model)
     params: Any = tree_flatten(model.parameters())
@@ -109,7 +106,8 @@ def worker(args: argparse.Namespace) -> None:
     for rows in args.rows:
         # Distinct prompts per row, PROMPT_TOKENS each.
         prompts = [ids[i : i + PROMPT_TOKENS] for i in range(rows)]
-        result["decode_tok_s"][str(rows)] = time_decode(model, prompts, args.repeat)
+        result["decode_tok_s"][str(rows)] = time_decode(model, prompts, args.repeat,
+                                                        args.tokens)
     print("RESULT " + json.dumps(result))
 
 
@@ -130,6 +128,10 @@ def run_side(args: argparse.Namespace, env_update: dict[str, str | None]) -> dic
         ",".join(map(str, args.rows)),
         "--repeat",
         str(args.repeat),
+        "--matmuls",
+        ",".join("x".join(map(str, shape)) for shape in args.matmuls),
+        "--tokens",
+        str(args.tokens),
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -145,7 +147,8 @@ def ratio(fast: float, ref: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="mlx-lm model directory")
+    parser.add_argument("--model", default=None,
+                        help="mlx-lm model directory (default: the default model, float32)")
     parser.add_argument("--rows", default="1,16", help="decode batch sizes (default 1,16)")
     parser.add_argument(
         "--threads",
@@ -153,9 +156,16 @@ def main() -> None:
         help="fast-side OPENBLAS_NUM_THREADS values; auto = blas.py default",
     )
     parser.add_argument("--repeat", type=int, default=3, help="best of this many")
+    parser.add_argument("--matmuls", default=MATMULS, help=f"MxKxN shapes (default {MATMULS})")
+    parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per row")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.rows = [int(r) for r in str(args.rows).split(",")]
+    args.matmuls = [tuple(int(x) for x in shape.split("x")) for shape in args.matmuls.split(",")]
+    if args.model is None:  # resolved here, once: the workers must not convert it
+        from engine import resolve_model
+
+        args.model = str(resolve_model(None, quantized=False))
     if args.worker:
         worker(args)
         return

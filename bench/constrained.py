@@ -13,8 +13,8 @@ import threading
 import time
 
 import engine  # noqa: F401 - loads the fast BLAS before mlx
-from engine import Engine, EngineConfig, SamplingParams, blas_info
-from engine.requests.constraints import JsonSchema
+from engine import ChatRequest, Engine, EngineConfig, SamplingParams, blas_info
+from engine.requests.inbound.output_constraint import JsonSchema
 
 # Cannot complete within the token budget, so constrained rows decode as long as the rest.
 LONG_LIST = JsonSchema({"type": "array", "minItems": 200,
@@ -34,7 +34,7 @@ def run(eng: Engine, prompts: list[list[dict[str, str]]], constrained: int,
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=tokens, ignore_eos=True,
                                 constraint=LONG_LIST if i < constrained else None)
-        handles.append(eng.submit(prompt, params, on_token=on_token))
+        handles.append(eng.submit(ChatRequest.from_openai(prompt, params), on_token=on_token))
     for handle in handles:
         handle.result()
     return len(stamps) / (max(stamps) - min(stamps))

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import engine  # noqa: E402 - loads the fast BLAS before mlx
-from engine import Engine, EngineConfig, JsonSchema, SamplingParams  # noqa: E402
+from engine import Engine, EngineConfig, JsonSchema, SamplingParams, TextRequest  # noqa: E402
 
 ROWS = (1, 8, 16)
 SCHEMA = JsonSchema({"type": "object", "properties": {
@@ -49,7 +49,7 @@ def measure(eng: Engine, rows: int, tokens: int, run: int,
         if link is not None else (0, 0, 0.0)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=constraint is None,
                             constraint=constraint)
-    handles = [eng.submit(p, params) for p in prompts(rows, run)]
+    handles = [eng.submit(TextRequest(p, params)) for p in prompts(rows, run)]
     for h in handles:
         h.result(timeout=600)
     after = eng.stats()

@@ -27,7 +27,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for testkit.numpy_bert
 
-from engine import Engine, EngineConfig, SamplingParams, blas_info  # the fast BLAS first
+from engine import (  # the fast BLAS first
+    ChatRequest,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    blas_info,
+)
 from testkit.numpy_bert import NumpyBert
 
 WORDS = ["the", "a", "engine", "batch", "model", "river", "bright", "quickly", "sings",
@@ -64,7 +70,7 @@ def decode(eng: Engine, rows: int, tokens: int) -> tuple[float, list[tuple[int, 
     prompts = [[{"role": "user", "content": f"Write a story about {w}."}]
                for w in WORDS[:rows]]
     started = time.perf_counter()
-    handles = [eng.submit(p, params) for p in prompts]
+    handles = [eng.submit(ChatRequest.from_openai(p, params)) for p in prompts]
     results = [h.result() for h in handles]
     elapsed = time.perf_counter() - started
     return sum(r.usage.completion_tokens for r in results) / elapsed, [r.token_ids

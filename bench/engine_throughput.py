@@ -16,7 +16,7 @@ import threading
 import time
 
 import engine  # noqa: F401 - loads the fast BLAS before mlx
-from engine import Engine, EngineConfig, SamplingParams, blas_info
+from engine import Engine, EngineConfig, SamplingParams, TextRequest, blas_info
 
 TOPICS = ["the sea", "a robot", "tea", "mountains", "a city at night", "an old clock",
           "rain", "a library", "the moon", "bread", "a violin", "snow", "a garden",
@@ -73,7 +73,7 @@ def through_engine(eng: Engine, prompts: list[list[int]], tokens: int) -> tuple[
         with lock:
             stamps.append(time.perf_counter())
 
-    handles = [eng.submit(p, params, on_token=on_token) for p in prompts]
+    handles = [eng.submit(TextRequest(p, params), on_token=on_token) for p in prompts]
     for h in handles:
         h.result()
     return len(stamps) / (max(stamps) - min(stamps)), len(stamps)
@@ -120,4 +120,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        # The raw BatchGenerator ran MLX on this thread: its streams must go before the
+        # interpreter exits, or the process segfaults there (as the engine thread's would).
+        import mlx.core as mx
+
+        mx.clear_streams()

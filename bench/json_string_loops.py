@@ -20,8 +20,8 @@ from typing import Any
 import jsonschema
 
 import engine  # noqa: F401 - loads the fast BLAS before mlx
-from engine import Engine, EngineConfig, FinishReason, SamplingParams, blas_info
-from engine.requests.constraints import JsonSchema
+from engine import ChatRequest, Engine, EngineConfig, FinishReason, SamplingParams, blas_info
+from engine.requests.inbound.output_constraint import JsonSchema
 
 _STR = {"type": "string"}
 _INT = {"type": "integer"}
@@ -82,9 +82,10 @@ def run(model: str | None, ngram: int, max_tokens: int) -> dict[str, float]:
     eng = Engine(model, EngineConfig(json_string_ngram=ngram)).start()
     try:
         started = time.perf_counter()
-        handles = [eng.submit([{"role": "user", "content": prompt}],
-                              SamplingParams(max_tokens=max_tokens,
-                                             constraint=JsonSchema(_schema(props))))
+        handles = [eng.submit(ChatRequest.from_openai(
+                       [{"role": "user", "content": prompt}],
+                       SamplingParams(max_tokens=max_tokens,
+                                      constraint=JsonSchema(_schema(props)))))
                    for prompt, props in CASES]
         results = [h.result() for h in handles]
         seconds = time.perf_counter() - started

@@ -19,7 +19,16 @@ import threading
 import time
 
 import engine  # noqa: F401 - loads the fast BLAS before mlx
-from engine import Engine, EngineConfig, SamplingParams, StepProbe, TurnReport, blas_info
+from engine import (
+    ChatRequest,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    StepProbe,
+    TextRequest,
+    TurnReport,
+    blas_info,
+)
 
 QUESTIONS = ["rivers", "volcanoes", "tea", "owls", "trains", "glass", "maps", "bees", "salt",
              "clocks", "kites", "moss", "bridges", "ink", "wolves", "comets"]
@@ -65,7 +74,7 @@ def run_round(eng: Engine, timer: StepTimer, system: str | None,
         convs.append(conv)
     timer.take()
     start = time.perf_counter()
-    handles = [eng.submit(c, params) for c in convs]
+    handles = [eng.submit(ChatRequest.from_openai(c, params)) for c in convs]
     results = [h.result() for h in handles]
     wall = time.perf_counter() - start
     steps = timer.take()
@@ -82,7 +91,7 @@ def prefill_bound(eng: Engine, system: str, rows: int) -> float:
     questions = " ".join(f"Tell me one fact about {QUESTIONS[i % 16]}." for i in range(rows))
     conv = [{"role": "system", "content": system}, {"role": "user", "content": questions}]
     start = time.perf_counter()
-    eng.submit(conv, SamplingParams(max_tokens=1)).result()
+    eng.submit(ChatRequest.from_openai(conv, SamplingParams(max_tokens=1))).result()
     return time.perf_counter() - start
 
 
@@ -99,7 +108,7 @@ def main() -> None:
     with Engine(args.model, config, probe=StepProbe(on_turn=timer)) as eng:
         eng.start()
         print(f"model: {eng.model_path}\nBLAS: {blas_info().name}")
-        eng.submit("warm up", SamplingParams(max_tokens=2)).result()
+        eng.submit(TextRequest("warm up", SamplingParams(max_tokens=2))).result()
         short = run_round(eng, timer, None, args.rows, args.tokens)
         cold = run_round(eng, timer, system, args.rows, args.tokens)
         warm = run_round(eng, timer, system, args.rows, args.tokens)
@@ -109,7 +118,7 @@ def main() -> None:
     # The bound runs on a fresh engine, so nothing of the context is cached.
     with Engine(args.model, config) as eng:
         eng.start()
-        eng.submit("warm up", SamplingParams(max_tokens=2)).result()
+        eng.submit(TextRequest("warm up", SamplingParams(max_tokens=2))).result()
         bound = prefill_bound(eng, system, args.rows)
     print(f"\n{args.rows} rows, {args.tokens} tokens each, context ~{cold['prompt']:.0f} "
           f"prompt tokens a row\n")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import httpx
 
 import engine  # noqa: F401 - loads the fast BLAS before mlx
-from engine import Engine, EngineStats
+from engine import Engine, EngineStats, TextRequest
 from engine.core.memory import resident_bytes
 
 MB = 1 << 20
@@ -131,7 +131,7 @@ def run_inprocess(args: argparse.Namespace) -> None:
 
     chat = ChatMLXBatch(model=args.model, max_tokens=args.max_tokens)
     eng = chat.engine  # type: ignore[attr-defined]
-    eng.submit("warm up", None).result(timeout=300)
+    eng.submit(TextRequest("warm up")).result(timeout=300)
     stats = _idle_stats(eng)
     print(f"in process: KV budget {stats.kv_budget_bytes / MB:.0f} MB, prefix cap "
           f"{stats.prefix_cache_limit_bytes / MB:.0f} MB, buffer cache cap "

@@ -14,7 +14,15 @@ import statistics
 import time
 
 import engine  # noqa: F401 - loads the fast BLAS before mlx
-from engine import Completion, Engine, EngineConfig, SamplingParams, blas_info
+from engine import (
+    ChatRequest,
+    Completion,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    TextRequest,
+    blas_info,
+)
 
 
 def rules(n: int) -> str:
@@ -38,7 +46,8 @@ def run_phase(eng: Engine, conversations: list[list[dict[str, str]]],
               tokens: int) -> tuple[list[Completion], float]:
     params = SamplingParams(max_tokens=tokens)
     start = time.perf_counter()
-    handles = [eng.submit(c, params, tools=TOOLS) for c in conversations]
+    handles = [eng.submit(ChatRequest.from_openai(c, params, tools=TOOLS))
+               for c in conversations]
     results = [h.result() for h in handles]
     return results, time.perf_counter() - start
 
@@ -72,7 +81,7 @@ def main() -> None:
             eng.start()
             if label == "off":
                 print(f"model: {eng.model_path}\nBLAS: {blas_info().name}")
-            eng.submit("warm up", SamplingParams(max_tokens=2)).result()
+            eng.submit(TextRequest("warm up", SamplingParams(max_tokens=2))).result()
             results[label] = workload(eng, args.rows, args.tokens, rules(args.rules))
             stats = eng.stats()
             results[label]["hits"] = stats.prefix_hits

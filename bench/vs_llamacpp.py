@@ -103,7 +103,7 @@ def llama_server(bin_dir: Path, gguf: Path, streams: int, threads: int) -> Itera
 def engine_rates(gguf: str, rows: list[int], tokens: int) -> dict[int, float]:
     """Decode tokens/s per row count through ``Engine`` on the GGUF file (this process)."""
     import engine  # noqa: F401 - the fast BLAS before mlx
-    from engine import Engine, EngineConfig, SamplingParams
+    from engine import Engine, EngineConfig, SamplingParams, TextRequest
 
     width = max(rows)
     eng = Engine(gguf, EngineConfig(max_batch=width, prefill_batch=width)).start()
@@ -120,7 +120,8 @@ def engine_rates(gguf: str, rows: list[int], tokens: int) -> dict[int, float]:
             stamps.append(time.perf_counter())  # one list.append: atomic in CPython
 
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-        for handle in [eng.submit(p, params, on_token=on_token) for p in prompts]:
+        for handle in [eng.submit(TextRequest(p, params), on_token=on_token)
+                       for p in prompts]:
             handle.result()
         if run:
             rates[n] = len(stamps) / (max(stamps) - min(stamps))

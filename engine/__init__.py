@@ -12,7 +12,6 @@ from engine.config import EngineConfig
 from engine.core.stats import EngineStats
 from engine.core.step_probe import StepProbe, TurnReport
 from engine.core.streams import RequestHandle
-from engine.distributed.follower import distributed_rank, follow
 from engine.embedding.request import EmbeddingHandle, Embeddings, check_texts
 from engine.engine import Engine
 from engine.errors import (
@@ -25,6 +24,9 @@ from engine.errors import (
     InvalidRequestError,
     KVBudgetError,
     ModelDownloadError,
+    ModelFormatError,
+    ModelLoadError,
+    ModelUnavailableError,
     OutputTruncatedError,
     RequestCancelledError,
     RequestError,
@@ -34,25 +36,27 @@ from engine.errors import (
 from engine.models import resolve_model
 from engine.models.embedding_model import DEFAULT_EMBEDDING_NAME, embedding_model_name
 from engine.registry import get_embedding_engine, get_engine
-from engine.requests.chat import SAMPLING_FIELDS, ChatRequest, sampling_from_openai
-from engine.requests.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
-from engine.requests.messages import Message, MessageToolCall, messages_from_openai
-from engine.requests.request import (
+from engine.requests.inbound.chat import SAMPLING_FIELDS, ChatRequest, sampling_from_openai
+from engine.requests.inbound.messages import Message, MessageToolCall, messages_from_openai
+from engine.requests.inbound.output_constraint import (
+    Constraint,
+    JsonObject,
+    JsonSchema,
+    LarkGrammar,
+    Regex,
+)
+from engine.requests.inbound.sampling import SamplingParams
+from engine.requests.inbound.text_request import Request, TextRequest
+from engine.requests.inbound.tool_specs import ToolSpec, normalize_tool_choice, normalize_tools
+from engine.requests.outbound.results import (
     Completion,
     FinishReason,
-    SamplingParams,
     StreamEvent,
     TokenLogprob,
     Usage,
 )
-from engine.requests.tools import (
-    InvalidToolCall,
-    ToolCall,
-    ToolCallDelta,
-    ToolSpec,
-    normalize_tool_choice,
-    normalize_tools,
-)
+from engine.requests.outbound.tool_calls import InvalidToolCall, ToolCall, ToolCallDelta
+from engine.runtime.follower import distributed_rank, follow
 
 __all__ = [
     "DEFAULT_EMBEDDING_NAME",
@@ -81,8 +85,12 @@ __all__ = [
     "Message",
     "MessageToolCall",
     "ModelDownloadError",
+    "ModelFormatError",
+    "ModelLoadError",
+    "ModelUnavailableError",
     "OutputTruncatedError",
     "Regex",
+    "Request",
     "RequestCancelledError",
     "RequestError",
     "RequestHandle",
@@ -90,6 +98,7 @@ __all__ = [
     "SamplingParams",
     "StepProbe",
     "StreamEvent",
+    "TextRequest",
     "TokenLogprob",
     "ToolCall",
     "ToolCallDelta",

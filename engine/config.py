@@ -7,6 +7,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# What names a model: None (the default model), a local path (a directory or a .gguf file)
+# or a hub id. The facade, the registry and a sharded engine's followers all take it.
+ModelSpec = str | os.PathLike[str] | None
+
 
 class EngineConfig(BaseModel):
     """How one engine batches, prefills and budgets memory.

@@ -21,6 +21,23 @@ class EngineDeadError(EngineError):
     """The engine thread died; every waiter and every later submit gets this."""
 
 
+class ModelLoadError(EngineDeadError):
+    """The model could not be loaded; the message names the model and the cause, which is
+    also ``__cause__``. The engine that tried is dead (a new one may retry, once the cause is
+    fixed: ``get_engine`` makes a new one). Caught as one of two families by what failed:
+    ``ModelUnavailableError`` (an ``OSError``) or ``ModelFormatError`` (a ``ValueError``)."""
+
+
+class ModelUnavailableError(ModelLoadError, OSError):
+    """Getting the model's files failed: a missing path, an unreachable hub id, an
+    unreadable or incomplete file."""
+
+
+class ModelFormatError(ModelLoadError, ValueError):
+    """The model's files are there but cannot be run: an architecture mlx-lm does not ship,
+    a corrupt or inconsistent config, weights that do not fit the architecture."""
+
+
 class EngineClosedError(EngineError):
     """The engine was closed before or while the request ran."""
 
@@ -53,7 +70,7 @@ class KVBudgetError(RequestError, ValueError):
 
 
 class InvalidRequestError(RequestError, ValueError, TypeError):
-    """A request the rulebook refuses (``engine.requests.messages`` and friends).
+    """A request the rulebook refuses (``engine.requests.inbound.messages`` and friends).
 
     ``field`` names what is wrong as the caller spelled it (``messages[0].content[1].type``),
     so every door (the engine, both adapters, the server's 400s) reports the same field.
@@ -84,7 +101,8 @@ class RequestCancelledError(RequestError):
 
 
 class InvalidModelError(ValueError):
-    """A local path exists but is neither a model directory nor a ``.gguf`` file."""
+    """A local path exists but is not a model: neither a model directory nor a ``.gguf``
+    file, a corrupt config.json, or weights that do not fit the config."""
 
 
 class ModelDownloadError(OSError):
@@ -95,7 +113,9 @@ class ModelDownloadError(OSError):
 
 
 class UnsupportedModelError(ValueError):
-    """The GGUF file uses an architecture, tensor type or tokenizer this converter cannot map."""
+    """A model this install cannot run: a ``model_type`` the installed mlx-lm has no
+    architecture for, or a GGUF architecture, tensor type or tokenizer the converter
+    cannot map."""
 
 
 class OutputTruncatedError(ValueError):

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.engine import Engine, ModelSpec
+from engine.config import EngineConfig, ModelSpec
+from engine.engine import Engine
 
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()

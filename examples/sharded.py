@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 import engine
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams, TextRequest
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     with Engine(args.model, config) as eng:
         params = SamplingParams(max_tokens=24, temperature=0.0)
         prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-        handles = [eng.submit(p, params) for p in prompts]
+        handles = [eng.submit(TextRequest(p, params)) for p in prompts]
         for prompt, handle in zip(prompts, handles):
             print(f"{prompt!r} -> {handle.result().text!r}")
         stats = eng.stats()

@@ -219,9 +219,9 @@ class ChatMLXBatch(BaseChatModel):
         self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
     ) -> int:
         """Prompt tokens of a history, rendered exactly as a request would be (tools too)."""
-        return self.engine.count_tokens(
+        return self.engine.count_tokens(ChatRequest.from_openai(
             chat_messages(messages), tools=tool_specs(tools).specs if tools else None,
-            chat_template_kwargs=self._template_kwargs(None, None))
+            chat_template_kwargs=self._template_kwargs(None, None)))
 
     # ----- the four paths ---------------------------------------------------------------
 

@@ -49,11 +49,15 @@ from engine import (
     ChatRequest,
     Completion,
     Engine,
+    InvalidRequestError,
     Message,
     RequestHandle,
     SamplingParams,
     StreamEvent,
+    TextRequest,
     get_engine,
+    normalize_tool_choice,
+    normalize_tools,
 )
 from mlx_providers._llama_index_messages import (
     StreamChunks,
@@ -79,17 +83,16 @@ _PER_CALL = (*SAMPLING_FIELDS, "constraint", "timeout", "tools", "tool_choice",
 
 @dataclass(frozen=True)
 class _Request:
-    """Everything one engine submit needs, built (and validated) before submitting: a
-    ``ChatRequest`` (the engine's value, converted once) or raw text with its options."""
+    """Everything one engine submit needs, built (and validated) before submitting: the
+    engine's request value (converted once) and the call's timeout."""
 
-    prompt: str | ChatRequest
-    params: SamplingParams
-    options: dict[str, Any]
+    request: ChatRequest | TextRequest
+    timeout: float | None
 
     @property
     def forces_call(self) -> bool:
         """A required or named tool: a call cut by max_tokens raises, naming the limit."""
-        return isinstance(self.prompt, ChatRequest) and self.prompt.forces_call
+        return isinstance(self.request, ChatRequest) and self.request.forces_call
 
     def checked(self, completion: Completion) -> Completion:
         """The completion, unless the engine says max_tokens cut a forced call."""
@@ -98,6 +101,14 @@ class _Request:
             if error is not None:
                 raise error
         return completion
+
+
+def _text_request(prompt: str, params: SamplingParams, options: Mapping[str, Any]) -> TextRequest:
+    """A completion: raw text, no chat template, so no tools (unless tool_choice is none)."""
+    specs = normalize_tools(options.get("tools"))
+    if specs and normalize_tool_choice(options.get("tool_choice"), specs) != "none":
+        raise InvalidRequestError("tools need a chat-messages prompt", "tools")
+    return TextRequest(prompt, params)
 
 
 def _listed(items: Any, name: str) -> Sequence[Any]:
@@ -214,12 +225,12 @@ class MLXBatchLLM(FunctionCallingLLM):
             options["chat_template_kwargs"] = template
         params = self._sampling(kwargs)
         if isinstance(prompt, str):
-            return _Request(prompt, params, options)
+            return _Request(_text_request(prompt, params, options), options["timeout"])
         chat = ChatRequest.from_openai(
             prompt, params, tools=options.get("tools"), tool_choice=options.get("tool_choice"),
             parallel_tool_calls=options.get("parallel_tool_calls", True),
             chat_template_kwargs=options.get("chat_template_kwargs"))
-        return _Request(chat, params, {"timeout": options["timeout"]})
+        return _Request(chat, options["timeout"])
 
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: Mapping[str, Any]) -> _Request:
         """A request for chat messages (rendered by the model's chat template)."""
@@ -236,9 +247,7 @@ class MLXBatchLLM(FunctionCallingLLM):
 
     def _submit(self, request: _Request) -> RequestHandle:
         """Queue the request on the shared engine; returns at once."""
-        if isinstance(request.prompt, ChatRequest):
-            return self._engine.submit(request.prompt, **request.options)
-        return self._engine.submit(request.prompt, request.params, **request.options)
+        return self._engine.submit(request.request, timeout=request.timeout)
 
     # ----- chat and completion, sync ---------------------------------------------------
 

@@ -25,7 +25,17 @@ from typing import Any
 
 import anyio
 
-from engine import Engine, FinishReason, JsonSchema, Regex, RequestTimeoutError, SamplingParams
+from engine import (
+    ChatRequest,
+    Engine,
+    FinishReason,
+    JsonSchema,
+    Regex,
+    Request,
+    RequestTimeoutError,
+    SamplingParams,
+    TextRequest,
+)
 
 KINDS = ("plain", "sampled", "seeded", "regex", "schema", "tool", "bad_callback",
          "bad_processor")
@@ -81,8 +91,8 @@ class Churn:
         self.rng = random.Random(seed)
         self.rng_lock = threading.Lock()
         self.report = ChurnReport()
-        self.reference = [engine.submit(n, NEEDLE_PARAMS).result(timeout=120).token_ids
-                          for n in NEEDLES]
+        self.reference = [engine.submit(TextRequest(n, NEEDLE_PARAMS)).result(timeout=120)
+                          .token_ids for n in NEEDLES]
 
     def _pick(self, choices: tuple[str, ...]) -> str:
         with self.rng_lock:
@@ -92,10 +102,15 @@ class Churn:
         with self.rng_lock:
             return self.rng.randint(low, high)
 
-    def _request(self, kind: str, i: int) -> tuple[Any, SamplingParams, dict[str, Any]]:
-        prompt: Any = f"request {i}: say something about {kind} " * self._int(1, 4)
+    def _request(self, kind: str, i: int) -> tuple[Request, dict[str, Any]]:
+        """A request of ``kind`` and the submit options it goes with (``on_token``)."""
+        prompt = f"request {i}: say something about {kind} " * self._int(1, 4)
         tokens = self._int(4, 24)
         options: dict[str, Any] = {}
+        if kind == "tool":
+            return ChatRequest.from_openai([{"role": "user", "content": prompt}],
+                                           SamplingParams(max_tokens=48), tools=[TOOL],
+                                           tool_choice="required"), options
         if kind == "sampled":
             params = SamplingParams(max_tokens=tokens, temperature=0.8)
         elif kind == "seeded":
@@ -104,10 +119,6 @@ class Churn:
             params = SamplingParams(max_tokens=tokens, constraint=Regex("[a-z]{1,12}"))
         elif kind == "schema":
             params = SamplingParams(max_tokens=tokens, constraint=SCHEMA)
-        elif kind == "tool":
-            params = SamplingParams(max_tokens=48)
-            prompt = [{"role": "user", "content": prompt}]
-            options = {"tools": [TOOL], "tool_choice": "required"}
         elif kind == "bad_processor":
             calls = [0]
 
@@ -124,7 +135,7 @@ class Churn:
             def explode(_token: int, _text: str) -> None:
                 raise _CallbackBug("callback bug")
             options["on_token"] = explode
-        return prompt, params, options
+        return TextRequest(prompt, params), options
 
     @staticmethod
     def _outcome(run: Callable[[], Any]) -> str:
@@ -143,10 +154,10 @@ class Churn:
             self._needle(i)
             return
         kind, stage = self._pick(KINDS), self._pick(SYNC_STAGES)
-        prompt, params, options = self._request(kind, i)
+        request, options = self._request(kind, i)
         if stage == "timeout":
             options["timeout"] = 0.001 * self._int(1, 20)
-        handle = self.engine.submit(prompt, params, **options)
+        handle = self.engine.submit(request, **options)
 
         def run() -> Any:
             if stage == "before_admission":
@@ -168,7 +179,8 @@ class Churn:
 
     def _needle(self, i: int) -> None:
         which = i % len(NEEDLES)
-        tokens = self.engine.submit(NEEDLES[which], NEEDLE_PARAMS).result(timeout=120).token_ids
+        needle = TextRequest(NEEDLES[which], NEEDLE_PARAMS)
+        tokens = self.engine.submit(needle).result(timeout=120).token_ids
         with self.report.lock:
             self.report.needles += 1
             self.report.needle_mismatches += tokens != self.reference[which]
@@ -176,8 +188,8 @@ class Churn:
 
     async def async_one(self, i: int) -> None:
         kind, stage = self._pick(KINDS), self._pick(ASYNC_STAGES)
-        prompt, params, options = self._request(kind, i)
-        handle = self.engine.submit(prompt, params, **options)
+        request, options = self._request(kind, i)
+        handle = self.engine.submit(request, **options)
         outcome = "cancelled_by_caller"
         try:
             if stage == "before_admission":
@@ -205,8 +217,8 @@ class Churn:
 
     async def trio_one(self, i: int) -> None:
         kind, stage = self._pick(KINDS), self._pick(TRIO_STAGES)
-        prompt, params, options = self._request(kind, i)
-        handle = self.engine.submit(prompt, params, **options)
+        request, options = self._request(kind, i)
+        handle = self.engine.submit(request, **options)
         outcome = "cancelled_by_caller"
         try:
             if stage == "before_admission":

@@ -6,14 +6,25 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import engine  # noqa: F401 - loads the fast BLAS before anything imports mlx
-from engine import Engine, EngineConfig, SamplingParams, StepProbe, TurnReport
-from engine.requests.prompts import PromptRenderer
+from engine import (
+    ChatRequest,
+    Engine,
+    EngineConfig,
+    Message,
+    Request,
+    SamplingParams,
+    StepProbe,
+    TextRequest,
+    TurnReport,
+)
+from engine.requests.inbound.prompts import PromptRenderer
 from testkit.tiny_model import build_tiny_model
 
 _build_lock = threading.Lock()
@@ -75,7 +86,21 @@ def greedy(max_tokens: int = 24, **kw: object) -> SamplingParams:
 
 def alone(eng: Engine, prompts: list[object], params: SamplingParams) -> list[tuple[int, ...]]:
     """Each prompt's tokens when it is the only request in the engine."""
-    return [eng.submit(p, params).result(timeout=60).token_ids for p in prompts]  # type: ignore[arg-type]
+    return [eng.submit(request_for(p, params)).result(timeout=60).token_ids for p in prompts]
+
+
+def request_for(prompt: object, params: SamplingParams | None = None,
+                **chat_options: Any) -> Request:
+    """The request value for a test's prompt: chat messages (a list of dicts or
+    ``Message`` values), or any prompt with chat options (tools, tool_choice...), become a
+    ``ChatRequest``, which refuses what is not messages; text or token ids a
+    ``TextRequest``. For tests whose prompts are of several kinds at once."""
+    params = params if params is not None else SamplingParams()
+    chat = (isinstance(prompt, list | tuple) and bool(prompt)
+            and isinstance(prompt[0], Mapping | Message))
+    if chat or chat_options:
+        return ChatRequest.from_openai(prompt, params, **chat_options)
+    return TextRequest(prompt, params)  # type: ignore[arg-type]
 
 
 def own_copy(source: Path, target: Path) -> Path:
@@ -148,7 +173,8 @@ def kv_bytes_for(make_engine: Callable[..., Engine], tokens: int) -> int:
     projection a probe sees on the turn that admits one such row alone."""
     turns = Turns()
     eng = make_engine(probe=turns.probe)
-    eng.submit(prompts_of_lengths(eng, [10])[0], greedy(tokens - 10)).result(timeout=60)
+    prompt = prompts_of_lengths(eng, [10])[0]
+    eng.submit(TextRequest(prompt, greedy(tokens - 10))).result(timeout=60)
     return next(report.kv_bytes_projected for report in turns.reports if report.admitted)
 
 

@@ -3,8 +3,8 @@
 ``ScriptedEngine`` implements the part of ``Engine``'s public API the faces use (``submit``
 returning a real ``RequestHandle``, ``count_tokens``, ``tokenizer``, ``stats``, ``start``,
 ``model_path``, ``context_limit``, ``usable``/``serves_chat``, ``close``). Each submit is
-checked as the engine checks it (``request_spec``: bad tools, tool choices and sampling
-values raise at once, the same errors), recorded in ``calls``, and answered from its
+checked as the engine checks it (``checked_request``: a forced call or constraint that
+cannot compile raises at once, the same errors), recorded in ``calls``, and answered from its
 ``Reply``: one event per piece of content, then the final event with the completion, all
 published before ``submit`` returns (the handle's stream buffers them, so sync, asyncio
 and trio consumers read them as they would an engine's). A ``held`` reply never ends by
@@ -30,6 +30,7 @@ from engine import (
     EngineStats,
     FinishReason,
     InvalidToolCall,
+    Request,
     RequestHandle,
     SamplingParams,
     StreamEvent,
@@ -39,8 +40,8 @@ from engine import (
 )
 from engine.core.streams import RequestStream
 from engine.registry import shared_engine
-from engine.requests.prepare import request_spec
-from engine.requests.request import check_callbacks
+from engine.requests.inbound.sampling import check_callbacks
+from engine.requests.prepare import checked_request
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,9 @@ class Reply:
 
 @dataclass
 class Submitted:
-    """One ``submit`` as the scripted engine received it."""
+    """One ``submit`` as the scripted engine received it: the request and its parts."""
 
-    prompt: Any
+    prompt: Request
     params: SamplingParams
     tools: Sequence[Mapping[str, Any]] | None
     tool_choice: str | Mapping[str, Any] | None
@@ -105,32 +106,27 @@ class ScriptedEngine:
         return EngineStats(loaded=True, context_limit=self.context_limit,
                            completed=len(finished), cancelled=len(self.calls) - len(finished))
 
-    def count_tokens(self, prompt: Any, *, tools: Sequence[Mapping[str, Any]] | None = None,
-                     chat_template_kwargs: Mapping[str, Any] | None = None) -> int:
-        request_spec(prompt, None, tools, None, True, chat_template_kwargs)
-        if isinstance(prompt, str):
-            return len(prompt.split())
-        return sum(len(str(m.get("content") or "").split()) + 3 for m in prompt)
+    def count_tokens(self, request: Request) -> int:
+        checked = checked_request(request)
+        if not isinstance(checked, ChatRequest):
+            return len(str(checked.prompt).split())
+        return sum(len(m.content.split()) + 3 for m in checked.messages)
 
     def close(self, timeout: float | None = 30.0) -> None:
         self.usable = False
 
-    def submit(self, prompt: Any, params: SamplingParams | None = None, *,
-               on_token: Callable[[int, str], object] | None = None,
-               timeout: float | None = None,
-               tools: Sequence[Mapping[str, Any]] | None = None,
-               tool_choice: str | Mapping[str, Any] | None = None,
-               parallel_tool_calls: bool = True,
-               chat_template_kwargs: Mapping[str, Any] | None = None) -> RequestHandle:
+    def submit(self, request: Request, *, on_token: Callable[[int, str], object] | None = None,
+               timeout: float | None = None) -> RequestHandle:
         check_callbacks(on_token, timeout)
-        spec = request_spec(prompt, params, tools, tool_choice, parallel_tool_calls,
-                            chat_template_kwargs)  # raises what the engine raises
-        if isinstance(prompt, ChatRequest):  # the faces submit typed requests: record them
-            tools = [tool.as_openai() for tool in prompt.tools] or None
-            tool_choice, parallel_tool_calls = prompt.tool_choice, prompt.parallel_tool_calls
-            chat_template_kwargs = dict(prompt.template_kwargs) or None
-        call = Submitted(prompt, spec.params, tools, tool_choice, parallel_tool_calls,
-                         chat_template_kwargs, timeout)
+        checked = checked_request(request)  # raises what the engine raises
+        tools: list[dict[str, Any]] | None = None
+        tool_choice, parallel, template = None, True, None
+        if isinstance(checked, ChatRequest):  # recorded as the engine reads them
+            tools = [tool.as_openai() for tool in checked.tools] or None
+            tool_choice, parallel = checked.tool_choice, checked.parallel_tool_calls
+            template = dict(checked.template_kwargs) or None
+        call = Submitted(checked, checked.params, tools, tool_choice, parallel, template,
+                         timeout)
         self.calls.append(call)
         reply = self.reply(call) if callable(self.reply) else self.reply
         stream = RequestStream()

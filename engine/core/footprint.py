@@ -28,22 +28,29 @@ class LayerFootprint:
 
 @dataclass(frozen=True)
 class ModelFootprint:
-    """All cache layers of a model plus the context limit from its config."""
+    """All cache layers of a model plus the context limit from its config.
+
+    ``unbatchable`` names what, beyond the cache types, keeps rows from sharing a batch
+    (a model whose layers read the left padding of a batched prefill).
+    """
 
     layers: tuple[LayerFootprint, ...]
     config_limit: int | None = None
+    unbatchable: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, layers: Sequence[LayerFootprint], config_limit: int | None) -> ModelFootprint:
-        return cls(tuple(layers), config_limit)
+    def of(cls, layers: Sequence[LayerFootprint], config_limit: int | None,
+           unbatchable: Sequence[str] = ()) -> ModelFootprint:
+        return cls(tuple(layers), config_limit, tuple(unbatchable))
 
     @property
     def batchable(self) -> bool:
-        return all(layer.batchable for layer in self.layers)
+        return not self.unbatchable and all(layer.batchable for layer in self.layers)
 
     @property
     def non_batchable_kinds(self) -> tuple[str, ...]:
-        return tuple(sorted({layer.kind for layer in self.layers if not layer.batchable}))
+        kinds = {layer.kind for layer in self.layers if not layer.batchable}
+        return tuple(sorted(kinds | set(self.unbatchable)))
 
     @property
     def context_limit(self) -> int | None:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from engine.requests.request import SamplingParams, TokenLogprob
+from engine.requests.inbound.sampling import SamplingParams
+from engine.requests.outbound.results import TokenLogprob
 
 
 class LaneKind(Enum):

@@ -9,24 +9,33 @@ row ends; the loop decides when it starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from engine.core.lane import LaneKind
 from engine.core.streams import RequestStream
-from engine.requests.channels import RowChannels
-from engine.requests.prepare import PreparedRequest, RequestSpec
-from engine.requests.request import (
+from engine.requests.inbound.sampling import SamplingParams, TokenCallback
+from engine.requests.inbound.text_request import Request
+from engine.requests.outbound.results import (
     Completion,
     FinishReason,
-    RequestStatus,
-    SamplingParams,
     StreamEvent,
-    TokenCallback,
     TokenLogprob,
     Usage,
     truncation,
 )
-from engine.requests.text import RowText
-from engine.requests.tools import ToolCallDelta
+from engine.requests.outbound.row_channels import RowChannels
+from engine.requests.outbound.text import RowText
+from engine.requests.outbound.tool_calls import ToolCallDelta
+from engine.requests.prepare import PreparedRequest
+
+
+class RequestStatus(str, Enum):
+    """Where a request is on the engine thread; FINISHED rows carry a ``FinishReason``."""
+
+    WAITING = "waiting"  # accepted, not admitted yet (no KV memory held)
+    PREFILLING = "prefilling"  # admitted to a lane, no token generated yet
+    DECODING = "decoding"  # generating tokens
+    FINISHED = "finished"
 
 
 @dataclass
@@ -34,7 +43,7 @@ class Row:
     """A request the engine thread knows about, from submit to its final event."""
 
     request_id: int
-    spec: RequestSpec
+    request: Request
     stream: RequestStream
     on_token: TokenCallback | None
     submitted_at: float
@@ -58,7 +67,7 @@ class Row:
 
     @property
     def params(self) -> SamplingParams:
-        return self.prepared.params if self.prepared is not None else self.spec.params
+        return self.prepared.params if self.prepared is not None else self.request.params
 
     @property
     def holds_lane(self) -> bool:
@@ -103,7 +112,7 @@ class Row:
         calls = tuple(channels.calls) if channels is not None else ()
         invalid = tuple(channels.invalid) if channels is not None else ()
         answer = channels.content if channels is not None else ""
-        forces_call = self.spec.forces_call
+        forces_call = self.prepared is not None and self.prepared.forces_call
         completion = Completion(
             text=self.text.text if self.text is not None else "",
             token_ids=tuple(self.token_ids),

@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from engine.requests.request import FinishReason
+from engine.requests.outbound.results import FinishReason
 
 
 @dataclass

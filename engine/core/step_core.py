@@ -18,14 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core.lane import Lane, LaneKind, LaneRow
-from engine.core.rows import Row
+from engine.core.rows import RequestStatus, Row
 from engine.core.scheduler import Scheduler, StepPlan, Ticket
 from engine.core.stats import StatsBook
 from engine.core.step_probe import StepProbe
 from engine.core.update import Ending, update
 from engine.errors import EngineDeadError, EngineError, RequestTimeoutError
+from engine.requests.outbound.results import FinishReason
 from engine.requests.prepare import Preparer
-from engine.requests.request import FinishReason, RequestStatus
 
 log = logging.getLogger("engine")
 
@@ -65,7 +65,7 @@ class StepCore:
         """Prepare a submitted request once; a request that cannot run fails alone."""
         self.rows[row.request_id] = row
         try:
-            prepared = self.preparer.prepare(row.spec)
+            prepared = self.preparer.prepare(row.request)
             kv_bytes = self.scheduler.validate(len(prepared.prompt_ids),
                                                prepared.params.max_tokens)
         except Exception as exc:
@@ -73,7 +73,7 @@ class StepCore:
             return
         row.prepared = prepared
         row.text = self.preparer.row_text(prepared.params)
-        row.channels = self.preparer.row_channels(row.spec, prepared)
+        row.channels = self.preparer.row_channels(row.request, prepared)
         lane = self.scheduler.lane_for(prepared.params.needs_serial_lane)
         self.scheduler.enqueue(Ticket(row.request_id, len(prepared.prompt_ids),
                                       prepared.params.max_tokens, kv_bytes, lane))

@@ -16,7 +16,7 @@ from typing import Any
 
 import sniffio
 
-from engine.requests.request import Completion, StreamEvent
+from engine.requests.outbound.results import Completion, StreamEvent
 
 
 def async_waiter() -> tuple[Callable[[], Any], Callable[[], None]]:

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.core.lane import LaneStep, RowToken
-from engine.core.rows import Row
-from engine.requests.request import FinishReason, RequestStatus, StreamEvent, TokenLogprob
+from engine.core.rows import RequestStatus, Row
+from engine.requests.outbound.results import FinishReason, StreamEvent, TokenLogprob
 
 
 @dataclass(frozen=True)

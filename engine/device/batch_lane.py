@@ -60,8 +60,8 @@ from engine.device.speculation import (
     eligible,
     speculate,
 )
-from engine.requests.grammar import GrammarCompiler, RowGrammar
-from engine.requests.request import LogitsProcessor
+from engine.requests.constraints.grammar import GrammarCompiler, RowGrammar
+from engine.requests.inbound.sampling import LogitsProcessor
 
 # The generator must never end a row by length itself (engine.core.update decides).
 _NO_LIMIT = 1 << 62

@@ -17,10 +17,11 @@ from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.config import EngineConfig
-from engine.core.footprint import ModelFootprint
+from engine.core.footprint import LayerFootprint, ModelFootprint
 from engine.core.lane import Lane, LaneKind
 from engine.core.memory import MemoryBounds, resident_bytes, resolve_bounds
 from engine.core.prefix_cache import PrefixStore
+from engine.device.architecture import architecture_module, read_model_config
 from engine.device.batch_lane import BatchLane
 from engine.device.cache_layout import footprint_of
 from engine.device.collectives import Channel, Group
@@ -32,11 +33,13 @@ from engine.device.memory import (
     usable_memory_bytes,
     weights_bytes,
 )
+from engine.device.padding_probe import KNOWN_DIVERGENT, batch_divergence
 from engine.device.prefix_reuse import PrefixReuse, reuse_policy
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
 from engine.device.weight_policy import WeightChoice, apply_weight_policy
-from engine.requests.grammar import GrammarCompiler
+from engine.errors import InvalidModelError
+from engine.requests.constraints.grammar import GrammarCompiler
 
 
 @dataclass
@@ -99,27 +102,51 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
 
     With ``group`` (and ``config.shard``) each rank loads its shard; every rank must call
     this at the same time, since the warm-up forward pass runs the model's collectives.
-    """
-    stream = mx.new_thread_local_stream(mx.default_device())
-    if group is not None and config.shard is not None:
-        from mlx_lm.utils import sharded_load
 
-        split = {"tensor_group" if config.shard == "tensor" else "pipeline_group": group}
-        model, tokenizer = sharded_load(str(path), **split)[:2]
-    else:
-        group = None
-        model, tokenizer = mlx_load(str(path))[:2]
+    Raises ``FileNotFoundError`` (no such directory, no config.json, no weights),
+    ``InvalidModelError`` (a corrupt config.json, weights that do not fit it) and
+    ``UnsupportedModelError`` (a model type this mlx-lm has no architecture for), each
+    naming the model directory.
+    """
+    architecture_module(read_model_config(path), path)  # the load errors, named, up front
+    stream = mx.new_thread_local_stream(mx.default_device())
+    try:
+        if group is not None and config.shard is not None:
+            from mlx_lm.utils import sharded_load
+
+            split = {"tensor_group" if config.shard == "tensor" else "pipeline_group": group}
+            model, tokenizer = sharded_load(str(path), **split)[:2]
+        else:
+            group = None
+            model, tokenizer = mlx_load(str(path))[:2]
+    except ValueError as exc:  # weights that do not fit the config, a refused model_file
+        raise InvalidModelError(f"mlx-lm could not build the model in {path}: {exc}") from exc
     weights = apply_weight_policy(model, config.quantized)
     cache = make_prompt_cache(model, config.max_kv_size)
     with mx.stream(stream):
-        model(mx.array([[0]]), cache=cache)
-        mx.eval([c.state for c in cache])
+        logits = model(mx.array([[0]]), cache=cache)
+        mx.eval(logits, [c.state for c in cache])
     layers = [fp for layer in cache for fp in footprint_of(layer)]
-    args = getattr(model, "args", None)
-    vocab = int(args.vocab_size) if args is not None else len(tokenizer)
-    footprint = ModelFootprint.of(layers, context_limit)
+    # The logits' width is the vocabulary every mask and id check must match: configs put
+    # vocab_size at the top, under text_config, or pad it, and wrappers hide their args.
+    vocab = int(logits.shape[-1])
+    footprint = ModelFootprint.of(layers, context_limit, _batch_divergence(model, stream, layers))
     bounds = memory_bounds(model, config)
     return LoadedModel(model, tokenizer, footprint, stream, vocab, bounds, group, weights)
+
+
+def _batch_divergence(model: Any, stream: Any, layers: list[LayerFootprint]) -> list[str]:
+    """The model's kind and why, when mlx-lm's batched decode of it differs from its plain
+    decode (its rows then run serially, exact); nothing to probe when already serial."""
+    if not all(layer.batchable for layer in layers):
+        return []
+    kind = type(model).__module__.rsplit(".", 1)[-1]
+    if kind in KNOWN_DIVERGENT:
+        return [f"{kind}: {KNOWN_DIVERGENT[kind]}"]
+    if all(layer.kind in ("KVCache", "RotatingKVCache") for layer in layers):
+        return []  # attention masks its padding (every such kind checked by the sweep)
+    why = batch_divergence(model, stream)
+    return [] if why is None else [f"{kind}: {why}"]
 
 
 def memory_bounds(model: Any, config: EngineConfig) -> MemoryBounds:

@@ -6,7 +6,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.requests.request import SamplingParams, TokenLogprob
+from engine.requests.inbound.sampling import SamplingParams
+from engine.requests.outbound.results import TokenLogprob
 
 
 def token_logprob(params: SamplingParams, token: int, logprobs: Any) -> TokenLogprob | None:

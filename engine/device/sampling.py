@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
-from engine.requests.grammar import RowGrammar
-from engine.requests.request import LogitsProcessor, SamplingParams
+from engine.requests.constraints.grammar import RowGrammar
+from engine.requests.inbound.sampling import LogitsProcessor, SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
 SamplerKey = tuple[float, float, float, int]

@@ -28,8 +28,8 @@ from engine.device.sampling import (
     seeded_sampler,
 )
 from engine.errors import InvalidConstraintError
-from engine.requests.grammar import GrammarCompiler
-from engine.requests.request import LogitsProcessor
+from engine.requests.constraints.grammar import GrammarCompiler
+from engine.requests.inbound.sampling import LogitsProcessor
 
 
 @dataclass

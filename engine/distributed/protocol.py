@@ -18,7 +18,7 @@ from typing import Literal
 
 from engine.config import EngineConfig
 from engine.core.lane import LaneKind, LaneRow
-from engine.requests.request import SamplingParams
+from engine.requests.inbound.sampling import SamplingParams
 
 LaneOp = Literal["insert", "remove", "reset", "step"]
 

@@ -30,6 +30,7 @@ import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from engine.errors import InvalidModelError, ModelDownloadError
 from engine.models.gguf import FloatDtype, convert_gguf
@@ -393,14 +394,34 @@ def model_path_for(spec: str | os.PathLike[str] | None, quantized: bool | None) 
     return resolve_model(spec, quantized=quantized)
 
 
+# Where configs state the context length: HF's name, GPT-2's and a few others'.
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len",
+                 "seq_length", "max_sequence_length", "model_max_length")
+# Where multimodal wrappers keep their language model's config (mlx-lm reads text_config).
+_TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
+
+
+def text_configs(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The configs that describe the language model, the nested text config first."""
+    nested = [config[key] for key in _TEXT_CONFIG_KEYS if isinstance(config.get(key), dict)]
+    return [*nested, config]
+
+
 def config_context_limit(model_path: Path) -> int | None:
-    """The context length a model directory's config.json declares, if any."""
+    """The context length a model directory's config.json declares, if any.
+
+    A wrapper's text config wins over its top level: the language model is what decodes.
+    A config that cannot be read gives None here; loading the model names that error.
+    """
     try:
-        config = json.loads((model_path / "config.json").read_text())
+        config = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = config.get(name) or (config.get("text_config") or {}).get(name)
-        if isinstance(value, int) and value > 0:
-            return value
+    if not isinstance(config, dict):
+        return None
+    for part in text_configs(config):
+        for name in _CONTEXT_KEYS:
+            value = part.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
     return None

@@ -1,50 +1,32 @@
 """A request prepared once, outside the step loop: prompt ids, tools, constraint, stops.
 
-``RequestSpec`` is what ``Engine.submit`` validated on the caller's thread without a
-tokenizer: a ``ChatRequest`` taken as it is (the faces converted into it once), or raw
-arguments converted through the same ``ChatRequest.from_openai``. ``Preparer`` turns
-it into a ``PreparedRequest`` for this model's tokenizer: the prompt rendered and
-encoded, the forced-call grammar built and compiled, the stop ids resolved. The loop
-only ever sees prepared requests. No mlx here.
+Every door hands ``Engine.submit`` one request value (``ChatRequest`` or ``TextRequest``,
+checked when it was built); ``checked_request`` adds, on the caller's thread, what needs
+no tokenizer. ``Preparer`` turns it into a ``PreparedRequest`` for this model's
+tokenizer: the prompt rendered and encoded, the forced-call grammar built and compiled,
+the stop ids resolved. The loop only ever sees prepared requests. No mlx here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from engine.errors import InvalidRequestError
-from engine.requests.channels import TOOL, ChannelSplitter, RowChannels
-from engine.requests.chat import ChatRequest, ToolChoiceView
-from engine.requests.constraints import Constraint, JsonSchema
-from engine.requests.grammar import GrammarCompiler, validate_constraint
-from engine.requests.prompts import PromptRenderer, checked_prompt, is_chat
-from engine.requests.request import Prompt, SamplingParams, Tools, check_template_options
-from engine.requests.string_repeats import DEFAULT_NGRAM
-from engine.requests.text import RowText
-from engine.requests.tools import ToolSpec, forced_call_grammar
-
-
-@dataclass(frozen=True)
-class RequestSpec(ToolChoiceView):
-    """A submitted request as validated at the door (no tokenizer needed)."""
-
-    prompt: Prompt
-    params: SamplingParams
-    tools: tuple[ToolSpec, ...] = ()
-    tool_choice: str = "auto"  # "auto", "none", "required" or a tool name
-    parallel_tool_calls: bool = True
-    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    call_schema: dict[str, Any] | None = None  # the forced call's schema, built once
-
-    @classmethod
-    def of_chat(cls, chat: ChatRequest) -> RequestSpec:
-        """A typed chat request as it is: nothing is converted again."""
-        return cls(chat.messages, chat.params, chat.tools, chat.tool_choice,
-                   chat.parallel_tool_calls, chat.template_kwargs, chat.call_schema)
+from engine.requests.constraints.forced_calls import forced_call_schema, forced_grammar
+from engine.requests.constraints.grammar import GrammarCompiler, validate_constraint
+from engine.requests.constraints.string_repeats import DEFAULT_NGRAM
+from engine.requests.dialects.dialect import TokenizerFacts
+from engine.requests.dialects.registry import dialect_for
+from engine.requests.inbound.chat import ChatRequest
+from engine.requests.inbound.output_constraint import Constraint, JsonSchema
+from engine.requests.inbound.prompts import EncodedPrompt, PromptRenderer
+from engine.requests.inbound.sampling import SamplingParams
+from engine.requests.inbound.text_request import Request, TextRequest
+from engine.requests.outbound.channels import CONTENT, REASONING
+from engine.requests.outbound.row_channels import RowChannels
+from engine.requests.outbound.text import RowText
 
 
 @dataclass(frozen=True)
@@ -55,7 +37,8 @@ class PreparedRequest:
     params: SamplingParams  # with the forced-call grammar as its constraint, if any
     stop_ids: frozenset[int]
     head_len: int = 0  # tokens of the shared head (system + tools); 0 = none
-    start_channel: str = "content"
+    start_channel: str = CONTENT
+    forces_call: bool = False  # the tool choice forces a call (a cut one is truncation)
 
 
 class Preparer:
@@ -67,24 +50,31 @@ class Preparer:
         self.prompts = PromptRenderer(tokenizer, model_path, vocab_size)
         self.compiler = GrammarCompiler(tokenizer._tokenizer, vocab_size,
                                         string_ngram=json_string_ngram)
+        self.dialect = dialect_for(TokenizerFacts.of(tokenizer))
 
-    def prepare(self, spec: RequestSpec) -> PreparedRequest:
+    def prepare(self, request: Request) -> PreparedRequest:
         """Render, encode and compile; raises the request's own error if it cannot run."""
-        spec.params.check_vocabulary(self.prompts.vocab_size)
-        tools = spec.rendered_tools
-        encoded = self.prompts.encode_request(spec.prompt, tools, dict(spec.template_kwargs))
-        params = spec.params
-        if spec.forces_call:
-            params = replace(params, constraint=self._forced_call(spec))
+        request.params.check_vocabulary(self.prompts.vocab_size)
+        params = request.params
+        if isinstance(request, TextRequest):
+            encoded = EncodedPrompt(self.prompts.encode(request.prompt))
+            forces_call = False
+        else:
+            encoded = self._encoded_chat(request)
+            forces_call = request.forces_call
+            if forces_call:
+                params = replace(params, constraint=self._forced_call(request,
+                                                                      encoded.opens_reasoning))
         if params.constraint is not None:
             self.compiler.compile(params.constraint)  # cached: the lane's matcher reuses it
         return PreparedRequest(encoded.ids, params, self.stop_ids(params), encoded.head_len,
-                               encoded.start_channel)
+                               REASONING if encoded.opens_reasoning else CONTENT, forces_call)
 
-    def count_tokens(self, spec: RequestSpec) -> int:
-        encoded = self.prompts.encode_request(spec.prompt, spec.rendered_tools,
-                                              dict(spec.template_kwargs))
-        return len(encoded.ids)
+    def count_tokens(self, request: Request) -> int:
+        """Prompt tokens the request would use (rendered and encoded as ``prepare`` does)."""
+        if isinstance(request, TextRequest):
+            return len(self.prompts.encode(request.prompt))
+        return len(self._encoded_chat(request).ids)
 
     def stop_ids(self, params: SamplingParams) -> frozenset[int]:
         eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
@@ -93,60 +83,45 @@ class Preparer:
     def row_text(self, params: SamplingParams) -> RowText:
         return RowText(self.tokenizer.detokenizer, params.stop)
 
-    def row_channels(self, spec: RequestSpec, prepared: PreparedRequest) -> RowChannels:
-        splitter = ChannelSplitter(self.prompts.channel_markers(), prepared.start_channel)
-        return RowChannels(splitter, self.prompts.tool_parser, spec.tools,
-                           spec.parallel_tool_calls)
+    def row_channels(self, request: Request, prepared: PreparedRequest) -> RowChannels:
+        dialect = self.dialect
+        splitter = dialect.splitter(prepared.start_channel)
+        if isinstance(request, TextRequest):
+            return RowChannels(splitter, dialect.parser, (), new_id=dialect.new_call_id)
+        return RowChannels(splitter, dialect.parser, request.tools,
+                           request.parallel_tool_calls, new_id=dialect.new_call_id)
 
-    def _forced_call(self, spec: RequestSpec) -> Constraint:
-        """The grammar that forces tool calls, with markers as this tokenizer spells them."""
-        start, end = self.prompts.channel_markers()[TOOL]
-        return forced_call_grammar(spec.tools, spec.tool_choice, spec.parallel_tool_calls,
-                                   self.compiler.lark_literal(start),
-                                   self.compiler.lark_literal(end), schema=spec.call_schema)
+    def _encoded_chat(self, request: ChatRequest) -> EncodedPrompt:
+        return self.prompts.encode_request(request.messages, request.rendered_tools,
+                                           dict(request.template_kwargs))
+
+    def _forced_call(self, request: ChatRequest, opens_reasoning: bool) -> Constraint:
+        """The grammar that forces tool calls in this model's own syntax. A prompt that
+        opened the reasoning block has it closed first, so the call is never reasoning."""
+        literal = self.compiler.lark_text
+        calls = self.dialect.forced_calls(request.tools, request.tool_choice,
+                                          request.parallel_tool_calls, literal)
+        close = self.dialect.reasoning_close
+        prefix = (f"{literal(close)} {literal(self.dialect.after_reasoning)}"
+                  if opens_reasoning and close else "")
+        return forced_grammar(calls, prefix)
 
 
-def request_spec(
-    prompt: Prompt | ChatRequest,
-    params: SamplingParams | None,
-    tools: Tools | None,
-    tool_choice: str | Mapping[str, Any] | None,
-    parallel_tool_calls: bool,
-    chat_template_kwargs: Mapping[str, Any] | None,
-) -> RequestSpec:
-    """Everything ``submit`` can check without a tokenizer, checked once, at the door.
-
-    A ``ChatRequest`` was checked when it was built and is taken as it is; raw chat
-    messages go through ``ChatRequest.from_openai`` (the one rulebook) here.
-    """
-    if isinstance(prompt, ChatRequest):
-        if params is not None or tools or tool_choice is not None or chat_template_kwargs:
-            raise TypeError("a ChatRequest carries its own params, tools, tool_choice and "
-                            "template options: pass them when building it, not to submit")
-        spec = RequestSpec.of_chat(prompt)
-    else:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        checked = checked_prompt(prompt)  # a checked private copy (engine.requests.prompts)
-        if is_chat(checked):
-            spec = RequestSpec.of_chat(ChatRequest.from_openai(
-                checked, params, tools=tools, tool_choice=tool_choice,
-                parallel_tool_calls=parallel_tool_calls,
-                chat_template_kwargs=chat_template_kwargs, root="prompt"))
-        else:
-            template_kwargs = check_template_options(parallel_tool_calls, chat_template_kwargs)
-            plain = ChatRequest.from_openai([{"role": "user", "content": ""}], params,
-                                            tools=tools, tool_choice=tool_choice)
-            if plain.tools and plain.tool_choice != "none":
-                raise InvalidRequestError("tools need a chat-messages prompt", "tools")
-            spec = RequestSpec(checked, params, plain.tools, plain.tool_choice,
-                               parallel_tool_calls, template_kwargs)
-    if spec.call_schema is not None:  # the call schema now; its grammar is built when prepared
-        _validated(JsonSchema(spec.call_schema))
-    elif spec.params.constraint is not None:
-        _validated(spec.params.constraint)
-    return spec
+def checked_request(request: Any) -> Request:
+    """Everything ``submit`` can check without a tokenizer that building the request did
+    not: its type, and that its output constraint or forced call compiles (once per
+    distinct schema). Returns the request as it is: nothing is converted again."""
+    if not isinstance(request, ChatRequest | TextRequest):
+        hint = (" (chat messages: ChatRequest.from_openai(messages, params, tools=...); text "
+                "or token ids: TextRequest(prompt, params))")
+        raise TypeError(f"submit takes a ChatRequest or a TextRequest, got "
+                        f"{type(request).__name__}{hint}")
+    if isinstance(request, ChatRequest) and request.forces_call:
+        # The call's schema now; its grammar is built when the request is prepared.
+        _validated(JsonSchema(forced_call_schema(request.tools, request.tool_choice)))
+    elif request.params.constraint is not None:
+        _validated(request.params.constraint)
+    return cast(Request, request)
 
 
 @lru_cache(maxsize=256)

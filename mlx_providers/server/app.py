@@ -25,11 +25,7 @@ from engine import Engine, EngineError
 from mlx_providers.server.auth import BearerAuth
 from mlx_providers.server.chat_endpoint import chat_completions
 from mlx_providers.server.context import ServerContext, ServerSettings
-from mlx_providers.server.embeddings_endpoint import (
-    EmbeddingModel,
-    ServedEmbedding,
-    create_embeddings,
-)
+from mlx_providers.server.embeddings_endpoint import create_embeddings
 from mlx_providers.server.errors import SERVER_ERROR, APIError
 from mlx_providers.server.metrics import CONTENT_TYPE, ServerMetrics
 from mlx_providers.server.responses_endpoint import (
@@ -38,7 +34,7 @@ from mlx_providers.server.responses_endpoint import (
     get_response,
 )
 from mlx_providers.server.responses_store import ResponseStore
-from mlx_providers.server.served import ServedModel, ServedModels
+from mlx_providers.server.served import EmbeddingModel, ServedEmbedding, ServedModel, ServedModels
 
 log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what an engine for model=None serves

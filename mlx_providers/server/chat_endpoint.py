@@ -6,7 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from mlx_providers.server.chat_completions import ChatAnswer, ChatCompletionShaper
-from mlx_providers.server.chat_request import ChatCompletionRequest, generation_spec
+from mlx_providers.server.chat_request import ChatCompletionRequest, engine_request
 from mlx_providers.server.context import ServerContext, read_json, validate
 from mlx_providers.server.errors import from_engine
 from mlx_providers.server.generation import Endpoint, serve
@@ -20,9 +20,9 @@ async def chat_completions(request: Request) -> Response:
     chat = validate(ChatCompletionRequest, body)
     served = ctx.models.get(chat.model)
     try:
-        spec = generation_spec(chat, default_max_tokens=ctx.settings.default_max_tokens,
-                               default_temperature=ctx.settings.default_temperature)
-    except ValueError as exc:  # SamplingParams' own checks (e.g. an empty stop string)
+        spec = engine_request(chat, default_max_tokens=ctx.settings.default_max_tokens,
+                              default_temperature=ctx.settings.default_temperature)
+    except ValueError as exc:  # the rulebook's refusals (a bad tool, an empty stop string)
         raise from_engine(exc) from exc
     # A grammar that does not compile is the schema's when there is one, else a tool's.
     endpoint = Endpoint(ENDPOINT, ctx.metrics, {

@@ -15,8 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine import Constraint, Message, messages_from_openai, sampling_from_openai
-from mlx_providers.server.generation import GenerationSpec
+from engine import ChatRequest, Constraint, Message, messages_from_openai, sampling_from_openai
 from mlx_providers.server.tool_options import engine_tools, output_constraint, tool_choice_name
 
 
@@ -115,9 +114,10 @@ def _set_fields(message: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in message.items() if v is not None or k == "content"}
 
 
-def generation_spec(request: ChatCompletionRequest, *, default_max_tokens: int,
-                    default_temperature: float) -> GenerationSpec:
-    """The engine request for a validated chat-completions request."""
+def engine_request(request: ChatCompletionRequest, *, default_max_tokens: int,
+                   default_temperature: float) -> ChatRequest:
+    """The engine request for a validated chat-completions request (the engine's rulebook
+    refuses what it must: ``InvalidRequestError`` naming the field)."""
     constraint = constraint_of(request.response_format)
     max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
     params = sampling_from_openai(
@@ -126,6 +126,7 @@ def generation_spec(request: ChatCompletionRequest, *, default_max_tokens: int,
         top_logprobs=request.top_logprobs, constraint=constraint,
         default_temperature=default_temperature)
     tools = engine_tools([t.function for t in request.tools or ()])
-    return GenerationSpec(chat_messages(request.messages), params, tools,
-                          tool_choice_name(request.tool_choice),
-                          request.parallel_tool_calls, request.chat_template_kwargs or {})
+    return ChatRequest.from_openai(chat_messages(request.messages), params, tools=tools,
+                                   tool_choice=tool_choice_name(request.tool_choice),
+                                   parallel_tool_calls=request.parallel_tool_calls,
+                                   chat_template_kwargs=request.chat_template_kwargs)

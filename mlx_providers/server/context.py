@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -13,10 +13,7 @@ from starlette.requests import Request
 from mlx_providers.server.errors import APIError, from_validation
 from mlx_providers.server.metrics import ServerMetrics
 from mlx_providers.server.responses_store import ResponseStore
-from mlx_providers.server.served import ServedModels
-
-if TYPE_CHECKING:
-    from mlx_providers.server.embeddings_endpoint import ServedEmbedding
+from mlx_providers.server.served import ServedEmbedding, ServedModels
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -14,8 +14,6 @@ a split request's remaining chunks) are dropped.
 from __future__ import annotations
 
 import base64
-import os
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -23,38 +21,15 @@ from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import Embeddings, Engine, EngineError, check_texts
+from engine import Embeddings, EngineError, check_texts
 from mlx_providers.server.context import ServerContext, read_json, validate
 from mlx_providers.server.errors import APIError, from_engine
 from mlx_providers.server.generation import ClientGone, unless_disconnected
-from mlx_providers.server.served import Admission
 
 ENDPOINT = "embeddings"
 CLIENT_CLOSED = 499  # as the chat endpoint answers a client that left (never read)
-EmbeddingModel = str | os.PathLike[str] | None
 
 
-@dataclass(eq=False)
-class ServedEmbedding:
-    """An embedding model served under ``name``, run by ``engine`` (the chat model's);
-    admits ``embed_max_batch + max_queue`` requests at once."""
-
-    name: str
-    engine: Engine
-    model: EmbeddingModel  # None: all-MiniLM-L6-v2
-    max_queue: int = 64
-    retry_after_seconds: int = 1
-    admission: Admission = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        # One batch runs at most embed_max_batch requests; beyond that they queue.
-        self.admission = Admission(self.name,
-                                   self.engine.config.embed_max_batch + self.max_queue,
-                                   self.retry_after_seconds)
-
-    def warm_up(self) -> None:
-        """Fetch the model and load its encoder before the first request (blocking)."""
-        self.engine.embed(["warm up"], self.model).result()
 
 
 class EmbeddingsRequest(BaseModel):

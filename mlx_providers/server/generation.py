@@ -1,7 +1,7 @@
 """One generation for an HTTP request, the same for every endpoint that generates.
 
-Both ``/v1/chat/completions`` and ``/v1/responses`` reduce a request to a
-``GenerationSpec`` and an ``Answer`` (what their wire format makes of engine events), and
+Both ``/v1/chat/completions`` and ``/v1/responses`` reduce a request to the engine's
+``ChatRequest`` and an ``Answer`` (what their wire format makes of engine events), and
 ``serve`` runs the rest: admission, submit, the first event (so a refused request is a 4xx
 before any byte is sent), then the whole answer or its SSE stream, metrics and errors.
 
@@ -13,8 +13,8 @@ the server cancels a generation, and a handle sends its Cancel to the engine at 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -24,12 +24,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine import (
+    ChatRequest,
     ContextLengthError,
     Engine,
     EngineError,
-    Message,
     RequestHandle,
-    SamplingParams,
     StreamEvent,
 )
 from mlx_providers.server.errors import from_engine
@@ -38,25 +37,6 @@ from mlx_providers.server.served import ServedModel, Slot
 
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never read by anyone
-
-
-@dataclass(frozen=True)
-class GenerationSpec:
-    """What ``Engine.submit`` gets for one HTTP request."""
-
-    messages: Sequence[Message]  # converted once by the engine's rulebook
-    params: SamplingParams
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | None = None
-    parallel_tool_calls: bool = True
-    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-
-    def submit(self, engine: Engine) -> RequestHandle:
-        """Queue it (raises at once for invalid tools, choices or constraints)."""
-        return engine.submit(self.messages, self.params, tools=self.tools,
-                             tool_choice=self.tool_choice,
-                             parallel_tool_calls=self.parallel_tool_calls,
-                             chat_template_kwargs=dict(self.chat_template_kwargs) or None)
 
 
 class ClientGone(Exception):
@@ -172,7 +152,7 @@ class Endpoint:
 
 
 async def serve(request: Request, endpoint: Endpoint, served: ServedModel,
-                spec: GenerationSpec, answer: Answer, *, stream: bool,
+                spec: ChatRequest, answer: Answer, *, stream: bool,
                 fit_context: bool) -> Response:
     """Run ``spec`` on ``served`` and answer: JSON, or an SSE stream of ``answer``'s items.
 
@@ -205,7 +185,7 @@ async def serve(request: Request, endpoint: Endpoint, served: ServedModel,
     return JSONResponse(answer.body())
 
 
-async def _started(request: Request, engine: Engine, spec: GenerationSpec,
+async def _started(request: Request, engine: Engine, spec: ChatRequest,
                    endpoint: Endpoint, fit_context: bool) -> Generation:
     """Submitted, with its first event read; engine refusals raised as 4xx/5xx."""
     generation = await _submitted(request, engine, spec, endpoint)
@@ -220,10 +200,10 @@ async def _started(request: Request, engine: Engine, spec: GenerationSpec,
     return generation
 
 
-async def _submitted(request: Request, engine: Engine, spec: GenerationSpec,
+async def _submitted(request: Request, engine: Engine, spec: ChatRequest,
                      endpoint: Endpoint) -> Generation:
     try:
-        generation = Generation(spec.submit(engine))
+        generation = Generation(engine.submit(spec))
     except (ValueError, TypeError, EngineError) as exc:  # bad input, or a dead engine
         raise from_engine(exc, **endpoint.error_params) from exc
     async with generation:  # a client that leaves while the row waits cancels it here

@@ -9,10 +9,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import StreamEvent, sampling_from_openai
+from engine import ChatRequest, StreamEvent, sampling_from_openai
 from mlx_providers.server.context import ServerContext, read_json, validate
 from mlx_providers.server.errors import from_engine, not_found
-from mlx_providers.server.generation import Endpoint, GenerationSpec, serve
+from mlx_providers.server.generation import Endpoint, serve
 from mlx_providers.server.responses_events import ResponseTranslator
 from mlx_providers.server.responses_request import ResponsesRequest, messages_of
 
@@ -96,10 +96,12 @@ async def create_response(request: Request) -> Response:
     try:
         params = sampling_from_openai(max_tokens=max_tokens, temperature=temperature,
                                       top_p=req.top_p, constraint=req.constraint())
-    except ValueError as exc:  # SamplingParams' own checks
+        spec = ChatRequest.from_openai(messages_of(items, req.instructions), params,
+                                       tools=req.engine_tools(),
+                                       tool_choice=req.engine_tool_choice(),
+                                       parallel_tool_calls=req.parallel_tool_calls)
+    except ValueError as exc:  # the rulebook's refusals (a bad tool, SamplingParams' checks)
         raise from_engine(exc, **_PARAMS) from exc
-    spec = GenerationSpec(messages_of(items, req.instructions), params, req.engine_tools(),
-                          req.engine_tool_choice(), req.parallel_tool_calls)
     endpoint = Endpoint(ENDPOINT, ctx.metrics, {
         **_PARAMS, "constraint_param": "text.format" if spec.params.constraint else "tools"})
     translator = ResponseTranslator(served.name, _echo(req, max_tokens, temperature))

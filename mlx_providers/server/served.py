@@ -9,6 +9,7 @@ instead of an ever-growing queue.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -120,3 +121,30 @@ class ServedModels:
             raise APIError(404, f"the model {name!r} does not exist on this server; it serves "
                            f"{sorted(self._models)}", param=param, code="model_not_found")
         return served
+
+
+# An embedding model as a server names it: None (all-MiniLM-L6-v2), a path or a hub id.
+EmbeddingModel = str | os.PathLike[str] | None
+
+
+@dataclass(eq=False)
+class ServedEmbedding:
+    """An embedding model served under ``name``, run by ``engine`` (the chat model's);
+    admits ``embed_max_batch + max_queue`` requests at once."""
+
+    name: str
+    engine: Engine
+    model: EmbeddingModel  # None: all-MiniLM-L6-v2
+    max_queue: int = 64
+    retry_after_seconds: int = 1
+    admission: Admission = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # One batch runs at most embed_max_batch requests; beyond that they queue.
+        self.admission = Admission(self.name,
+                                   self.engine.config.embed_max_batch + self.max_queue,
+                                   self.retry_after_seconds)
+
+    def warm_up(self) -> None:
+        """Fetch the model and load its encoder before the first request (blocking)."""
+        self.engine.embed(["warm up"], self.model).result()

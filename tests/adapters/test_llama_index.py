@@ -34,9 +34,9 @@ from llama_index.core.tools import FunctionTool
 from pydantic import BaseModel, Field
 
 from engine import LarkGrammar, OutputTruncatedError, SamplingParams, messages_from_openai
-from engine.requests.messages import template_messages
+from engine.requests.inbound.messages import template_messages
 from mlx_providers import MLXBatchLLM
-from tests.conftest import own_copy
+from tests.conftest import own_copy, request_for
 from tests.fake_engine import scripted
 
 ASK = [ChatMessage(role=MessageRole.USER, content="What is the weather in Paris?")]
@@ -87,7 +87,7 @@ def clock_tool() -> FunctionTool:
 
 
 def engine_reference(llm: MLXBatchLLM, prompt: Any, max_tokens: int = 16) -> Any:
-    return llm.engine.submit(prompt, SamplingParams(max_tokens=max_tokens)).result()
+    return llm.engine.submit(request_for(prompt, SamplingParams(max_tokens=max_tokens))).result()
 
 
 # ----- construction and metadata ------------------------------------------------------

@@ -16,7 +16,8 @@ import threading
 import time
 
 import engine
-from engine import Engine, EngineConfig, EngineDeadError, JsonSchema, SamplingParams
+from engine import Engine, EngineConfig, EngineDeadError, JsonSchema, SamplingParams, TextRequest
+from tests.conftest import request_for
 
 PROMPTS = ["def main(", "import os\nimport", "class Parser:\n    def", "for i in range(",
            "The quick brown", "return self."]
@@ -31,28 +32,28 @@ def run_rank0(eng: Engine, scenario: str) -> dict[str, object]:
     if scenario == "greedy":
         refused = []  # requests that fail validation never reach the other ranks
         try:
-            eng.submit(PROMPTS[0], SamplingParams(logits_processors=(lambda t, x: x,)))
+            eng.submit(request_for(PROMPTS[0], SamplingParams(logits_processors=(lambda t, x: x,))))
         except ValueError as exc:
             refused.append(type(exc).__name__)
-        too_long = eng.submit(PROMPTS[0], SamplingParams(max_tokens=100_000))
+        too_long = eng.submit(request_for(PROMPTS[0], SamplingParams(max_tokens=100_000)))
         try:
             too_long.result(timeout=60)
         except Exception as exc:
             refused.append(type(exc).__name__)
-        handles = [eng.submit(p, greedy) for p in PROMPTS]
+        handles = [eng.submit(request_for(p, greedy)) for p in PROMPTS]
         return {"tokens": [list(h.result(timeout=60).token_ids) for h in handles],
                 "refused": refused}
     if scenario == "sample":
         params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
         seeded = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True, seed=7)
-        handles = [eng.submit(p, params) for p in PROMPTS[:3]]
-        handles.append(eng.submit(PROMPTS[3], seeded))  # the serial lane
+        handles = [eng.submit(request_for(p, params)) for p in PROMPTS[:3]]
+        handles.append(eng.submit(request_for(PROMPTS[3], seeded)))  # the serial lane
         return {"tokens": [list(h.result(timeout=60).token_ids) for h in handles]}
     if scenario == "grammar":
         schema = JsonSchema({"type": "object", "properties": {"n": {"type": "integer"}},
                              "required": ["n"]})
         params = SamplingParams(max_tokens=24, temperature=0.0, constraint=schema)
-        handles = [eng.submit(p, params) for p in PROMPTS[:2]]
+        handles = [eng.submit(request_for(p, params)) for p in PROMPTS[:2]]
         return {"texts": [h.result(timeout=60).text for h in handles],
                 "tokens": [list(h.result(timeout=60).token_ids) for h in handles]}
     if scenario == "cancel":
@@ -66,12 +67,14 @@ def run_rank0(eng: Engine, scenario: str) -> dict[str, object]:
                 seen.set()
             return True
 
-        siblings = [eng.submit(PROMPTS[0], long), eng.submit(PROMPTS[2], long)]
-        victim = eng.submit(PROMPTS[1], long, on_token=on_token)
+        siblings = [eng.submit(request_for(PROMPTS[0], long)),
+                    eng.submit(request_for(PROMPTS[2], long))]
+        victim = eng.submit(request_for(PROMPTS[1], long), on_token=on_token)
         seen.wait(60)
         victim.cancel()
         victim_result = victim.result(timeout=60)
-        after = eng.submit(PROMPTS[3], greedy).result(timeout=60)  # both ranks still agree
+        after = eng.submit(request_for(PROMPTS[3],
+                                       greedy)).result(timeout=60)  # both ranks still agree
         return {"tokens": [list(h.result(timeout=60).token_ids) for h in siblings],
                 "victim_reason": str(victim_result.finish_reason.value),
                 "victim_tokens": len(victim_result.token_ids),
@@ -82,7 +85,7 @@ def run_rank0(eng: Engine, scenario: str) -> dict[str, object]:
         forever = SamplingParams(max_tokens=2040, temperature=0.0, ignore_eos=True)
         started, error, rows = 0.0, "", 0
         while not error and rows < 1000:
-            handle = eng.submit(PROMPTS[0], forever)
+            handle = eng.submit(request_for(PROMPTS[0], forever))
             rows += 1
             try:
                 if not started:
@@ -96,7 +99,7 @@ def run_rank0(eng: Engine, scenario: str) -> dict[str, object]:
                 error = f"{type(exc).__name__}: {exc}"
         waited = time.monotonic() - started
         try:
-            eng.submit("x", greedy)
+            eng.submit(TextRequest("x", greedy))
             later = "accepted"
         except EngineDeadError:
             later = "EngineDeadError"

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.conftest import _built, _cache_root
+from tests.conftest import _built, _cache_root, request_for
 from tests.distributed.rank_main import PROMPTS
 
 pytestmark = pytest.mark.distributed
@@ -141,7 +141,7 @@ def reference(shardable_model_dir: Path) -> dict[str, list[list[int]]]:
         out: dict[str, list[list[int]]] = {}
         for n in (16, 40):
             params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-            out[str(n)] = [list(eng.submit(p, params).result(timeout=60).token_ids)
+            out[str(n)] = [list(eng.submit(request_for(p, params)).result(timeout=60).token_ids)
                            for p in PROMPTS]
         return out
     finally:

@@ -11,6 +11,7 @@ import pytest
 
 from engine import Engine, EngineClosedError, EngineConfig, SamplingParams, StepProbe
 from engine.core.step_probe import TurnReport
+from tests.conftest import request_for
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0)
 
@@ -27,7 +28,7 @@ def _admissions(make_engine: Callable[..., Engine], gap: float, n: int,
     eng = make_engine(probe=StepProbe(on_turn=on_turn), prefill_batch=4, **config)
     handles = []
     for i in range(n):
-        handles.append(eng.submit([{"role": "user", "content": f"burst {i}"}], GREEDY))
+        handles.append(eng.submit(request_for([{"role": "user", "content": f"burst {i}"}], GREEDY)))
         time.sleep(gap)
     for handle in handles:
         handle.result(timeout=60)
@@ -47,13 +48,13 @@ def test_a_burst_on_an_idle_engine_starts_as_one_group(make_engine: Any) -> None
 def test_the_window_ends_at_its_length_for_a_lone_request(make_engine: Any) -> None:
     eng = make_engine(admission_window=0.2, prefill_batch=4)
     started = time.monotonic()
-    eng.submit([{"role": "user", "content": "alone"}], GREEDY).result(timeout=60)
+    eng.submit(request_for([{"role": "user", "content": "alone"}], GREEDY)).result(timeout=60)
     assert time.monotonic() - started >= 0.2  # it waited the window, then ran alone
 
 
 def test_close_during_a_window_does_not_wait_for_it(make_engine: Any) -> None:
     eng = make_engine(admission_window=1.0, prefill_batch=4)
-    handle = eng.submit([{"role": "user", "content": "cut short"}], GREEDY)
+    handle = eng.submit(request_for([{"role": "user", "content": "cut short"}], GREEDY))
     eng.close(timeout=0.9)  # joins the engine thread for at most 0.9 s, not the window
     assert handle.done
     with pytest.raises(EngineClosedError):

@@ -26,7 +26,7 @@ PRELUDE = """
 import sys, time
 import engine
 from engine import (Engine, EngineConfig, EngineClosedError, EngineDeadError,
-                    SamplingParams, StepProbe)
+                    SamplingParams, StepProbe, TextRequest)
 MODEL = {model!r}
 def say(word):
     print(word, flush=True)
@@ -39,7 +39,7 @@ ENDINGS = {
         probe.fail_always(RuntimeError("the device fell over"))
         for _ in range(10):  # each failed step fails its rows; the second in a row kills
             try:
-                eng.submit("hello", SamplingParams(max_tokens=50)).result(timeout=60)
+                eng.submit(TextRequest("hello", SamplingParams(max_tokens=50))).result(timeout=60)
             except EngineDeadError:
                 say("dead")
                 break
@@ -50,8 +50,8 @@ ENDINGS = {
         probe = StepProbe()
         probe.slow_steps(0.02)
         eng = Engine(MODEL, probe=probe).start()
-        handles = [eng.submit("hello", SamplingParams(max_tokens=500, ignore_eos=True))
-                   for _ in range(4)]
+        request = TextRequest("hello", SamplingParams(max_tokens=500, ignore_eos=True))
+        handles = [eng.submit(request) for _ in range(4)]
         while eng.stats().generated_tokens < 8:
             time.sleep(0.01)
         eng.close()
@@ -61,7 +61,7 @@ ENDINGS = {
             except EngineClosedError:
                 pass
         try:
-            eng.submit("again")
+            eng.submit(TextRequest("again"))
         except EngineClosedError:
             say("closed")
     """,
@@ -69,8 +69,8 @@ ENDINGS = {
         probe = StepProbe()
         probe.slow_steps(0.02)
         eng = Engine(MODEL, probe=probe).start()
-        handles = [eng.submit("hello", SamplingParams(max_tokens=1500, ignore_eos=True))
-                   for _ in range(4)]
+        request = TextRequest("hello", SamplingParams(max_tokens=1500, ignore_eos=True))
+        handles = [eng.submit(request) for _ in range(4)]
         while eng.stats().generated_tokens < 8:
             time.sleep(0.01)
         say("left open")
@@ -109,7 +109,7 @@ PHASES = {
         probe = StepProbe()
         probe.slow_steps(0.05)
         eng = Engine(MODEL, EngineConfig(prefill_chunk=8), probe=probe).start()
-        handle = eng.submit("word " * 400, SamplingParams(max_tokens=4))  # 800 tokens
+        handle = eng.submit(TextRequest("word " * 400, SamplingParams(max_tokens=4)))  # 800 tokens
         while eng.stats().running == 0 and not handle.done:
             time.sleep(0.005)
         assert eng.stats().generated_tokens == 0
@@ -120,7 +120,8 @@ PHASES = {
         probe = StepProbe()
         probe.slow_steps(0.02)
         eng = Engine(MODEL, probe=probe).start()
-        handle = eng.submit("hello", SamplingParams(max_tokens=1500, ignore_eos=True))
+        handle = eng.submit(TextRequest("hello", SamplingParams(max_tokens=1500,
+                                                                ignore_eos=True)))
         events = iter(handle)  # one iterator: dropping one after a break cancels the row
         for event in events:
             if eng.stats().generated_tokens >= 4:

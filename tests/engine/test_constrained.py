@@ -9,11 +9,11 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from engine import Engine, FinishReason, SamplingParams
+from engine import Engine, FinishReason, SamplingParams, TextRequest
 from engine.errors import InvalidConstraintError
-from engine.requests.constraints import JsonObject, JsonSchema, LarkGrammar, Regex
-from engine.requests.grammar import GrammarCompiler
-from tests.conftest import Turns, alone, greedy, prompts_of_lengths, wait_until
+from engine.requests.constraints.grammar import GrammarCompiler
+from engine.requests.inbound.output_constraint import JsonObject, JsonSchema, LarkGrammar, Regex
+from tests.conftest import Turns, alone, greedy, prompts_of_lengths, request_for, wait_until
 
 TRIP = {
     "type": "object",
@@ -30,9 +30,10 @@ TRIP = {
 def test_schema_rows_validate_beside_unchanged_unconstrained_rows(tiny_engine: Engine) -> None:
     plain = prompts_of_lengths(tiny_engine, [9, 33, 17], seed=41)
     reference = alone(tiny_engine, plain, greedy(40))
-    constrained = [tiny_engine.submit(f"trip {i}", greedy(80, constraint=JsonSchema(TRIP)))
+    constrained = [tiny_engine.submit(TextRequest(f"trip {i}",
+                                                  greedy(80, constraint=JsonSchema(TRIP))))
                    for i in range(3)]
-    handles = [tiny_engine.submit(p, greedy(40)) for p in plain]
+    handles = [tiny_engine.submit(request_for(p, greedy(40))) for p in plain]
     for handle in constrained:
         result = handle.result(timeout=60)
         assert result.finish_reason is FinishReason.STOP, result.text
@@ -42,33 +43,35 @@ def test_schema_rows_validate_beside_unchanged_unconstrained_rows(tiny_engine: E
 
 
 def test_unconstrained_output_is_not_valid_json_without_the_grammar(tiny_engine: Engine) -> None:
-    text = tiny_engine.submit("trip 0", greedy(40)).result().text
+    text = tiny_engine.submit(TextRequest("trip 0", greedy(40))).result().text
     with pytest.raises(ValueError):
         json.loads(text)  # so the previous test's validity comes from the grammar
 
 
 def test_regex_json_object_and_lark(tiny_engine: Engine) -> None:
-    regex = tiny_engine.submit("code", greedy(20, constraint=Regex(r"[A-Z]{3}-[0-9]{4}"))).result()
+    code = greedy(20, constraint=Regex(r"[A-Z]{3}-[0-9]{4}"))
+    regex = tiny_engine.submit(TextRequest("code", code)).result()
     assert regex.finish_reason is FinishReason.STOP
     assert len(regex.text) == 8 and regex.text[3] == "-" and regex.text[4:].isdigit()
-    obj = tiny_engine.submit("obj", greedy(200, constraint=JsonObject())).result()
+    obj = tiny_engine.submit(TextRequest("obj", greedy(200, constraint=JsonObject()))).result()
     if obj.finish_reason is FinishReason.STOP:
         assert isinstance(json.loads(obj.text), dict)
     else:
         assert obj.finish_reason is FinishReason.LENGTH and obj.text.startswith("{")
-    lark = tiny_engine.submit("yes or no", greedy(10, constraint=LarkGrammar(
-        'start: ("yes" | "no") "!"'))).result()
+    lark = tiny_engine.submit(TextRequest("yes or no", greedy(10, constraint=LarkGrammar(
+        'start: ("yes" | "no") "!"')))).result()
     assert lark.text in ("yes!", "no!") and lark.finish_reason is FinishReason.STOP
 
 
 def test_grammar_completion_stops_before_max_tokens(tiny_engine: Engine) -> None:
-    result = tiny_engine.submit("x", greedy(100, constraint=Regex("abc"))).result()
+    result = tiny_engine.submit(TextRequest("x", greedy(100, constraint=Regex("abc")))).result()
     assert result.text == "abc" and result.finish_reason is FinishReason.STOP
     assert result.usage.completion_tokens < 100
 
 
 def test_max_tokens_cut_reports_length_not_stop(tiny_engine: Engine) -> None:
-    result = tiny_engine.submit("trip", greedy(5, constraint=JsonSchema(TRIP))).result()
+    result = tiny_engine.submit(TextRequest("trip",
+                                            greedy(5, constraint=JsonSchema(TRIP)))).result()
     assert result.finish_reason is FinishReason.LENGTH
     with pytest.raises(ValueError):
         json.loads(result.text)
@@ -78,18 +81,18 @@ def test_max_tokens_cut_reports_length_not_stop(tiny_engine: Engine) -> None:
     Regex("[a-"), JsonSchema({"type": "bogus"}), LarkGrammar("start: undefined_rule"),
 ])
 def test_invalid_constraint_is_rejected_at_submit(tiny_engine: Engine, constraint) -> None:  # type: ignore[no-untyped-def]
-    sibling = tiny_engine.submit("fine", greedy(10))
+    sibling = tiny_engine.submit(TextRequest("fine", greedy(10)))
     with pytest.raises(InvalidConstraintError):
-        tiny_engine.submit("bad", greedy(10, constraint=constraint))
+        tiny_engine.submit(TextRequest("bad", greedy(10, constraint=constraint)))
     assert sibling.result().usage.completion_tokens == 10
     assert isinstance(InvalidConstraintError("x"), ValueError)
 
 
 def test_constrained_rows_on_the_serial_lane(tiny_engine: Engine) -> None:
     params = SamplingParams(max_tokens=80, temperature=0.9, seed=5, constraint=JsonSchema(TRIP))
-    first = tiny_engine.submit("trip", params).result()
+    first = tiny_engine.submit(TextRequest("trip", params)).result()
     jsonschema.validate(json.loads(first.text), TRIP)
-    assert tiny_engine.submit("trip", params).result().text == first.text
+    assert tiny_engine.submit(TextRequest("trip", params)).result().text == first.text
 
 
 def test_matchers_are_released_on_every_exit_path(make_engine) -> None:  # type: ignore[no-untyped-def]
@@ -102,16 +105,16 @@ def test_matchers_are_released_on_every_exit_path(make_engine) -> None:  # type:
         return turns.settled().stats.live_matchers
 
     # finished
-    eng.submit("a", schema).result()
+    eng.submit(TextRequest("a", schema)).result()
     assert live() == 0
     # stopped by the callback
-    eng.submit("b", long_schema, on_token=lambda *_: False).result()
+    eng.submit(TextRequest("b", long_schema), on_token=lambda *_: False).result()
     assert live() == 0
     # evicted mid-decode, and cancelled while pending (max_batch=2 keeps the third waiting)
     seen: list[int] = []
-    running = [eng.submit(f"r{i}", long_schema, on_token=lambda t, _: seen.append(t))
+    running = [eng.submit(TextRequest(f"r{i}", long_schema), on_token=lambda t, _: seen.append(t))
                for i in range(2)]
-    pending = eng.submit("p", long_schema)
+    pending = eng.submit(TextRequest("p", long_schema))
     wait_until(lambda: len(seen) > 4 and turns.last.stats.running == 2
                and turns.last.stats.pending == 1)
     assert turns.last.stats.live_matchers == 2
@@ -126,12 +129,12 @@ def test_matchers_are_released_on_every_exit_path(make_engine) -> None:  # type:
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError):
-        eng.submit("f", greedy(20, constraint=Regex("[a-z]+"),
-                               logits_processors=(explode,))).result()
+        eng.submit(TextRequest("f", greedy(20, constraint=Regex("[a-z]+"),
+                               logits_processors=(explode,)))).result()
     assert live() == 0
     # engine shutdown with a constrained row in flight
     seen.clear()
-    eng.submit("s", long_schema, on_token=lambda t, _: seen.append(t))
+    eng.submit(TextRequest("s", long_schema), on_token=lambda t, _: seen.append(t))
     wait_until(lambda: len(seen) > 2 and turns.last.stats.live_matchers == 1)
     eng.close()
     assert eng.stats().live_matchers == 0  # taken after the shutdown released every row

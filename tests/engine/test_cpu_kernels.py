@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine
+from engine import Engine, TextRequest
 from engine.device import cpu_kernels
 from testkit.quantized_model import build_quantized_tiny_model
 from tests.conftest import alone, greedy, prompts_of_lengths
@@ -73,7 +73,7 @@ def test_batched_equals_alone_with_the_kernels(make_engine: Callable[..., Engine
     params = greedy(32)
     reference = alone(eng, prompts, params)
     assert len(set(reference)) == len(prompts), "prompts should give distinct continuations"
-    handles = [eng.submit(p, params) for p in prompts]
+    handles = [eng.submit(TextRequest(p, params)) for p in prompts]
     assert [h.result(timeout=120).token_ids for h in handles] == reference
     assert eng.stats().peak_running >= 6
 
@@ -81,12 +81,13 @@ def test_batched_equals_alone_with_the_kernels(make_engine: Callable[..., Engine
 _REFERENCE_RUN = """
 import json, sys
 import engine
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams, TextRequest
 path, quantized, prompts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 eng = Engine(path, EngineConfig(max_batch=16, prefill_chunk=64, quantized=quantized)).start()
 params = SamplingParams(max_tokens=32, temperature=0.0)
-alone = [list(eng.submit(p, params).result().token_ids) for p in prompts]
-batched = [list(h.result().token_ids) for h in [eng.submit(p, params) for p in prompts]]
+alone = [list(eng.submit(TextRequest(p, params)).result().token_ids) for p in prompts]
+batched = [list(h.result().token_ids)
+           for h in [eng.submit(TextRequest(p, params)) for p in prompts]]
 st = eng.stats()
 print(json.dumps({"alone": alone, "batched": batched, "weight_format": st.weight_format,
                   "cpu_kernels": st.cpu_kernels}))

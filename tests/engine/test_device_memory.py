@@ -3,7 +3,7 @@ prefix store, not batch buffers pinned by reference cycles until Python's GC run
 
 from __future__ import annotations
 
-from engine import Engine, SamplingParams
+from engine import Engine, SamplingParams, TextRequest
 from testkit.churn import Churn
 from tests.conftest import wait_until
 
@@ -16,7 +16,7 @@ def _idle_stats(eng: Engine) -> tuple[int, int]:
 
 def test_memory_returns_to_the_warm_level_after_a_storm(make_engine) -> None:  # type: ignore[no-untyped-def]
     eng: Engine = make_engine(max_batch=16, prefix_cache_bytes=0)
-    eng.submit("warm up", SamplingParams(max_tokens=4)).result(timeout=60)
+    eng.submit(TextRequest("warm up", SamplingParams(max_tokens=4))).result(timeout=60)
     warm, _ = _idle_stats(eng)
     Churn(eng, seed=11).run_round(600)
     _idle_stats(eng)
@@ -28,7 +28,7 @@ def test_memory_returns_to_the_warm_level_after_a_storm(make_engine) -> None:  #
 
 def test_the_prefix_store_reports_what_it_keeps_alive(make_engine) -> None:  # type: ignore[no-untyped-def]
     eng: Engine = make_engine(max_batch=16, prefix_cache_bytes=4 << 20)
-    eng.submit("warm up", SamplingParams(max_tokens=4)).result(timeout=60)
+    eng.submit(TextRequest("warm up", SamplingParams(max_tokens=4))).result(timeout=60)
     warm, before = _idle_stats(eng)
     churn = Churn(eng, seed=12)
     churn.run_round(600)

@@ -21,10 +21,11 @@ from engine import (
     RequestCancelledError,
     RequestTimeoutError,
     StepProbe,
+    TextRequest,
     TurnReport,
 )
 from testkit.numpy_bert import NumpyBert
-from tests.conftest import HeldEmbeddings, greedy, threads_started_by, wait_until
+from tests.conftest import HeldEmbeddings, greedy, request_for, threads_started_by, wait_until
 
 SENTENCES = [
     "A man is eating food.",
@@ -128,9 +129,9 @@ def test_beside_generating_rows_their_tokens_are_unchanged(
     eng = make_engine(probe=probe, max_batch=8, embed_window=0.0)
     prompts = [f"Count from {i} to {i + 30}:" for i in range(4)]
     params = greedy(max_tokens=40, ignore_eos=True)
-    alone = [eng.submit(p, params).result(timeout=60).token_ids for p in prompts]
+    alone = [eng.submit(request_for(p, params)).result(timeout=60).token_ids for p in prompts]
     probe.slow_steps(0.01)  # the rows decode for a while: embeddings land between steps
-    handles = [eng.submit(p, params) for p in prompts]
+    handles = [eng.submit(request_for(p, params)) for p in prompts]
     wait_until(lambda: eng.stats().running == len(prompts))
     embedded = [eng.embed(SENTENCES, embedding_model_dir).result(timeout=60) for _ in range(3)]
     together = [h.result(timeout=60).token_ids for h in handles]
@@ -152,10 +153,10 @@ def test_a_large_request_runs_in_chunks_between_decode_steps(
                       embed_share=1.0)
     prompts = [f"Count from {i} to {i + 30}:" for i in range(3)]
     params = greedy(max_tokens=40, ignore_eos=True)
-    alone = [eng.submit(p, params).result(timeout=60).token_ids for p in prompts]
+    alone = [eng.submit(request_for(p, params)).result(timeout=60).token_ids for p in prompts]
     eng.embed(["warm up"], embedding_model_dir).result(timeout=60)  # the encoder loads
     probe.slow_steps(0.01)
-    handles = [eng.submit(p, params) for p in prompts]
+    handles = [eng.submit(request_for(p, params)) for p in prompts]
     wait_until(lambda: eng.stats().running == len(prompts))
     before = eng.stats().embed_batches
     result = eng.embed(texts, embedding_model_dir).result(timeout=60)
@@ -233,11 +234,11 @@ def test_the_watchdog_fails_waiting_embeddings_without_touching_the_batcher(
         waiting = eng.embed(["waiting for its window"], embedding_model_dir)
         wait_until(lambda: eng.stats().embed_pending == 1)  # in the engine thread's batcher
         stuck.armed.set()
-        row = eng.submit("Hello", greedy(max_tokens=4))
+        row = eng.submit(TextRequest("Hello", greedy(max_tokens=4)))
         assert stuck.parked.wait(30)
         assert not waiting.done, "precondition: the window passed before the step parked"
         dead = EngineDeadError("a rank of the sharded engine did not answer")
-        eng._abandon(dead)  # what the watchdog thread calls (here: the test's thread)
+        eng._runtime.abandon(dead)  # what the watchdog thread calls (here: the test's thread)
         with pytest.raises(EngineDeadError):
             waiting.result(timeout=10)
         with pytest.raises(EngineDeadError):
@@ -245,13 +246,13 @@ def test_the_watchdog_fails_waiting_embeddings_without_touching_the_batcher(
         with pytest.raises(EngineDeadError):
             eng.embed(["after"], embedding_model_dir)
         # The batcher is the engine thread's: the watchdog left it as it was.
-        assert len(eng._embeddings.batcher) == 1 and eng.stats().embed_failed == 1
+        assert len(eng._runtime.embeddings.batcher) == 1 and eng.stats().embed_failed == 1
         stuck.release.set()  # the step "returns": the engine thread dies and drains it
         for thread in started:
             thread.join(30)
         assert not any(thread.is_alive() for thread in started)
-        assert len(eng._embeddings.batcher) == 0
-        assert eng._embeddings.counters.failed == 0  # already failed: not counted again
+        assert len(eng._runtime.embeddings.batcher) == 0
+        assert eng._runtime.embeddings.counters.failed == 0  # already failed: not counted again
     finally:
         stuck.release.set()
         eng.close()
@@ -263,7 +264,7 @@ def test_chat_can_start_after_embeddings(tiny_model_dir: Path,
     try:
         eng.embed(["first"], embedding_model_dir).result(timeout=60)
         assert not eng.stats().loaded
-        completion = eng.submit("Hello", greedy(max_tokens=4)).result(timeout=60)
+        completion = eng.submit(TextRequest("Hello", greedy(max_tokens=4))).result(timeout=60)
         assert completion.usage.completion_tokens == 4 and eng.stats().loaded
         after = eng.embed(["after"], embedding_model_dir).result(timeout=60)
         assert after.vectors.shape == (1, 384)

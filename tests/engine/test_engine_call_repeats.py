@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine import Engine, FinishReason, LarkGrammar
+from engine import ChatRequest, Engine, FinishReason, LarkGrammar
 from tests.conftest import greedy
 from tests.engine.test_engine_tools import ASK, CLOCK
 
@@ -49,7 +49,8 @@ def test_a_forced_row_repeating_its_call_ends_after_the_first(tiny_engine: Engin
     call, newline = ids(tiny_engine, call_text("UTC")), ids(tiny_engine, "\n")
     for choice in ("required", "get_time"):
         params = greedy(400, logits_processors=(pushing(call + newline),))
-        events = list(tiny_engine.submit(ASK, params, tools=[CLOCK], tool_choice=choice))
+        events = list(tiny_engine.submit(ChatRequest.from_openai(ASK, params, tools=[CLOCK],
+                                                                 tool_choice=choice)))
         result = events[-1].completion
         assert result is not None
         assert result.finish_reason is FinishReason.TOOL_CALLS, result.text
@@ -68,7 +69,8 @@ def test_distinct_forced_calls_go_on_until_the_model_stops(tiny_engine: Engine) 
     first, second = ids(tiny_engine, call_text("UTC")), ids(tiny_engine, call_text("CET"))
     newline, eos = ids(tiny_engine, "\n"), [min(tiny_engine.tokenizer.eos_token_ids)]
     params = greedy(400, logits_processors=(pushing(first + newline + second + newline + eos),))
-    result = tiny_engine.submit(ASK, params, tools=[CLOCK], tool_choice="required").result()
+    result = tiny_engine.submit(ChatRequest.from_openai(ASK, params, tools=[CLOCK],
+                                                        tool_choice="required")).result()
     assert result.finish_reason is FinishReason.TOOL_CALLS, result.text
     assert [c.arguments for c in result.tool_calls] == [{"tz": "UTC"}, {"tz": "CET"}]
     assert result.content == ""
@@ -79,15 +81,16 @@ def test_any_row_with_tools_stops_at_a_repeated_call(tiny_engine: Engine) -> Non
     # the second, with the first call only.
     call = _lark(call_text("JST"))
     thrice = LarkGrammar(f'start: call "\\n" call "\\n" call\ncall: {call}\n')
-    result = tiny_engine.submit(ASK, greedy(200, constraint=thrice), tools=[CLOCK]).result()
+    result = tiny_engine.submit(ChatRequest.from_openai(ASK, greedy(200, constraint=thrice),
+                                                        tools=[CLOCK])).result()
     assert result.finish_reason is FinishReason.TOOL_CALLS
     assert [c.arguments for c in result.tool_calls] == [{"tz": "JST"}]
     assert result.text == f"{call_text('JST')}\n{call_text('JST')}"
 
 
 def test_a_plain_answer_still_finishes_as_stop(tiny_engine: Engine) -> None:
-    result = tiny_engine.submit(ASK, greedy(20, constraint=LarkGrammar('start: "Sunny."')),
-                                tools=[CLOCK]).result()
+    sunny = greedy(20, constraint=LarkGrammar('start: "Sunny."'))
+    result = tiny_engine.submit(ChatRequest.from_openai(ASK, sunny, tools=[CLOCK])).result()
     assert result.finish_reason is FinishReason.STOP and result.content == "Sunny."
     stats = tiny_engine.stats()
     assert stats.failed == 0 and stats.cancelled == 0

@@ -9,17 +9,17 @@ import time
 import pytest
 
 from engine import Engine, FinishReason, RequestTimeoutError
-from tests.conftest import Turns, alone, greedy, prompts_of_lengths, wait_until
+from tests.conftest import Turns, alone, greedy, prompts_of_lengths, request_for, wait_until
 
 
 def test_cancelled_pending_request_is_never_prefilled(make_engine) -> None:  # type: ignore[no-untyped-def]
     eng = make_engine(max_batch=1)
     first, victim, last = prompts_of_lengths(eng, [10, 300, 20])
     tokens: list[int] = []
-    h1 = eng.submit(first, greedy(30), on_token=lambda t, _: tokens.append(t))
+    h1 = eng.submit(request_for(first, greedy(30)), on_token=lambda t, _: tokens.append(t))
     wait_until(lambda: len(tokens) >= 1)
-    h2 = eng.submit(victim, greedy(30))
-    h3 = eng.submit(last, greedy(5))
+    h2 = eng.submit(request_for(victim, greedy(30)))
+    h3 = eng.submit(request_for(last, greedy(5)))
     wait_until(lambda: eng.stats().pending == 2)
     before = eng.stats().prompt_tokens
     h2.cancel()
@@ -35,10 +35,11 @@ def test_cancel_during_prefill_evicts_within_a_step(make_engine) -> None:  # typ
     sibling, victim = prompts_of_lengths(eng, [12, 1500], seed=4)
     expected = alone(eng, [sibling], greedy(50))[0]
     sib_tokens: list[int] = []
-    sib = eng.submit(sibling, greedy(50), on_token=lambda t, _: sib_tokens.append(t))
+    sib = eng.submit(request_for(sibling, greedy(50)), on_token=lambda t, _: sib_tokens.append(t))
     wait_until(lambda: len(sib_tokens) >= 2)
     victim_tokens: list[int] = []
-    handle = eng.submit(victim, greedy(10), on_token=lambda t, _: victim_tokens.append(t))
+    handle = eng.submit(request_for(victim, greedy(10)), on_token=lambda t,
+                        _: victim_tokens.append(t))
     wait_until(lambda: eng.stats().running == 2)
     time.sleep(0.02)  # a few 16-token prefill chunks in; 1500 tokens need ~90 steps
     handle.cancel()
@@ -59,7 +60,8 @@ def test_cancel_during_decode_leaves_siblings_unchanged(tiny_engine: Engine) -> 
             counts[i] += 1
         return on_token
 
-    handles = [tiny_engine.submit(p, params, on_token=counter(i)) for i, p in enumerate(prompts)]
+    handles = [tiny_engine.submit(request_for(p, params), on_token=counter(i)) for i,
+               p in enumerate(prompts)]
     wait_until(lambda: counts[2] >= 5)
     at_cancel = counts[2]
     handles[2].cancel()
@@ -72,7 +74,7 @@ def test_cancel_during_decode_leaves_siblings_unchanged(tiny_engine: Engine) -> 
 
 
 def test_break_out_of_sync_stream_cancels(tiny_engine: Engine) -> None:
-    handle = tiny_engine.submit(prompts_of_lengths(tiny_engine, [10])[0], greedy(200))
+    handle = tiny_engine.submit(request_for(prompts_of_lengths(tiny_engine, [10])[0], greedy(200)))
     for n, _event in enumerate(handle):
         if n == 3:
             break
@@ -85,8 +87,8 @@ def test_break_out_of_sync_stream_cancels(tiny_engine: Engine) -> None:
 async def test_cancelling_an_async_task_evicts_the_row(tiny_engine: Engine) -> None:
     prompts = prompts_of_lengths(tiny_engine, [10, 25], seed=9)
     expected = alone(tiny_engine, [prompts[1]], greedy(40))[0]
-    victim = tiny_engine.submit(prompts[0], greedy(400))
-    sibling = tiny_engine.submit(prompts[1], greedy(40))
+    victim = tiny_engine.submit(request_for(prompts[0], greedy(400)))
+    sibling = tiny_engine.submit(request_for(prompts[1], greedy(40)))
 
     async def consume() -> int:
         n = 0
@@ -106,12 +108,12 @@ async def test_cancelling_an_async_task_evicts_the_row(tiny_engine: Engine) -> N
 
 def test_timeout_cancels_and_raises(tiny_engine: Engine) -> None:
     prompt = prompts_of_lengths(tiny_engine, [10])[0]
-    handle = tiny_engine.submit(prompt, greedy(1000), timeout=0.05)
+    handle = tiny_engine.submit(request_for(prompt, greedy(1000)), timeout=0.05)
     with pytest.raises(RequestTimeoutError):
         handle.result(timeout=30)
     events = []
     with pytest.raises(TimeoutError):
-        for event in tiny_engine.submit(prompt, greedy(1000), timeout=0.05):
+        for event in tiny_engine.submit(request_for(prompt, greedy(1000)), timeout=0.05):
             events.append(event)
     assert events[-1].finish_reason is FinishReason.CANCELLED
     wait_until(lambda: tiny_engine.stats().running == 0)
@@ -124,7 +126,7 @@ def test_on_token_returning_false_stops_the_row(tiny_engine: Engine) -> None:
         seen.append(token)
         return len(seen) < 5
 
-    result = tiny_engine.submit(prompts_of_lengths(tiny_engine, [9])[0], greedy(100),
+    result = tiny_engine.submit(request_for(prompts_of_lengths(tiny_engine, [9])[0], greedy(100)),
                                 on_token=stop_after_five).result()
     assert result.finish_reason is FinishReason.STOP and len(result.token_ids) == 5
 
@@ -137,7 +139,7 @@ def test_cancellation_storm_leaves_no_rows(make_engine) -> None:  # type: ignore
     keep = list(range(0, 40, 5))
     params = greedy(30)
     reference = alone(eng, [prompts[i] for i in keep], params)
-    handles = [eng.submit(p, params) for p in prompts]
+    handles = [eng.submit(request_for(p, params)) for p in prompts]
     for i, handle in enumerate(handles):
         if i not in keep:
             time.sleep(rng.random() * 0.01)

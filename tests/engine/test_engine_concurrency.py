@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from engine import Engine
-from tests.conftest import alone, greedy, prompts_of_lengths
+from tests.conftest import alone, greedy, prompts_of_lengths, request_for
 
 
 def test_sixteen_threads_submit_at_once(tiny_engine: Engine) -> None:
@@ -21,7 +21,8 @@ def test_sixteen_threads_submit_at_once(tiny_engine: Engine) -> None:
 
     def worker(i: int) -> None:
         barrier.wait()
-        results[i] = tiny_engine.submit(prompts[i], params).result(timeout=60).token_ids
+        results[i] = tiny_engine.submit(request_for(prompts[i],
+                                                    params)).result(timeout=60).token_ids
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
     for t in threads:
@@ -39,7 +40,7 @@ async def test_sixteen_asyncio_tasks_stream_at_once(tiny_engine: Engine) -> None
 
     async def stream(p: list[int]) -> tuple[int, ...]:
         ids: list[int] = []
-        async for event in tiny_engine.submit(p, params):
+        async for event in tiny_engine.submit(request_for(p, params)):
             ids.extend(event.token_ids)
         return tuple(ids)
 
@@ -56,7 +57,7 @@ def test_trio_tasks_through_anyio(tiny_engine: Engine) -> None:
 
     async def one(i: int) -> None:
         ids: list[int] = []
-        async for event in tiny_engine.submit(prompts[i], params):
+        async for event in tiny_engine.submit(request_for(prompts[i], params)):
             ids.extend(event.token_ids)
         results[i] = tuple(ids)
 
@@ -76,7 +77,8 @@ def test_two_event_loops_in_two_threads(tiny_engine: Engine) -> None:
     out: dict[int, tuple[int, ...]] = {}
 
     def run_loop(i: int) -> None:
-        out[i] = asyncio.run(tiny_engine.submit(prompts[i], params).aresult()).token_ids
+        out[i] = asyncio.run(tiny_engine.submit(request_for(prompts[i],
+                                                            params)).aresult()).token_ids
 
     threads = [threading.Thread(target=run_loop, args=(i,)) for i in range(2)]
     for t in threads:

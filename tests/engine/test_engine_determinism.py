@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from engine import Engine, FinishReason
-from tests.conftest import alone, greedy, prompts_of_lengths, wait_until
+from tests.conftest import alone, greedy, prompts_of_lengths, request_for, wait_until
 
 
 def test_batched_equals_alone_for_mixed_prompt_lengths(tiny_engine: Engine) -> None:
@@ -13,7 +13,7 @@ def test_batched_equals_alone_for_mixed_prompt_lengths(tiny_engine: Engine) -> N
     params = greedy(32)
     reference = alone(tiny_engine, prompts, params)
     assert len(set(reference)) == len(prompts), "prompts should give distinct continuations"
-    handles = [tiny_engine.submit(p, params) for p in prompts]
+    handles = [tiny_engine.submit(request_for(p, params)) for p in prompts]
     assert [h.result(timeout=60).token_ids for h in handles] == reference
     assert tiny_engine.stats().peak_running >= 6
 
@@ -26,7 +26,7 @@ def test_needle_at_a_random_batch_position(tiny_engine: Engine) -> None:
     expected = alone(tiny_engine, [needle], params)[0]
     position = rng.randrange(len(hay) + 1)
     batch = [*hay[:position], needle, *hay[position:]]
-    handles = [tiny_engine.submit(p, params) for p in batch]
+    handles = [tiny_engine.submit(request_for(p, params)) for p in batch]
     results = [h.result(timeout=60).token_ids for h in handles]
     assert results[position] == expected
 
@@ -38,7 +38,8 @@ def test_rows_joining_mid_decode_do_not_change_anyone(tiny_engine: Engine) -> No
     handles = []
     for p in prompts:
         counted: list[int] = []
-        handle = tiny_engine.submit(p, params, on_token=lambda t, _, c=counted: c.append(t))
+        handle = tiny_engine.submit(request_for(p, params), on_token=lambda t, _,
+                                    c=counted: c.append(t))
         handles.append(handle)
         # Let the rows so far decode a few tokens before the next one joins.
         wait_until(lambda c=counted, h=handle: len(c) >= 3 or h.done)
@@ -50,8 +51,8 @@ def test_long_prompt_prefilled_in_chunks_matches_one_shot(make_engine) -> None: 
     whole = make_engine(max_batch=8, prefill_chunk=4096)
     prompt = prompts_of_lengths(chunked, [700], seed=11)[0]
     params = greedy(24)
-    assert chunked.submit(prompt, params).result().token_ids == whole.submit(
-        prompt, params).result().token_ids
+    request = request_for(prompt, params)
+    assert chunked.submit(request).result().token_ids == whole.submit(request).result().token_ids
 
 
 def test_decoding_rows_keep_going_while_a_long_prompt_prefills(make_engine) -> None:  # type: ignore[no-untyped-def]
@@ -61,9 +62,10 @@ def test_decoding_rows_keep_going_while_a_long_prompt_prefills(make_engine) -> N
     reference = alone(eng, [short], params)[0]
     tokens_at_long_first_token: list[int] = []
     short_tokens: list[int] = []
-    decoding = eng.submit(short, params, on_token=lambda t, _: short_tokens.append(t) or None)
+    decoding = eng.submit(request_for(short, params), on_token=lambda t,
+                          _: short_tokens.append(t) or None)
     wait_until(lambda: len(short_tokens) >= 1)
-    long_handle = eng.submit(long_prompt, greedy(2), on_token=lambda t, _: (
+    long_handle = eng.submit(request_for(long_prompt, greedy(2)), on_token=lambda t, _: (
         tokens_at_long_first_token.append(len(short_tokens)) or None))
     assert decoding.result().token_ids == reference
     long_handle.result()
@@ -75,8 +77,9 @@ def test_chat_messages_use_the_chat_template(tiny_engine: Engine) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text = tiny_engine.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False)
-    by_messages = tiny_engine.submit(messages, greedy(12)).result()
-    by_ids = tiny_engine.submit(tiny_engine.tokenizer.encode(text), greedy(12)).result()
+    by_messages = tiny_engine.submit(request_for(messages, greedy(12))).result()
+    by_ids = tiny_engine.submit(request_for(tiny_engine.tokenizer.encode(text),
+                                            greedy(12))).result()
     assert by_messages.token_ids == by_ids.token_ids
     assert by_messages.usage.prompt_tokens == len(tiny_engine.tokenizer.encode(text))
     assert by_messages.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)

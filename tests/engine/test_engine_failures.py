@@ -14,8 +14,16 @@ from engine import (
     FinishReason,
     SamplingParams,
     StepProbe,
+    TextRequest,
 )
-from tests.conftest import alone, greedy, prompts_of_lengths, threads_started_by, wait_until
+from tests.conftest import (
+    alone,
+    greedy,
+    prompts_of_lengths,
+    request_for,
+    threads_started_by,
+    wait_until,
+)
 
 
 def test_raising_callback_fails_only_its_row(tiny_engine: Engine) -> None:
@@ -25,7 +33,7 @@ def test_raising_callback_fails_only_its_row(tiny_engine: Engine) -> None:
     def explode(_t: int, _d: str) -> None:
         raise RuntimeError("callback bug")
 
-    handles = [tiny_engine.submit(p, greedy(30), on_token=explode if i == 1 else None)
+    handles = [tiny_engine.submit(request_for(p, greedy(30)), on_token=explode if i == 1 else None)
                for i, p in enumerate(prompts)]
     with pytest.raises(RuntimeError, match="callback bug"):
         handles[1].result()
@@ -44,13 +52,14 @@ def test_raising_logits_processor_fails_only_its_row(tiny_engine: Engine) -> Non
             raise ValueError("processor bug")
         return logits
 
-    bad = tiny_engine.submit(prompts[0], greedy(30, logits_processors=(flaky,)))
-    good = tiny_engine.submit(prompts[1], greedy(30))
+    bad = tiny_engine.submit(request_for(prompts[0], greedy(30, logits_processors=(flaky,))))
+    good = tiny_engine.submit(request_for(prompts[1], greedy(30)))
     with pytest.raises(ValueError, match="processor bug"):
         bad.result()
     assert good.result().token_ids == reference[1]
     # The engine still serves the failed row's prompt normally afterwards.
-    assert tiny_engine.submit(prompts[0], greedy(30)).result().token_ids == reference[0]
+    assert tiny_engine.submit(request_for(prompts[0],
+                                          greedy(30))).result().token_ids == reference[0]
 
 
 def test_step_failure_fails_rows_in_flight_then_recovers(make_engine) -> None:  # type: ignore[no-untyped-def]
@@ -66,9 +75,9 @@ def test_step_failure_fails_rows_in_flight_then_recovers(make_engine) -> None:  
         return lambda _t, _d: started.add(i)
 
     # Long rows, so they are surely still decoding when the fault comes.
-    in_flight = [eng.submit(p, greedy(400), on_token=starter(i))
+    in_flight = [eng.submit(request_for(p, greedy(400)), on_token=starter(i))
                  for i, p in enumerate(prompts[:3])]
-    waiting = eng.submit(prompts[3], greedy(20))  # max_batch=3: not admitted yet
+    waiting = eng.submit(request_for(prompts[3], greedy(20)))  # max_batch=3: not admitted yet
     wait_until(lambda: len(started) == 3)
     fault = RuntimeError("simulated device fault")
     probe.fail_next(fault)
@@ -79,9 +88,10 @@ def test_step_failure_fails_rows_in_flight_then_recovers(make_engine) -> None:  
         assert info.value.__cause__ is fault and not isinstance(info.value, EngineDeadError)
     assert probe.faults_raised == 1
     assert waiting.result(timeout=30).token_ids == expected[3]
-    later = [eng.submit(p, greedy(20)) for p in prompts]
+    later = [eng.submit(request_for(p, greedy(20))) for p in prompts]
     assert [h.result(timeout=30).token_ids for h in later] == expected
-    assert eng.submit(prompts[0], greedy(20)).result(timeout=30).token_ids == expected[0]
+    assert eng.submit(request_for(prompts[0],
+                                  greedy(20))).result(timeout=30).token_ids == expected[0]
     wait_until(lambda: eng.stats().running == 0)
     assert eng.stats().failed == 3
 
@@ -91,7 +101,7 @@ def test_persistent_step_failure_kills_the_engine_and_nobody_hangs(make_engine) 
     eng = make_engine(probe=probe, max_batch=1, max_consecutive_step_failures=2)
     tokens: list[int] = []
     # max_batch=1: the first two fail in their own steps, the third is still pending.
-    handles = [eng.submit(f"hello {i}", greedy(300),
+    handles = [eng.submit(TextRequest(f"hello {i}", greedy(300)),
                           on_token=(lambda t, _: tokens.append(t)) if i == 0 else None)
                for i in range(3)]
     wait_until(lambda: len(tokens) > 0)  # the first row is decoding
@@ -105,7 +115,7 @@ def test_persistent_step_failure_kills_the_engine_and_nobody_hangs(make_engine) 
     with pytest.raises(EngineDeadError):
         handles[2].result(timeout=30)
     with pytest.raises(EngineDeadError):
-        eng.submit("later", greedy(3))
+        eng.submit(TextRequest("later", greedy(3)))
     assert probe.faults_raised == 2
 
 
@@ -117,7 +127,7 @@ def test_after_the_last_allowed_failure_every_waiter_gets_engine_dead(make_engin
 
     probe = StepProbe()
     eng = make_engine(probe=probe, max_batch=2, max_consecutive_step_failures=3)
-    handles = [eng.submit(f"request {i}", greedy(400)) for i in range(10)]
+    handles = [eng.submit(TextRequest(f"request {i}", greedy(400))) for i in range(10)]
     fault = RuntimeError("device lost for good")
     probe.fail_always(fault)  # armed after the submits: none of them can meet a dead engine
 
@@ -139,7 +149,7 @@ def test_after_the_last_allowed_failure_every_waiter_gets_engine_dead(make_engin
     assert all(e.__cause__ is fault for e in step_failures)
     assert dead.__cause__ is fault and "3 model steps failed" in str(dead)
     with pytest.raises(EngineDeadError):
-        eng.submit("later", greedy(3))
+        eng.submit(TextRequest("later", greedy(3)))
     with pytest.raises(EngineDeadError):
         eng.start()
     assert eng.stats().failed == 10
@@ -148,7 +158,7 @@ def test_after_the_last_allowed_failure_every_waiter_gets_engine_dead(make_engin
 def test_load_failure_is_reported_not_hung(tmp_path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
     eng = Engine(tmp_path)
-    handle = eng.submit("x", greedy(3))
+    handle = eng.submit(TextRequest("x", greedy(3)))
     with pytest.raises(EngineDeadError):
         handle.result(timeout=30)
     with pytest.raises(EngineDeadError):
@@ -161,29 +171,30 @@ def test_close_cancels_in_flight_and_rejects_later_submits(make_engine) -> None:
     started = threads_started_by(lambda: engines.append(make_engine()))
     eng = engines[0]
     tokens: list[int] = []
-    handle = eng.submit("a long one", greedy(1500), on_token=lambda t, _: tokens.append(t))
+    handle = eng.submit(TextRequest("a long one", greedy(1500)), on_token=lambda t,
+                        _: tokens.append(t))
     wait_until(lambda: len(tokens) > 2)
     eng.close()
     with pytest.raises(EngineClosedError):
         handle.result(timeout=10)
     with pytest.raises(EngineClosedError):
-        eng.submit("after", greedy(2))
+        eng.submit(TextRequest("after", greedy(2)))
     assert started and not any(thread.is_alive() for thread in started)
 
 
 def test_seeded_sampling_runs_serially_and_reproduces(tiny_engine: Engine) -> None:
     prompt = prompts_of_lengths(tiny_engine, [14], seed=33)[0]
     params = SamplingParams(max_tokens=25, temperature=1.0, top_p=0.9, seed=1234)
-    first = tiny_engine.submit(prompt, params).result().token_ids
+    first = tiny_engine.submit(request_for(prompt, params)).result().token_ids
     # Same seed beside busy random neighbours: same tokens.
-    noise = [tiny_engine.submit(prompt, SamplingParams(max_tokens=40, temperature=1.0))
+    noise = [tiny_engine.submit(request_for(prompt, SamplingParams(max_tokens=40, temperature=1.0)))
              for _ in range(4)]
-    again = tiny_engine.submit(prompt, params).result().token_ids
+    again = tiny_engine.submit(request_for(prompt, params)).result().token_ids
     for h in noise:
         h.result()
     assert first == again
-    other = tiny_engine.submit(prompt, SamplingParams(max_tokens=25, temperature=1.0,
-                                                      seed=99)).result().token_ids
+    other = tiny_engine.submit(request_for(prompt, SamplingParams(max_tokens=25, temperature=1.0,
+                                                      seed=99))).result().token_ids
     assert other != first
 
 
@@ -198,7 +209,8 @@ def test_non_batchable_caches_run_on_the_serial_lane(make_engine, monkeypatch) -
     eng = make_engine(max_batch=8)
     assert eng.stats().batch_mode == "serial"
     tokens: list[int] = []
-    handles = [eng.submit(p, greedy(20), on_token=(lambda t, _: tokens.append(t)) if i == 0
+    handles = [eng.submit(request_for(p, greedy(20)),
+                          on_token=(lambda t, _: tokens.append(t)) if i == 0
                           else None) for i, p in enumerate(prompts)]
     wait_until(lambda: len(tokens) >= 3)
     handles[1].cancel()
@@ -206,7 +218,7 @@ def test_non_batchable_caches_run_on_the_serial_lane(make_engine, monkeypatch) -
     assert results[1].finish_reason is FinishReason.CANCELLED
     assert all(r.usage.completion_tokens == 20 for r in (results[0], results[2]))
     assert eng.stats().peak_running == 1
-    serial_alone = eng.submit(prompts[2], greedy(20)).result().token_ids
+    serial_alone = eng.submit(request_for(prompts[2], greedy(20))).result().token_ids
     assert results[2].token_ids == serial_alone
 
 
@@ -214,26 +226,27 @@ def test_logprobs_are_reported_per_token(tiny_engine: Engine) -> None:
     import math
 
     params = greedy(6, logprobs=True, top_logprobs=3)
-    result = tiny_engine.submit("logprobs please", params).result()
+    result = tiny_engine.submit(TextRequest("logprobs please", params)).result()
     assert result.logprobs is not None and len(result.logprobs) == 6
     for lp, token in zip(result.logprobs, result.token_ids):
         assert lp.token_id == token and lp.logprob <= 0
         assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy picks the top token
         assert math.isclose(lp.top[0][1], lp.logprob, rel_tol=1e-5)
-    assert tiny_engine.submit("no logprobs", greedy(3)).result().logprobs is None
+    assert tiny_engine.submit(TextRequest("no logprobs", greedy(3))).result().logprobs is None
 
 
 def test_stop_strings_and_stop_token_ids_end_to_end(tiny_engine: Engine) -> None:
     prompt = prompts_of_lengths(tiny_engine, [11], seed=35)[0]
-    full = tiny_engine.submit(prompt, greedy(40)).result()
+    full = tiny_engine.submit(request_for(prompt, greedy(40))).result()
     stop_text = full.text[len(full.text) // 2:][:3]
     assert stop_text.strip(), "need some visible text to stop on"
     streamed = []
-    for event in tiny_engine.submit(prompt, greedy(40, stop=(stop_text,))):
+    for event in tiny_engine.submit(request_for(prompt, greedy(40, stop=(stop_text,)))):
         streamed.append(event.text)
     assert "".join(streamed) == full.text[: full.text.index(stop_text)]
     assert stop_text not in "".join(streamed)
-    by_id = tiny_engine.submit(prompt, greedy(40, stop_token_ids=(full.token_ids[5],))).result()
+    by_id_params = greedy(40, stop_token_ids=(full.token_ids[5],))
+    by_id = tiny_engine.submit(request_for(prompt, by_id_params)).result()
     assert by_id.finish_reason is FinishReason.STOP
     assert by_id.token_ids == full.token_ids[: full.token_ids.index(full.token_ids[5])]
 
@@ -241,7 +254,7 @@ def test_stop_strings_and_stop_token_ids_end_to_end(tiny_engine: Engine) -> None
 def test_usage_and_stats_add_up(make_engine) -> None:  # type: ignore[no-untyped-def]
     eng = make_engine()
     prompts = prompts_of_lengths(eng, [10, 20], seed=36)
-    results = [eng.submit(p, greedy(7)).result() for p in prompts]
+    results = [eng.submit(request_for(p, greedy(7))).result() for p in prompts]
     stats = eng.stats()
     assert stats.prompt_tokens == 30 and stats.generated_tokens == 14 and stats.completed == 2
     for r in results:
@@ -256,7 +269,7 @@ def test_engine_thread_is_the_only_one_touching_mlx(make_engine) -> None:  # typ
     started = threads_started_by(lambda: engines.append(make_engine(
         probe=StepProbe(on_step=lambda _lane: seen.add(threading.current_thread().name)))))
     eng = engines[0]
-    threads = [threading.Thread(target=lambda: eng.submit("hi", greedy(5)).result())
+    threads = [threading.Thread(target=lambda: eng.submit(TextRequest("hi", greedy(5))).result())
                for _ in range(4)]
     for t in threads:
         t.start()

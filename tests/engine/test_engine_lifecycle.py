@@ -7,8 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from engine import Engine, FinishReason
-from tests.conftest import Turns, greedy, threads_started_by, wait_until
+from engine import Engine, FinishReason, TextRequest
+from tests.conftest import Turns, greedy, request_for, threads_started_by, wait_until
 
 
 def test_construction_is_cheap_and_loading_is_lazy(tiny_model_dir: Path) -> None:
@@ -16,7 +16,8 @@ def test_construction_is_cheap_and_loading_is_lazy(tiny_model_dir: Path) -> None
     assert not threads_started_by(lambda: engines.append(Engine(tiny_model_dir)))
     eng = engines[0]
     assert not eng.stats().loaded
-    assert eng.submit("hello", greedy(4)).result(timeout=60).usage.completion_tokens == 4
+    assert eng.submit(TextRequest("hello",
+                                  greedy(4))).result(timeout=60).usage.completion_tokens == 4
     assert eng.stats().loaded and eng.stats().context_limit == 2048
     eng.close()
     eng.close()  # idempotent
@@ -32,7 +33,8 @@ def test_evicted_rows_release_their_kv_memory(make_engine) -> None:  # type: ign
     turns = Turns()
     eng = make_engine(max_batch=4, probe=turns.probe)
     tokens: list[int] = []
-    handles = [eng.submit(f"row {i} " * 50, greedy(1500), on_token=lambda t, _: tokens.append(t))
+    handles = [eng.submit(request_for(f"row {i} " * 50, greedy(1500)), on_token=lambda t,
+                          _: tokens.append(t))
                for i in range(3)]
     wait_until(lambda: len(tokens) > 30)
     assert turns.last.batch_kv_bytes > 0
@@ -46,7 +48,8 @@ def test_evicted_rows_release_their_kv_memory(make_engine) -> None:  # type: ign
 def test_stats_report_mlx_allocator_memory(make_engine, tiny_model_dir: Path) -> None:  # type: ignore[no-untyped-def]
     eng = make_engine()
     tokens: list[int] = []
-    handle = eng.submit("count " * 40, greedy(400), on_token=lambda t, _: tokens.append(t))
+    handle = eng.submit(request_for("count " * 40, greedy(400)), on_token=lambda t,
+                        _: tokens.append(t))
     wait_until(lambda: len(tokens) > 20)
     # Live arrays hold at least the weights (safetensors files: weights plus small headers)
     # and what the prefix store keeps.
@@ -61,9 +64,10 @@ def test_stats_report_mlx_allocator_memory(make_engine, tiny_model_dir: Path) ->
 def test_process_exits_cleanly_with_an_engine_still_open(tiny_model_dir: Path) -> None:
     script = textwrap.dedent(f"""
         import engine
-        from engine import Engine, SamplingParams
+        from engine import Engine, SamplingParams, TextRequest
         eng = Engine({str(tiny_model_dir)!r})
-        handles = [eng.submit("bye " * 20, SamplingParams(max_tokens=1500)) for _ in range(4)]
+        request = TextRequest("bye " * 20, SamplingParams(max_tokens=1500))
+        handles = [eng.submit(request) for _ in range(4)]
         next(iter(handles[0]))
         print("exiting with rows in flight", flush=True)
     """)

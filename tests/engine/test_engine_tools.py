@@ -9,9 +9,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from engine import Engine, FinishReason, SamplingParams
-from engine.requests.constraints import LarkGrammar
-from engine.requests.tools import normalize_tool_choice, normalize_tools
+from engine import ChatRequest, Engine, FinishReason, SamplingParams
+from engine.requests.inbound.output_constraint import LarkGrammar
+from engine.requests.inbound.tool_specs import normalize_tool_choice, normalize_tools
 from tests.conftest import greedy, prompt_renderer
 from tests.unit.test_tools import WEATHER
 
@@ -27,8 +27,9 @@ def params_of(tool: dict) -> dict:  # type: ignore[type-arg]
 
 
 def test_required_tool_choice_produces_a_valid_call(tiny_engine: Engine) -> None:
-    result = tiny_engine.submit(ASK, greedy(80), tools=[WEATHER, CLOCK],
-                                tool_choice="required", parallel_tool_calls=False).result()
+    request = ChatRequest.from_openai(ASK, greedy(80), tools=[WEATHER, CLOCK],
+                                      tool_choice="required", parallel_tool_calls=False)
+    result = tiny_engine.submit(request).result()
     assert result.finish_reason is FinishReason.TOOL_CALLS, result.text
     assert len(result.tool_calls) == 1 and not result.invalid_tool_calls
     call = result.tool_calls[0]
@@ -39,8 +40,9 @@ def test_required_tool_choice_produces_a_valid_call(tiny_engine: Engine) -> None
 
 @pytest.mark.parametrize("name", ["get_weather", "get_time"])
 def test_named_tool_choice_produces_that_tool(tiny_engine: Engine, name: str) -> None:
-    result = tiny_engine.submit(ASK, greedy(80), tools=[WEATHER, CLOCK], tool_choice=name,
-                                parallel_tool_calls=False).result()
+    request = ChatRequest.from_openai(ASK, greedy(80), tools=[WEATHER, CLOCK],
+                                      tool_choice=name, parallel_tool_calls=False)
+    result = tiny_engine.submit(request).result()
     assert [c.name for c in result.tool_calls] == [name]
     tool = {"get_weather": WEATHER, "get_time": CLOCK}[name]
     jsonschema.validate(result.tool_calls[0].arguments, params_of(tool))
@@ -49,8 +51,9 @@ def test_named_tool_choice_produces_that_tool(tiny_engine: Engine, name: str) ->
 def test_any_is_required_and_none_omits_tools(tiny_engine: Engine) -> None:
     specs = normalize_tools([WEATHER])
     assert normalize_tool_choice("any", specs) == "required"
-    none = tiny_engine.submit(ASK, greedy(20), tools=[WEATHER], tool_choice="none").result()
-    plain = tiny_engine.submit(ASK, greedy(20)).result()
+    none = tiny_engine.submit(ChatRequest.from_openai(ASK, greedy(20), tools=[WEATHER],
+                                                      tool_choice="none")).result()
+    plain = tiny_engine.submit(ChatRequest.from_openai(ASK, greedy(20))).result()
     assert none.token_ids == plain.token_ids
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens
 
@@ -60,7 +63,8 @@ def test_parallel_calls_parse_into_separate_calls_with_distinct_ids(tiny_engine:
     two_calls = LarkGrammar("start: " + ' "\\n" '.join(
         '<tool_call> "\\n{\\"name\\": \\"get_time\\", \\"arguments\\": '
         f'{{\\"tz\\": \\"{tz}\\"}}}}\\n" </tool_call>' for tz in ("UTC", "CET")))
-    result = tiny_engine.submit(ASK, greedy(80, constraint=two_calls), tools=[CLOCK]).result()
+    result = tiny_engine.submit(ChatRequest.from_openai(ASK, greedy(80, constraint=two_calls),
+                                                        tools=[CLOCK])).result()
     assert [c.name for c in result.tool_calls] == ["get_time", "get_time"]
     assert [c.arguments for c in result.tool_calls] == [{"tz": "UTC"}, {"tz": "CET"}]
     assert len({c.id for c in result.tool_calls}) == 2
@@ -69,7 +73,8 @@ def test_parallel_calls_parse_into_separate_calls_with_distinct_ids(tiny_engine:
 
 def test_malformed_calls_are_reported_not_raised(tiny_engine: Engine) -> None:
     broken = LarkGrammar('start: "Sure. " <tool_call> "\\n{\\"name\\": oops\\n" </tool_call>')
-    result = tiny_engine.submit(ASK, greedy(40, constraint=broken), tools=[WEATHER]).result()
+    result = tiny_engine.submit(ChatRequest.from_openai(ASK, greedy(40, constraint=broken),
+                                                        tools=[WEATHER])).result()
     assert result.finish_reason is FinishReason.STOP
     assert result.tool_calls == () and len(result.invalid_tool_calls) == 1
     invalid = result.invalid_tool_calls[0]
@@ -108,31 +113,33 @@ def test_fallback_system_prompt_when_the_template_ignores_tools(
     text = eng.tokenizer.decode(ids)
     assert "Be terse." in text and "<tools>" in text and "get_weather" in text
     assert "# Tools" not in text  # not the template's own tool section
-    forced = eng.submit(messages, greedy(80), tools=[WEATHER],
-                        tool_choice="get_weather").result()
+    forced = eng.submit(ChatRequest.from_openai(messages, greedy(80), tools=[WEATHER],
+                                                tool_choice="get_weather")).result()
     assert forced.tool_calls and forced.tool_calls[0].name == "get_weather"
 
 
 def test_bad_tools_and_choices_raise_at_submit(tiny_engine: Engine) -> None:
     with pytest.raises(ValueError, match="not among the tools"):
-        tiny_engine.submit(ASK, greedy(), tools=[WEATHER], tool_choice="nope")
+        tiny_engine.submit(ChatRequest.from_openai(ASK, greedy(), tools=[WEATHER],
+                                                   tool_choice="nope"))
     with pytest.raises(ValueError, match="function name"):
-        tiny_engine.submit(ASK, greedy(), tools=[{"type": "function", "function": {}}])
-    with pytest.raises(ValueError, match="chat-messages"):
-        tiny_engine.submit("text prompt", greedy(), tools=[WEATHER])
+        tiny_engine.submit(ChatRequest.from_openai(ASK, greedy(),
+                                                   tools=[{"type": "function", "function": {}}]))
     with pytest.raises(ValueError, match="needs at least one tool"):
-        tiny_engine.submit(ASK, greedy(), tool_choice="required")
+        tiny_engine.submit(ChatRequest.from_openai(ASK, greedy(), tool_choice="required"))
     bad_schema = {"type": "function", "function": {"name": "x",
                                                    "parameters": {"type": "bogus"}}}
     with pytest.raises(ValueError, match="JSON schema"):
-        tiny_engine.submit(ASK, greedy(), tools=[bad_schema], tool_choice="required")
+        tiny_engine.submit(ChatRequest.from_openai(ASK, greedy(), tools=[bad_schema],
+                                                   tool_choice="required"))
 
 
 def test_reasoning_is_returned_apart_from_content(thinking_model_dir) -> None:  # type: ignore[no-untyped-def]
     with Engine(thinking_model_dir) as eng:
         assert eng.tokenizer.has_thinking
         grammar = LarkGrammar('start: <think> "let me see" </think> "It is sunny."')
-        events = list(eng.submit(ASK, SamplingParams(max_tokens=30, constraint=grammar)))
+        params = SamplingParams(max_tokens=30, constraint=grammar)
+        events = list(eng.submit(ChatRequest.from_openai(ASK, params)))
         result = events[-1].completion
         assert result is not None
         assert result.reasoning == "let me see" and result.content == "It is sunny."

@@ -17,9 +17,9 @@ import jsonschema
 import mlx.core as mx
 import pytest
 
-from engine import Engine, FinishReason, SamplingParams
-from engine.requests.constraints import JsonSchema, LarkGrammar, Regex
-from tests.conftest import greedy, wait_until
+from engine import ChatRequest, Engine, FinishReason, SamplingParams, TextRequest
+from engine.requests.inbound.output_constraint import JsonSchema, LarkGrammar, Regex
+from tests.conftest import greedy, request_for, wait_until
 from tests.engine.test_engine_tools import ASK, CLOCK
 from tests.unit.test_tools import WEATHER
 
@@ -49,7 +49,7 @@ def per_step(eng: Engine) -> tuple[Callable[[int, str], None], Counter[int]]:
 
 def run(eng: Engine, prompt: Any, params: SamplingParams, **kw: Any) -> tuple[Any, Counter[int]]:
     on_token, counts = per_step(eng)
-    result = eng.submit(prompt, params, on_token=on_token, **kw).result(timeout=120)
+    result = eng.submit(request_for(prompt, params, **kw), on_token=on_token).result(timeout=120)
     return result, counts
 
 
@@ -115,10 +115,10 @@ def test_batched_equals_alone_with_fast_forward(engines: tuple[Engine, Engine]) 
                 ("pick", greedy(40, constraint=JsonSchema(ENUM)), {}),
                 (ASK, greedy(120), CASES["forced tool name"][2]),
                 ("another free text", greedy(30), {})]
-    alone = [on.submit(p, params, **kw).result(timeout=120).token_ids
+    alone = [on.submit(request_for(p, params, **kw)).result(timeout=120).token_ids
              for p, params, kw in requests]
     for order in (requests, requests[::-1]):
-        handles = [on.submit(p, params, **kw) for p, params, kw in order]
+        handles = [on.submit(request_for(p, params, **kw)) for p, params, kw in order]
         got = [h.result(timeout=120).token_ids for h in handles]
         expected = alone if order is requests else alone[::-1]
         assert got == expected
@@ -128,9 +128,10 @@ def test_batched_equals_alone_with_fast_forward(engines: tuple[Engine, Engine]) 
 def test_forced_tokens_reach_streams_callbacks_and_usage(engines: tuple[Engine, Engine]) -> None:
     on, _ = engines
     seen: list[int] = []
-    handle = on.submit(ASK, greedy(120, logprobs=True, top_logprobs=2), tools=[CLOCK],
-                       tool_choice="required", parallel_tool_calls=False,
-                       on_token=lambda t, _d: seen.append(t) or None)
+    request = ChatRequest.from_openai(ASK, greedy(120, logprobs=True, top_logprobs=2),
+                                      tools=[CLOCK], tool_choice="required",
+                                      parallel_tool_calls=False)
+    handle = on.submit(request, on_token=lambda t, _d: seen.append(t) or None)
     events = list(handle)
     result = events[-1].completion
     assert result is not None and result.tool_calls[0].name == "get_time"
@@ -161,8 +162,8 @@ def test_a_stop_string_inside_a_forced_span_ends_the_row(engines: tuple[Engine, 
     on, off = engines
     grammar = LarkGrammar('start: "The answer is: " /[a-z]{2,6}/ " and that is final."')
     params = greedy(40, constraint=grammar, stop=("that",))
-    fast = on.submit("say", params).result()
-    slow = off.submit("say", params).result()
+    fast = on.submit(TextRequest("say", params)).result()
+    slow = off.submit(TextRequest("say", params)).result()
     assert fast.finish_reason is FinishReason.STOP and fast.text == slow.text
     assert fast.text.endswith(" and ") and "that" not in fast.text
 
@@ -175,7 +176,7 @@ def test_a_callback_stopping_inside_a_span_stops_there(engines: tuple[Engine, En
         seen.append(token)
         return len(seen) < 5
 
-    result = on.submit("code", greedy(30, constraint=Regex(r"ABCDEFGHIJKLMNOP[0-9]")),
+    result = on.submit(TextRequest("code", greedy(30, constraint=Regex(r"ABCDEFGHIJKLMNOP[0-9]"))),
                        on_token=stop_at_five).result()
     assert result.finish_reason is FinishReason.STOP
     assert len(result.token_ids) == len(seen) == 5
@@ -198,11 +199,13 @@ def failing_after(calls: int) -> Any:
 def test_a_row_failing_after_a_span_fails_alone(engines: tuple[Engine, Engine]) -> None:
     on, _ = engines
     siblings = [(ASK, CASES["forced tool call"][2]), ("free text", {})]
-    reference = [on.submit(p, greedy(60), **kw).result().token_ids for p, kw in siblings]
+    reference = [on.submit(request_for(p, greedy(60), **kw)).result().token_ids for p,
+                 kw in siblings]
     # The second call is the first after a span: the lane's own sampling after the forward.
-    bad = on.submit(ASK, greedy(60, logits_processors=(failing_after(2),)), tools=[CLOCK],
-                    tool_choice="required", parallel_tool_calls=False)
-    handles = [on.submit(p, greedy(60), **kw) for p, kw in siblings]
+    bad = on.submit(ChatRequest.from_openai(
+        ASK, greedy(60, logits_processors=(failing_after(2),)), tools=[CLOCK],
+        tool_choice="required", parallel_tool_calls=False))
+    handles = [on.submit(request_for(p, greedy(60), **kw)) for p, kw in siblings]
     with pytest.raises(RuntimeError, match="processor broke"):
         bad.result(timeout=60)
     assert [h.result(timeout=60).token_ids for h in handles] == reference
@@ -214,7 +217,8 @@ def test_cancelling_fast_forwarding_rows_leaves_siblings_unchanged(
     on, _ = engines
     siblings = [("plan", greedy(160, constraint=JsonSchema(NESTED)), {}),
                 ("free text", greedy(40), {})]
-    reference = [on.submit(p, params, **kw).result().token_ids for p, params, kw in siblings]
+    reference = [on.submit(request_for(p, params, **kw)).result().token_ids for p, params,
+                 kw in siblings]
     for cancel_after in (1, 4, 9):
         started = threading.Event()
         seen = [0]
@@ -225,9 +229,10 @@ def test_cancelling_fast_forwarding_rows_leaves_siblings_unchanged(
             if seen[0] >= after:
                 started.set()
 
-        victims = [on.submit(ASK, greedy(120), tools=[WEATHER], tool_choice="required",
-                             on_token=count) for _ in range(2)]
-        handles = [on.submit(p, params, **kw) for p, params, kw in siblings]
+        forced = ChatRequest.from_openai(ASK, greedy(120), tools=[WEATHER],
+                                         tool_choice="required")
+        victims = [on.submit(forced, on_token=count) for _ in range(2)]
+        handles = [on.submit(request_for(p, params, **kw)) for p, params, kw in siblings]
         assert started.wait(60)
         for victim in victims:
             victim.cancel()
@@ -285,7 +290,7 @@ def test_a_direct_rejoin_decodes_what_a_prompt_segment_rejoin_does(
     def staggered(eng: Engine) -> list[tuple[int, ...]]:
         handles = []
         for prompt, params, kw in requests:
-            handles.append(eng.submit(prompt, params, **kw))
+            handles.append(eng.submit(request_for(prompt, params, **kw)))
             two_steps(eng)
         return [h.result(timeout=120).token_ids for h in handles]
 

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import (
+    ChatRequest,
     Engine,
     EngineConfig,
     JsonObject,
@@ -32,7 +33,9 @@ from engine import (
     RequestHandle,
     RequestTimeoutError,
     SamplingParams,
+    TextRequest,
 )
+from tests.conftest import request_for
 
 EXAMPLES = int(os.environ.get("MLX_PROVIDERS_FUZZ_EXAMPLES", "120"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -131,7 +134,8 @@ class LongRows:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.alone = engine.submit(LONG_PROMPT, LONG_PARAMS).result(timeout=120).token_ids
+        self.alone = engine.submit(request_for(LONG_PROMPT,
+                                               LONG_PARAMS)).result(timeout=120).token_ids
         self.finished: list[tuple[int, ...]] = []
         self.current: RequestHandle | None = None
         self.examples_beside = 0
@@ -141,7 +145,7 @@ class LongRows:
             self.finished.append(self.current.result().token_ids)
             self.current = None
         if self.current is None:
-            self.current = self.engine.submit(LONG_PROMPT, LONG_PARAMS)
+            self.current = self.engine.submit(request_for(LONG_PROMPT, LONG_PARAMS))
         self.examples_beside += 1
 
     def check(self) -> None:
@@ -163,7 +167,8 @@ def long_rows(engine: Engine) -> Iterator[LongRows]:
     rows = LongRows(engine)
     yield rows
     rows.check()
-    assert engine.submit("still alive", SamplingParams(max_tokens=2)).result(timeout=60)
+    assert engine.submit(TextRequest("still alive",
+                                     SamplingParams(max_tokens=2))).result(timeout=60)
 
 
 def outcome(submit: Callable[[], RequestHandle]) -> str:
@@ -202,8 +207,9 @@ def test_garbage_prompts_fail_clearly_beside_a_long_row(engine: Engine,
     @given(prompt=prompts, options=submit_options)
     def check(prompt: Any, options: dict[str, Any]) -> None:
         long_rows.keep_running()
-        seen.add(outcome(lambda: engine.submit(prompt, SamplingParams(max_tokens=2),
-                                               **options)))
+        door = {k: options.pop(k) for k in ("on_token", "timeout") if k in options}
+        seen.add(outcome(lambda: engine.submit(
+            request_for(prompt, SamplingParams(max_tokens=2), **options), **door)))
 
     check()
     assert "refused" in seen
@@ -219,7 +225,7 @@ def test_garbage_sampling_and_constraints_fail_clearly_beside_a_long_row(
         long_rows.keep_running()
 
         def submit() -> RequestHandle:
-            return engine.submit(prompt, SamplingParams(**bounded(kwargs)))
+            return engine.submit(request_for(prompt, SamplingParams(**bounded(kwargs))))
 
         seen.add(outcome(submit))
 
@@ -233,9 +239,9 @@ def test_garbage_tools_fail_clearly_beside_a_long_row(engine: Engine,
     @given(tool_list=tools, choice=tool_choices, parallel=st.booleans())
     def check(tool_list: Any, choice: Any, parallel: bool) -> None:
         long_rows.keep_running()
-        outcome(lambda: engine.submit(LONG_PROMPT, SamplingParams(max_tokens=3),
-                                      tools=tool_list, tool_choice=choice,
-                                      parallel_tool_calls=parallel))
+        outcome(lambda: engine.submit(ChatRequest.from_openai(
+            LONG_PROMPT, SamplingParams(max_tokens=3), tools=tool_list, tool_choice=choice,
+            parallel_tool_calls=parallel)))
 
     check()
 
@@ -247,9 +253,10 @@ def test_extreme_numbers_never_reach_the_engine_thread(engine: Engine, long_rows
     fail every row of the batch step; now each is refused or fails its own request."""
     long_rows.keep_running()
     for field in ("seed", "top_k", "max_tokens", "repetition_context_size", "temperature"):
-        assert outcome(lambda f=field: engine.submit(  # type: ignore[misc]
+        assert outcome(lambda f=field: engine.submit(TextRequest(  # type: ignore[misc]
             "x", SamplingParams(**{f: value, "temperature": 1.0} if f != "temperature"
-                                else {f: value}))) in ("refused", "failed", "ok")
-    assert outcome(lambda: engine.submit([value], SamplingParams(max_tokens=1))) == "refused"
-    assert outcome(lambda: engine.submit("x", SamplingParams(max_tokens=1, top_k=3000,
-                                                             temperature=1.0))) == "failed"
+                                else {f: value})))) in ("refused", "failed", "ok")
+    assert outcome(lambda: engine.submit(TextRequest([value], SamplingParams(max_tokens=1)))
+                   ) == "refused"
+    assert outcome(lambda: engine.submit(TextRequest("x", SamplingParams(
+        max_tokens=1, top_k=3000, temperature=1.0)))) == "failed"

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from engine import Engine, EngineConfig, FinishReason, SamplingParams
-from engine.requests.constraints import JsonSchema
+from engine.requests.inbound.output_constraint import JsonSchema
+from tests.conftest import request_for
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,7 @@ def _repeated_4grams(eng: Engine, text: str) -> int:
 @pytest.mark.parametrize("default_engine", [0], indirect=True)
 def test_greedy_json_string_loops_without_the_guard(default_engine: Engine) -> None:
     eng = default_engine
-    result = eng.submit(CATS, SamplingParams(max_tokens=96, constraint=JOKE)).result()
+    result = eng.submit(request_for(CATS, SamplingParams(max_tokens=96, constraint=JOKE))).result()
     assert result.finish_reason is FinishReason.LENGTH
     assert _repeated_4grams(eng, result.text) > 10  # "a cat is a cat, a cat is a cat, ..."
 
@@ -46,9 +47,9 @@ def test_greedy_json_string_loops_without_the_guard(default_engine: Engine) -> N
 def test_the_guard_ends_the_loop_and_batched_equals_alone(default_engine: Engine) -> None:
     eng = default_engine
     params = SamplingParams(max_tokens=256, constraint=JOKE)
-    alone = eng.submit(CATS, params).result()
-    handles = [eng.submit(CATS, params),
-               *(eng.submit(p, SamplingParams(max_tokens=24)) for p in OTHERS)]
+    alone = eng.submit(request_for(CATS, params)).result()
+    handles = [eng.submit(request_for(CATS, params)),
+               *(eng.submit(request_for(p, SamplingParams(max_tokens=24))) for p in OTHERS)]
     batched = handles[0].result()
     for handle in handles[1:]:
         handle.result()

@@ -29,7 +29,7 @@ from engine.models.resolve import (
     cache_dir,
     resolve_model,
 )
-from tests.conftest import greedy
+from tests.conftest import greedy, request_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PAUSE_AFTER = "config.json"  # weights and config written, tokenizer not yet
@@ -118,7 +118,7 @@ def test_killed_conversion_leaves_a_cache_the_next_start_repairs(
     # The next start: an engine on the same spec and cache converts again and publishes.
     monkeypatch.setenv(CACHE_ENV_VAR, str(cache))
     with Engine(spec or None, EngineConfig(max_batch=2)) as eng:
-        result = eng.submit([5, 6, 7, 8], greedy(6)).result(timeout=120)
+        result = eng.submit(request_for([5, 6, 7, 8], greedy(6))).result(timeout=120)
         assert len(result.token_ids) == 6
         repaired = eng.model_path
     assert repaired.parent == models and not list(models.glob(".*.tmp-*"))

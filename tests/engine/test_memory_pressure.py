@@ -15,14 +15,14 @@ import random
 import time
 
 from engine import Engine, FinishReason, RequestHandle, SamplingParams, StepProbe, TurnReport
-from tests.conftest import greedy, prompts_of_lengths
+from tests.conftest import greedy, prompts_of_lengths, request_for
 
 
 def _bytes_per_token(make_engine) -> int:  # type: ignore[no-untyped-def]
     """What the scheduler projects per token of a row (tiny qwen2: plain KV caches)."""
     seen: list[TurnReport] = []
     eng = make_engine(probe=StepProbe(on_turn=seen.append))
-    eng.submit([5] * 10, greedy(10)).result(timeout=60)
+    eng.submit(request_for([5] * 10, greedy(10))).result(timeout=60)
     projected = max(report.kv_bytes_projected for report in seen)
     assert projected > 0 and projected % 20 == 0
     return projected // 20
@@ -74,7 +74,7 @@ def test_storm_of_long_and_short_requests_stays_within_budgets_fifo_without_dead
         return on_token
 
     for i, (prompt, params) in enumerate(requests):  # in bursts, into a running engine
-        handles[i] = eng.submit(prompt, params,  # type: ignore[arg-type]
+        handles[i] = eng.submit(request_for(prompt, params),
                                 on_token=cancel_after_three(i) if i in cancelled else None)
         if i % 12 == 11:
             time.sleep(0.05)

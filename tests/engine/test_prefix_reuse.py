@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, EngineConfig
-from tests.conftest import greedy, kv_bytes_for, prompt_renderer, wait_until
+from tests.conftest import greedy, kv_bytes_for, prompt_renderer, request_for, wait_until
 
 
 def system_head(words: int = 150) -> str:
@@ -21,13 +21,13 @@ def conversation(i: int) -> list[dict[str, str]]:
 
 def run_two_turns(eng: Engine, n: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]],
                                                  list[int], list[int]]:
-    firsts = [eng.submit(conversation(i), greedy(12)) for i in range(n)]
+    firsts = [eng.submit(request_for(conversation(i), greedy(12))) for i in range(n)]
     first = [h.result(timeout=120) for h in firsts]
     followups = []
     for i, result in enumerate(first):
         history = [*conversation(i), {"role": "assistant", "content": result.text},
                    {"role": "user", "content": "And then?"}]
-        followups.append(eng.submit(history, greedy(12)))
+        followups.append(eng.submit(request_for(history, greedy(12))))
     second = [h.result(timeout=120) for h in followups]
     return ([r.token_ids for r in first], [r.token_ids for r in second],
             [r.usage.cached_tokens for r in first], [r.usage.cached_tokens for r in second])
@@ -60,13 +60,13 @@ def test_a_running_row_donates_its_prefix(make_engine) -> None:  # type: ignore[
     eng = make_engine(max_batch=4)
     base = [{"role": "user", "content": "tell me about " + " ".join(["cats"] * 120)}]
     tokens: list[int] = []
-    long_one = eng.submit(base, greedy(400), on_token=lambda t, _: tokens.append(t))
+    long_one = eng.submit(request_for(base, greedy(400)), on_token=lambda t, _: tokens.append(t))
     wait_until(lambda: len(tokens) > 3)
     assert eng.stats().prefix_entries == 0  # nothing finished yet
-    twin = eng.submit(base, greedy(5)).result()
+    twin = eng.submit(request_for(base, greedy(5))).result()
     assert twin.usage.cached_tokens >= twin.usage.prompt_tokens - 1
     long_one.cancel()
-    reference = make_engine(prefix_cache_bytes=0).submit(base, greedy(5)).result()
+    reference = make_engine(prefix_cache_bytes=0).submit(request_for(base, greedy(5))).result()
     assert twin.token_ids == reference.token_ids
 
 
@@ -74,9 +74,11 @@ def test_cache_shrinks_before_a_request_waits(make_engine) -> None:  # type: ign
     budget = kv_bytes_for(make_engine, 600)
     eng = make_engine(kv_budget_bytes=budget, max_batch=4)
     for i in range(6):  # fill the cache with distinct finished conversations
-        eng.submit([{"role": "user", "content": f"story {i} " * 30}], greedy(20)).result()
+        eng.submit(request_for([{"role": "user", "content": f"story {i} " * 30}],
+                               greedy(20))).result()
     assert eng.stats().prefix_bytes > 0
-    big = eng.submit([{"role": "user", "content": "a new topic " * 40}], greedy(200)).result()
+    big = eng.submit(request_for([{"role": "user", "content": "a new topic " * 40}],
+                                 greedy(200))).result()
     assert big.usage.completion_tokens == 200
     stats = eng.stats()
     assert stats.prefix_evictions > 0
@@ -88,12 +90,12 @@ def test_cancelled_rows_do_not_disturb_later_reuse(make_engine, max_batch: int) 
     eng = make_engine(max_batch=max_batch)
     cold = make_engine(prefix_cache_bytes=0)
     prompt = conversation(3)
-    expected = cold.submit(prompt, greedy(20)).result().token_ids
+    expected = cold.submit(request_for(prompt, greedy(20))).result().token_ids
     tokens: list[int] = []
-    victim = eng.submit(prompt, greedy(300), on_token=lambda t, _: tokens.append(t))
+    victim = eng.submit(request_for(prompt, greedy(300)), on_token=lambda t, _: tokens.append(t))
     wait_until(lambda: len(tokens) > 5)
     victim.cancel()
-    again = eng.submit(prompt, greedy(20)).result()
+    again = eng.submit(request_for(prompt, greedy(20))).result()
     assert again.token_ids == expected and again.usage.cached_tokens > 0
 
 
@@ -107,11 +109,12 @@ def test_rows_admitted_together_prefill_their_shared_prefix_once(
     prompts = [[*head, {"role": "user", "content": f"{shared} Which is number {i}?"}]
                for i in range(6)]
     with Engine(tiny_model_dir, EngineConfig(max_batch=8, prefix_cache_bytes=0)) as cold:
-        expected = [cold.submit(p, greedy(10)).result(timeout=120).token_ids for p in prompts]
+        expected = [cold.submit(request_for(p, greedy(10))).result(timeout=120).token_ids
+                    for p in prompts]
     with Engine(tiny_model_dir, EngineConfig(max_batch=8, prefill_batch=8)) as warm:
         warm.start()
         common = len(warm.tokenizer.encode(shared, add_special_tokens=False))
-        handles = [warm.submit(p, greedy(10)) for p in prompts]
+        handles = [warm.submit(request_for(p, greedy(10))) for p in prompts]
         results = [h.result(timeout=120) for h in handles]
         stats = warm.stats()
     assert [r.token_ids for r in results] == expected

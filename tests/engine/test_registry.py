@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import get_engine
+from engine import TextRequest, get_engine
 from engine.registry import close_all
 
 
@@ -51,4 +51,4 @@ def test_a_closed_engine_is_replaced(tiny_model_dir: Path) -> None:
     first.close()
     second = get_engine(tiny_model_dir)
     assert second is not first
-    assert second.submit("hi").result().usage.completion_tokens > 0
+    assert second.submit(TextRequest("hi")).result().usage.completion_tokens > 0

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from engine import Engine, FinishReason
-from tests.conftest import greedy, prompts_of_lengths, wait_until
+from tests.conftest import greedy, prompts_of_lengths, request_for, wait_until
 
 
 @pytest.fixture
@@ -35,10 +35,10 @@ def test_speculation_keeps_the_greedy_tokens_in_fewer_steps(
     prompts = repeating_prompts(on, 6)
     for prompt in prompts:
         before = on.stats().steps
-        fast = on.submit(prompt, greedy(60)).result(timeout=60)
+        fast = on.submit(request_for(prompt, greedy(60))).result(timeout=60)
         fast_steps = on.stats().steps - before
         before = off.stats().steps
-        slow = off.submit(prompt, greedy(60)).result(timeout=60)
+        slow = off.submit(request_for(prompt, greedy(60))).result(timeout=60)
         slow_steps = off.stats().steps - before
         assert fast.token_ids == slow.token_ids
         assert fast.usage.completion_tokens == slow.usage.completion_tokens
@@ -53,7 +53,7 @@ def test_speculating_rows_rejoin_the_batch_when_load_rises(
     on = make_engine(max_batch=16, prefill_chunk=64, speculation=1)
     off = make_engine(max_batch=16, prefill_chunk=64, speculation=0)
     first, *others = repeating_prompts(on, 4)
-    reference = [off.submit(p, greedy(80)).result(timeout=60).token_ids
+    reference = [off.submit(request_for(p, greedy(80))).result(timeout=60).token_ids
                  for p in (first, *others)]
     drafting = threading.Event()
 
@@ -61,9 +61,10 @@ def test_speculating_rows_rejoin_the_batch_when_load_rises(
         if on.stats().drafted_tokens > 0:
             drafting.set()
 
-    lead = on.submit(first, greedy(80), on_token=watch)
+    lead = on.submit(request_for(first, greedy(80)), on_token=watch)
     assert drafting.wait(60), "the lone row never speculated"
-    rest = [on.submit(p, greedy(80)) for p in others]  # now four rows: back to the batch
+    rest = [on.submit(request_for(p,
+                                  greedy(80))) for p in others]  # now four rows: back to the batch
     got = [h.result(timeout=60).token_ids for h in (lead, *rest)]
     assert got == reference
     assert on.stats().peak_running >= 2
@@ -74,8 +75,8 @@ def test_max_tokens_holds_inside_an_accepted_draft(engines: tuple[Engine, Engine
                                                    limit: int) -> None:
     on, off = engines
     prompt = repeating_prompts(on, 1)[0]
-    fast = on.submit(prompt, greedy(limit, ignore_eos=True)).result(timeout=60)
-    slow = off.submit(prompt, greedy(limit, ignore_eos=True)).result(timeout=60)
+    fast = on.submit(request_for(prompt, greedy(limit, ignore_eos=True))).result(timeout=60)
+    slow = off.submit(request_for(prompt, greedy(limit, ignore_eos=True))).result(timeout=60)
     assert fast.finish_reason is FinishReason.LENGTH
     assert len(fast.token_ids) == limit and fast.token_ids == slow.token_ids
 
@@ -83,11 +84,11 @@ def test_max_tokens_holds_inside_an_accepted_draft(engines: tuple[Engine, Engine
 def test_a_stop_string_inside_a_draft_ends_the_row_there(engines: tuple[Engine, Engine]) -> None:
     on, off = engines
     prompt = repeating_prompts(on, 1)[0]
-    text = off.submit(prompt, greedy(60, ignore_eos=True)).result().text
+    text = off.submit(request_for(prompt, greedy(60, ignore_eos=True))).result().text
     stop = text[len(text) // 2: len(text) // 2 + 3]
     assert stop.strip()
-    fast = on.submit(prompt, greedy(60, ignore_eos=True, stop=(stop,))).result()
-    slow = off.submit(prompt, greedy(60, ignore_eos=True, stop=(stop,))).result()
+    fast = on.submit(request_for(prompt, greedy(60, ignore_eos=True, stop=(stop,)))).result()
+    slow = off.submit(request_for(prompt, greedy(60, ignore_eos=True, stop=(stop,)))).result()
     assert fast.finish_reason is FinishReason.STOP and fast.text == slow.text
     assert stop not in fast.text
 
@@ -96,7 +97,7 @@ def test_cancelling_a_speculating_row_leaves_its_sibling_unchanged(
         engines: tuple[Engine, Engine]) -> None:
     on, off = engines
     victim_prompt, sibling_prompt = repeating_prompts(on, 2)
-    reference = off.submit(sibling_prompt, greedy(80)).result(timeout=60).token_ids
+    reference = off.submit(request_for(sibling_prompt, greedy(80))).result(timeout=60).token_ids
     for cancel_after in (2, 9):
         seen = [0]
         started = threading.Event()
@@ -107,8 +108,8 @@ def test_cancelling_a_speculating_row_leaves_its_sibling_unchanged(
             if seen[0] >= after:
                 started.set()
 
-        victim = on.submit(victim_prompt, greedy(200, ignore_eos=True), on_token=count)
-        sibling = on.submit(sibling_prompt, greedy(80))
+        victim = on.submit(request_for(victim_prompt, greedy(200, ignore_eos=True)), on_token=count)
+        sibling = on.submit(request_for(sibling_prompt, greedy(80)))
         assert started.wait(60)
         victim.cancel()
         assert sibling.result(timeout=60).token_ids == reference

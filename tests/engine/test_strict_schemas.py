@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from engine import Engine, FinishReason, SamplingParams
-from engine.requests.constraints import JsonSchema
-from engine.requests.schemas import strict_schema
+from engine import ChatRequest, Engine, FinishReason, SamplingParams, TextRequest
+from engine.requests.constraints.schemas import strict_schema
+from engine.requests.inbound.output_constraint import JsonSchema
 from tests.conftest import greedy
 
 # Nothing required below the top: the model chooses which declared keys to write.
@@ -75,9 +75,9 @@ def keys_by_level(value: Any, path: str = "$") -> dict[str, set[str]]:
 def test_structured_output_has_only_declared_keys_at_every_level(
         tiny_engine: Engine, schema: dict[str, Any]) -> None:
     constraint = JsonSchema(schema)  # the user's schema: the engine makes it strict
-    handles = [tiny_engine.submit(f"book {i}", greedy(400, constraint=constraint))
+    handles = [tiny_engine.submit(TextRequest(f"book {i}", greedy(400, constraint=constraint)))
                for i in range(3)]
-    handles += [tiny_engine.submit("book a room", sampled(seed, constraint=constraint))
+    handles += [tiny_engine.submit(TextRequest("book a room", sampled(seed, constraint=constraint)))
                 for seed in range(5)]
     for handle in handles:
         result = handle.result(timeout=120)
@@ -98,11 +98,15 @@ def test_forced_call_arguments_have_only_declared_keys(tiny_engine: Engine,
                                                        tool: dict[str, Any]) -> None:
     name = tool["function"]["name"]
     parameters = tool["function"]["parameters"]
-    handles = [tiny_engine.submit([{"role": "user", "content": f"{ASK[0]['content']} #{i}"}],
-                                  greedy(400), tools=[tool], tool_choice=name,
-                                  parallel_tool_calls=False) for i in range(2)]
-    handles += [tiny_engine.submit(ASK, sampled(seed), tools=[tool], tool_choice=name,
-                                   parallel_tool_calls=False) for seed in range(4)]
+    def forced(messages: list[dict[str, str]], params: SamplingParams) -> ChatRequest:
+        return ChatRequest.from_openai(messages, params, tools=[tool], tool_choice=name,
+                                       parallel_tool_calls=False)
+
+    handles = [tiny_engine.submit(forced([{"role": "user",
+                                           "content": f"{ASK[0]['content']} #{i}"}],
+                                         greedy(400)))
+               for i in range(2)]
+    handles += [tiny_engine.submit(forced(ASK, sampled(seed))) for seed in range(4)]
     for handle in handles:
         result = handle.result(timeout=120)
         assert result.finish_reason is FinishReason.TOOL_CALLS, result.text
@@ -115,8 +119,9 @@ def test_required_choice_among_tools_with_nested_arguments(tiny_engine: Engine) 
     tools = [NESTED_TOOL, PYDANTIC_TOOL]
     by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     for seed in range(4):
-        result = tiny_engine.submit(ASK, sampled(seed), tools=tools, tool_choice="required",
-                                    parallel_tool_calls=False).result(timeout=120)
+        request = ChatRequest.from_openai(ASK, sampled(seed), tools=tools,
+                                          tool_choice="required", parallel_tool_calls=False)
+        result = tiny_engine.submit(request).result(timeout=120)
         assert result.finish_reason is FinishReason.TOOL_CALLS, result.text
         call = result.tool_calls[0]
         assert_only_declared_keys(call.arguments, by_name[call.name])

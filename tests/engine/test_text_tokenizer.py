@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.requests.text import RowText
+from engine.requests.outbound.text import RowText
 
 
 def test_multibyte_characters_with_a_real_tokenizer(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]

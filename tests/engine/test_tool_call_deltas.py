@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine import Engine, FinishReason, LarkGrammar, StreamEvent, ToolCallDelta
+from engine import ChatRequest, Engine, FinishReason, LarkGrammar, StreamEvent, ToolCallDelta
 from tests.conftest import greedy
 from tests.engine.test_engine_call_repeats import _lark, call_text, ids, pushing
 from tests.engine.test_engine_tools import ASK, CLOCK
@@ -38,7 +38,8 @@ def test_each_call_streams_as_it_is_written_and_adds_up_to_the_result(
         tiny_engine: Engine) -> None:
     grammar = LarkGrammar(f'start: {_lark(call_text("UTC"))} "\\n" '
                           f'{_lark(call_text("CET"))} "\\nDone."\n')
-    events = list(tiny_engine.submit(ASK, greedy(200, constraint=grammar), tools=[CLOCK]))
+    events = list(tiny_engine.submit(ChatRequest.from_openai(ASK, greedy(200, constraint=grammar),
+                                                             tools=[CLOCK])))
     result = events[-1].completion
     assert result is not None and [c.arguments for c in result.tool_calls] == [
         {"tz": "UTC"}, {"tz": "CET"}]
@@ -56,7 +57,8 @@ def test_each_call_streams_as_it_is_written_and_adds_up_to_the_result(
 def test_a_repeated_call_never_streams(tiny_engine: Engine) -> None:
     call = _lark(call_text("JST"))
     thrice = LarkGrammar(f'start: call "\\n" call "\\n" call\ncall: {call}\n')
-    events = list(tiny_engine.submit(ASK, greedy(200, constraint=thrice), tools=[CLOCK]))
+    events = list(tiny_engine.submit(ChatRequest.from_openai(ASK, greedy(200, constraint=thrice),
+                                                             tools=[CLOCK])))
     result = events[-1].completion
     assert result is not None and len(result.tool_calls) == 1
     assert joined(deltas_of(events)) == [(c.id, c.name, c.arguments_text)
@@ -65,13 +67,15 @@ def test_a_repeated_call_never_streams(tiny_engine: Engine) -> None:
 
 def test_malformed_and_nameless_cut_calls_never_stream(tiny_engine: Engine) -> None:
     broken = LarkGrammar('start: "Sure. " <tool_call> "\\n{\\"name\\": oops\\n" </tool_call>')
-    events = list(tiny_engine.submit(ASK, greedy(40, constraint=broken), tools=[CLOCK]))
+    events = list(tiny_engine.submit(ChatRequest.from_openai(ASK, greedy(40, constraint=broken),
+                                                             tools=[CLOCK])))
     assert events[-1].completion is not None
     assert len(events[-1].completion.invalid_tool_calls) == 1
     assert deltas_of(events) == []
     # Cut by max_tokens (in one forced span) before its name was read: never streamed.
     one = LarkGrammar(f"start: {_lark(call_text('UTC'))}\n")
-    cut = list(tiny_engine.submit(ASK, greedy(8, constraint=one), tools=[CLOCK]))
+    cut = list(tiny_engine.submit(ChatRequest.from_openai(ASK, greedy(8, constraint=one),
+                                                          tools=[CLOCK])))
     result = cut[-1].completion
     assert result is not None and result.tool_calls == () and result.invalid_tool_calls
     assert deltas_of(cut) == []
@@ -82,8 +86,9 @@ def test_with_parallel_calls_off_only_the_first_call_is_kept_or_streamed(
     # Not forced (auto): the model writes two calls anyway; the second is dropped.
     grammar = LarkGrammar(f'start: {_lark(call_text("UTC"))} "\\n" '
                           f'{_lark(call_text("CET"))} "\\n"\n')
-    events = list(tiny_engine.submit(ASK, greedy(200, constraint=grammar), tools=[CLOCK],
-                                     parallel_tool_calls=False))
+    request = ChatRequest.from_openai(ASK, greedy(200, constraint=grammar), tools=[CLOCK],
+                                      parallel_tool_calls=False)
+    events = list(tiny_engine.submit(request))
     result = events[-1].completion
     assert result is not None and [c.arguments for c in result.tool_calls] == [{"tz": "UTC"}]
     assert result.invalid_tool_calls == ()
@@ -95,7 +100,7 @@ def pushed(eng: Engine, text: str, max_tokens: int = 400) -> list[StreamEvent]:
     """The events of a row whose model writes ``text`` token by token, then stops."""
     sequence = [*ids(eng, text), min(eng.tokenizer.eos_token_ids)]
     params = greedy(max_tokens, logits_processors=(pushing(sequence),))
-    return list(eng.submit(ASK, params, tools=[CLOCK]))
+    return list(eng.submit(ChatRequest.from_openai(ASK, params, tools=[CLOCK])))
 
 
 def first_event(events: Sequence[StreamEvent], index: int) -> int:

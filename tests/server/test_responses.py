@@ -38,7 +38,12 @@ def test_a_response_has_a_message_item_and_usage(client: openai.OpenAI) -> None:
     assert r.output_text and item.content[0].type == "output_text"
     assert r.usage is not None and r.usage.output_tokens == 9
     assert r.usage.total_tokens == r.usage.input_tokens + 9
-    assert r.usage.input_tokens_details.cached_tokens >= 0
+    # The same input again reads its prompt from the prefix store: all but the last token
+    # (a row computes at least one position itself).
+    again = client.responses.create(model="tiny", input="Tell me about boats.",
+                                    max_output_tokens=9)
+    assert again.usage is not None and again.output_text == r.output_text
+    assert 0 < again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens
 
 
 def test_a_stream_emits_the_event_sequence(client: openai.OpenAI) -> None:

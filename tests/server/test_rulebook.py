@@ -22,7 +22,7 @@ import pytest
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, TextBlock, ToolCallBlock
 from pydantic import ValidationError
 
-from engine import Engine, SamplingParams
+from engine import ChatRequest, Engine, SamplingParams
 from mlx_providers import ChatMLXBatch, MLXBatchLLM
 from mlx_providers.server import create_app
 from tests.conftest import own_copy
@@ -124,10 +124,10 @@ def tool_options(case: Case) -> dict[str, Any]:
 def engine_door(eng: Engine, case: Case) -> str:
     try:
         params = SamplingParams(**sampling(case))
-        eng.submit(case.messages, params, **tool_options(case)).result(timeout=60)
+        request = ChatRequest.from_openai(case.messages, params, **tool_options(case))
+        eng.submit(request).result(timeout=60)
     except (ValueError, TypeError) as exc:
-        # The engine's argument is ``prompt``: the same field under the door's own name.
-        return refused_field(exc).replace("prompt", "messages", 1)
+        return refused_field(exc)
     return OK
 
 

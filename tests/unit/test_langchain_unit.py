@@ -34,7 +34,7 @@ from engine import (
     ToolCallDelta,
     Usage,
 )
-from engine.requests.messages import template_messages
+from engine.requests.inbound.messages import template_messages
 from mlx_providers import ChatMLXBatch
 from mlx_providers._langchain_messages import (
     ai_message,

@@ -12,9 +12,13 @@ Rules, one test each:
 (f) every name engine/__init__.py's ``__all__`` promises exists;
 (g) mlx_providers/server (HTTP) imports no framework: neither langchain* nor llama_index*,
     nor the adapter modules that do;
-(h) the subpackages point one way: device (mlx) imports no models, distributed, embedding
-    or facade module; models and distributed may use device, never the reverse; request
-    preparation (engine/requests) imports nothing of the loop (engine/core);
+(h) the subpackages point one way, a row for each: device (mlx) imports no models,
+    distributed, embedding or facade module; models, embedding and distributed may use
+    device, never the reverse, and none of them the runtime or the facade above it (the
+    runtime, the thread and its composition, imports everything but the facade); request
+    preparation (engine/requests) imports nothing of the loop (engine/core); inside it, what
+    comes in (inbound) imports neither the constraints nor what goes out (outbound), and
+    those two import neither each other nor the preparation that joins them (prepare.py);
 (i) no module imports another module's private (``_name``) names, and bench/ and
     examples/ import nothing from tests/.
 """
@@ -38,8 +42,8 @@ MLX = ("mlx", "mlx_lm")
 PURE_PACKAGES = ("core", "requests")
 PURE = ("errors", "config", "embedding/request", "embedding/batcher",
         "distributed/protocol",
-        *sorted(f"{pkg}/{p.stem}" for pkg in PURE_PACKAGES
-                for p in (ENGINE / pkg).glob("*.py") if p.stem != "__init__"))
+        *sorted(p.relative_to(ENGINE).with_suffix("").as_posix() for pkg in PURE_PACKAGES
+                for p in (ENGINE / pkg).rglob("*.py") if p.stem != "__init__"))
 # No exception to (b): engine/_platform/blas.py must run before mlx.core is loaded, and it
 # only locates libmlx as a file (its GOT, ``"mlx.core" in sys.modules``); it has no
 # ``import mlx`` statement, so engine/_platform is held to the same rule as the rest.
@@ -151,7 +155,9 @@ def _imports_device(names: frozenset[str]) -> set[str]:
 
 def test_c_the_pure_packages_are_found() -> None:
     """Guard against an empty PURE after a move: the loop and request preparation are in it."""
-    for expected in ("core/scheduler", "core/update", "requests/prepare", "requests/tools"):
+    for expected in ("core/scheduler", "core/update", "requests/prepare",
+                     "requests/inbound/tool_specs", "requests/constraints/forced_calls",
+                     "requests/outbound/row_channels"):
         assert expected in PURE
 
 
@@ -255,23 +261,43 @@ def _engine_imports(path: Path, prefixes: tuple[str, ...]) -> set[str]:
 
 
 # (h) what each subpackage must not import: the arrows point from the facade down to device.
+# The facade and the runtime under it: nothing below them may import either.
+FACADE = ("engine.engine", "engine.registry", "engine.runtime")
 FORBIDDEN = {
-    "device": ("engine.models", "engine.distributed", "engine.embedding", "engine.engine",
-               "engine.registry", "engine.core.engine"),
+    "device": ("engine.models", "engine.distributed", "engine.embedding", *FACADE),
     "requests": ("engine.core", "engine.device", "engine.distributed", "engine.embedding",
-                 "engine.engine", "engine.models"),
-    "core": ("engine.device", "engine.distributed", "engine.embedding", "engine.engine",
-             "engine.models", "engine.registry"),
+                 "engine.models", *FACADE),
+    "requests/inbound": ("engine.requests.constraints", "engine.requests.outbound",
+                         "engine.requests.prepare"),
+    "requests/constraints": ("engine.requests.outbound", "engine.requests.prepare"),
+    "requests/outbound": ("engine.requests.constraints", "engine.requests.prepare"),
+    "core": ("engine.device", "engine.distributed", "engine.embedding", "engine.models",
+             *FACADE),
     "models": ("engine.core", "engine.requests", "engine.distributed", "engine.embedding",
-               "engine.engine", "engine.registry"),
+               *FACADE),
+    "embedding": ("engine.distributed", "engine.models", "engine.requests", *FACADE),
+    "distributed": ("engine.embedding", *FACADE),
+    "_platform": ("engine.core", "engine.requests", "engine.device", "engine.distributed",
+                  "engine.embedding", "engine.models", *FACADE),
+    "runtime": ("engine.engine", "engine.registry"),
 }
 LAYERED = [(pkg, p) for pkg in FORBIDDEN for p in sorted((ENGINE / pkg).rglob("*.py"))]
+SUBPACKAGES = sorted(p.parent.relative_to(ENGINE).as_posix()
+                     for p in ENGINE.rglob("__init__.py") if p.parent != ENGINE)
 
 
 def test_h_every_subpackage_is_found() -> None:
-    for pkg in (*FORBIDDEN, "distributed", "embedding", "_platform"):
+    for pkg in FORBIDDEN:
         assert (ENGINE / pkg / "__init__.py").is_file(), f"engine/{pkg}/ is gone"
     assert len(LAYERED) > 20
+
+
+def test_h_every_subpackage_has_a_row() -> None:
+    """A new subpackage gets its own row of rules (a package under a row's is covered by it
+    and may add a row of its own)."""
+    missing = [pkg for pkg in SUBPACKAGES
+               if not any(pkg == row or pkg.startswith(f"{row}/") for row in FORBIDDEN)]
+    assert not missing, f"engine subpackages without a layering row: {missing}"
 
 
 @pytest.mark.parametrize(("package", "path"), LAYERED, ids=lambda v: v if isinstance(

@@ -17,7 +17,7 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.tools import FunctionTool
 
 from engine import Completion, FinishReason, ToolCall, Usage
-from engine.requests.messages import template_messages
+from engine.requests.inbound.messages import template_messages
 from mlx_providers._llama_index_messages import (
     chat_response,
     keep_first_call,

@@ -15,10 +15,11 @@ from pydantic import BaseModel, Field, TypeAdapter
 from typing_extensions import TypedDict  # pydantic needs it on Python < 3.12
 
 from engine.errors import InvalidConstraintError
-from engine.requests.constraints import JsonObject, JsonSchema
-from engine.requests.grammar import grammar_text, validate_constraint
-from engine.requests.schemas import rebase_refs, strict_schema
-from engine.requests.tools import forced_call_grammar, forced_call_schema, normalize_tools
+from engine.requests.constraints.forced_calls import forced_call_grammar, forced_call_schema
+from engine.requests.constraints.grammar import grammar_text, validate_constraint
+from engine.requests.constraints.schemas import rebase_refs, strict_schema
+from engine.requests.inbound.output_constraint import JsonObject, JsonSchema
+from engine.requests.inbound.tool_specs import normalize_tools
 
 CLOSED: dict[str, Any] = {"additionalProperties": False}
 

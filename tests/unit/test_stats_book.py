@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from engine.core.stats import StatsBook
-from engine.requests.request import FinishReason
+from engine.requests.outbound.results import FinishReason
 
 
 def test_endings_count_by_outcome_and_leave_running_or_pending() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from engine.core.streams import RequestHandle, RequestStream
 from engine.errors import RequestTimeoutError
-from engine.requests.request import Completion, FinishReason, StreamEvent, Usage
+from engine.requests.outbound.results import Completion, FinishReason, StreamEvent, Usage
 
 
 def make_handle() -> tuple[RequestHandle, RequestStream, list[int]]:

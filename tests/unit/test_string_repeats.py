@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.requests.string_repeats import StringRepeats, refuse_in_bitmask
+from engine.requests.constraints.string_repeats import StringRepeats, refuse_in_bitmask
 
 # id -> bytes: structure tokens and words.
 VOCAB = [b'{"', b'k', b'": "', b"a", b" b", b" c", b'"', b"}", b'\\"', b'x"y', b"", b'", "']

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.requests.text import RowText
+from engine.requests.outbound.text import RowText
 
 
 class PiecesDetokenizer:

@@ -6,10 +6,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.requests.channels import TOOL, ChannelSplitter, RowChannels
-from engine.requests.prompts import PromptRenderer
-from engine.requests.tool_formats import SMOLLM2, detect_tool_format, split_call_list
-from engine.requests.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec
+from engine.requests.inbound.prompts import PromptRenderer
+from engine.requests.inbound.tool_prompts import (
+    SMOLLM2,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    detect_tool_format,
+)
+from engine.requests.inbound.tool_specs import ToolSpec
+from engine.requests.outbound.channels import TOOL, ChannelSplitter
+from engine.requests.outbound.row_channels import RowChannels
+from engine.requests.outbound.tool_calls import split_call_list
 
 WEATHER = ToolSpec("get_weather", "Get the weather.",
                    {"type": "object", "properties": {"location": {"type": "string"}},

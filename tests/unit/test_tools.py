@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from engine.requests.channels import ChannelSplitter, RowChannels
-from engine.requests.tools import ToolCallDelta, forced_call_grammar, normalize_tools
+from engine.requests.constraints.forced_calls import forced_call_grammar
+from engine.requests.inbound.tool_specs import normalize_tools
+from engine.requests.outbound.channels import ChannelSplitter
+from engine.requests.outbound.row_channels import RowChannels
+from engine.requests.outbound.tool_calls import ToolCallDelta
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city.",

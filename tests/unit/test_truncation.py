@@ -3,7 +3,7 @@
 Structured output cut at ``max_tokens`` and forced calls cut mid-arguments raise
 ``engine.OutputTruncatedError`` naming the limit, never a field-level parse error; with
 LangChain's ``include_raw`` the error comes back as ``parsing_error``. The engine decides
-what was cut (``Completion.truncated``, from ``engine.requests.request.truncation``); the
+what was cut (``Completion.truncated``, from ``engine.requests.outbound.results.truncation``); the
 adapters only raise from it, so the adapter inputs here carry the engine's word.
 """
 
@@ -29,7 +29,7 @@ from engine import (
     ToolCall,
     Usage,
 )
-from engine.requests.request import FORCED_CALL, STRUCTURED_JSON, truncation
+from engine.requests.outbound.results import FORCED_CALL, STRUCTURED_JSON, truncation
 from mlx_providers._langchain_messages import (
     TruncatedOutputError,
     ai_message,

@@ -11,21 +11,16 @@ from __future__ import annotations
 import pytest
 
 from engine.core.lane import LaneStep, RowToken
-from engine.core.rows import Row
+from engine.core.rows import RequestStatus, Row
 from engine.core.streams import RequestStream
 from engine.core.update import Ending, StepOutcome, take_token, update
-from engine.requests.channels import ChannelSplitter, RowChannels
-from engine.requests.prepare import PreparedRequest, RequestSpec
-from engine.requests.request import (
-    Completion,
-    FinishReason,
-    RequestStatus,
-    SamplingParams,
-    StreamEvent,
-    TokenCallback,
-    TokenLogprob,
-)
-from engine.requests.text import RowText
+from engine.requests.inbound.sampling import SamplingParams, TokenCallback
+from engine.requests.inbound.text_request import TextRequest
+from engine.requests.outbound.channels import ChannelSplitter
+from engine.requests.outbound.results import Completion, FinishReason, StreamEvent, TokenLogprob
+from engine.requests.outbound.row_channels import RowChannels
+from engine.requests.outbound.text import RowText
+from engine.requests.prepare import PreparedRequest
 
 EOS = 0
 VOCAB = {
@@ -53,7 +48,8 @@ OPEN, CALL, CLOSE, NL, OTHER, REORDERED, DONE, OTHER_TOOL = range(11, 19)
 
 
 class FakeDetokenizer:
-    """Maps each token id to a fixed piece of text (engine.requests.text.StreamingDetokenizer)."""
+    """Maps each token id to a fixed piece of text (a ``StreamingDetokenizer`` of
+    engine.requests.outbound.text)."""
 
     def __init__(self) -> None:
         self.seen: list[int] = []
@@ -76,7 +72,7 @@ def make_row(request_id: int = 1, *, max_tokens: int = 10, stop: tuple[str, ...]
              on_token: TokenCallback | None = None,
              stop_ids: frozenset[int] = frozenset({EOS})) -> Row:
     params = SamplingParams(max_tokens=max_tokens, stop=stop)
-    row = Row(request_id, RequestSpec("hi", params), RequestStream(), on_token,
+    row = Row(request_id, TextRequest("hi", params), RequestStream(), on_token,
               submitted_at=0.0, deadline=None, status=RequestStatus.PREFILLING)
     row.prepared = PreparedRequest([100, 101, 102], params, stop_ids)
     row.text = RowText(FakeDetokenizer(), params.stop)

@@ -1,8 +1,9 @@
 """Validation at the engine's door, without a model: every bad input is a TypeError or a
 ValueError (or the engine's own errors, which subclass them) naming the argument.
 
-``request_spec`` is what ``Engine.submit`` runs on the caller's thread before anything is
-queued; ``Engine.submit``'s own checks (on_token, timeout) are ``check_callbacks``.
+A request is checked when its value is built (``ChatRequest.from_openai``, ``TextRequest``),
+and ``checked_request`` is what ``Engine.submit`` adds on the caller's thread before anything
+is queued; ``Engine.submit``'s own checks (on_token, timeout) are ``check_callbacks``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from engine import (
+    ChatRequest,
     Engine,
     EngineConfig,
     InvalidConstraintError,
@@ -20,10 +22,10 @@ from engine import (
     LarkGrammar,
     Regex,
     SamplingParams,
+    TextRequest,
 )
-from engine.requests.prepare import request_spec
-from engine.requests.prompts import checked_prompt
-from engine.requests.request import check_callbacks
+from engine.requests.inbound.sampling import check_callbacks
+from engine.requests.prepare import checked_request
 
 USER = {"role": "user", "content": "hi"}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {
@@ -32,8 +34,18 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {
 
 def spec(prompt: Any = (USER,), params: Any = None, tools: Any = None, tool_choice: Any = None,
          parallel_tool_calls: Any = True, chat_template_kwargs: Any = None) -> Any:
-    return request_spec(list(prompt) if isinstance(prompt, tuple) else prompt, params, tools,
-                        tool_choice, parallel_tool_calls, chat_template_kwargs)
+    """What the door makes of a prompt and options: chat messages (a list whose first item
+    is a dict) as a ``ChatRequest``, anything else as a ``TextRequest``, then checked."""
+    prompt = list(prompt) if isinstance(prompt, tuple) else prompt
+    params = SamplingParams() if params is None else params
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        request: Any = ChatRequest.from_openai(
+            prompt, params, tools=tools, tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls, chat_template_kwargs=chat_template_kwargs,
+            root="prompt")
+    else:
+        request = TextRequest(prompt, params)
+    return checked_request(request)
 
 
 def raises(kind: type[BaseException], match: str) -> Any:
@@ -119,18 +131,18 @@ def test_good_prompts_pass_as_private_copies() -> None:
     import numpy as np
 
     ids = [1, 2, 3]
-    assert checked_prompt(ids) == [1, 2, 3] and checked_prompt(ids) is not ids
-    assert checked_prompt((4, 5)) == [4, 5]
-    assert checked_prompt(np.array([7, 8], dtype=np.int64)) == [7, 8]
-    assert checked_prompt("text") == "text"
+    assert TextRequest(ids).prompt == (1, 2, 3)  # a tuple: a private copy
+    assert TextRequest((4, 5)).prompt == (4, 5)
+    assert TextRequest(np.array([7, 8], dtype=np.int64)).prompt == (7, 8)
+    assert TextRequest("text").prompt == "text"
     messages = [{"role": "system", "content": "s"}, USER,
                 {"role": "assistant", "content": None, "tool_calls": [
                     {"id": "c1", "type": "function",
                      "function": {"name": "f", "arguments": '{"a": 1}'}}]},
                 {"role": "tool", "content": [{"type": "text", "text": "3"}], "tool_call_id": "c1"},
                 {"role": "assistant", "content": ["a", {"type": "text", "text": "b"}]}]
-    checked = checked_prompt(messages)  # typed Message values (the rulebook's)
-    assert isinstance(checked, list)
+    checked = ChatRequest.from_openai(messages).messages  # typed values (the rulebook's)
+    assert isinstance(checked, tuple)
     assert checked[3].content == "3" and checked[4].content == "ab"
     assert checked[0].as_openai() == messages[0] and checked[0] is not messages[0]
     messages[1]["content"] = "changed later"  # the queued copy does not see it

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import logging
 
-from engine.config import EngineConfig, checked_engine_args
+from engine.config import EngineConfig, ModelSpec, checked_engine_args
 from engine.core.lane import LaneKind
 from engine.distributed.protocol import follower_patience
-from engine.engine import ModelSpec
 from engine.errors import EngineError
-from engine.models import config_context_limit, model_path_for
-from engine.requests.prepare import Preparer
+from engine.models import model_path_for
+from engine.runtime.build import build_model
 
 log = logging.getLogger("engine")
 
@@ -51,7 +50,7 @@ def follow(model: ModelSpec = None, config: EngineConfig | None = None, *,
     if config.shard is None:
         return False
     from engine.device.collectives import init_group
-    from engine.device.loader import build_lanes, load_model, release_streams
+    from engine.device.loader import release_streams
     from engine.distributed.replay import follow_lanes
 
     group = init_group()
@@ -59,9 +58,7 @@ def follow(model: ModelSpec = None, config: EngineConfig | None = None, *,
         return False
     path = model_path_for(model, config.quantized)
     try:
-        loaded = load_model(path, config, group, config_context_limit(path))
-        preparer = Preparer(loaded.tokenizer, path, loaded.vocab_size, config.json_string_ngram)
-        lanes = build_lanes(loaded, config, preparer.compiler)
+        lanes = build_model(path, config, group).lanes  # what rank 0 builds, as a shard
         if lanes.channel is None:
             raise EngineError("the sharded model did not load as a shard")
         log.info("rank %d follows rank 0 (%s split)", group.rank(), config.shard)

@@ -1,11 +1,11 @@
-"""Tool-use prompt formats of known model families, for chat templates that render no tools.
+"""Tools in the prompt for chat templates that do not render them: the tagged-JSON listing,
+or a known model family's trained format.
 
 When a chat template ignores ``tools=``, the engine describes the tools in the system
 message. For families whose published tool format is known, that description is the
-one the family was trained with, detected from text the chat template carries; other
-families get ``engine.requests.tools.fallback_tool_prompt``. Assistant tool calls and tool
-results in the history are rewritten to plain text in the family's format, since such a
-template cannot render them. No model, no mlx.
+family's own, and past tool calls and results are rewritten into the family's format,
+since such a template cannot render them. Otherwise the tagged-JSON fallback
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) is described. No mlx.
 
 Known: SmolLM2 (HuggingFaceTB's 135M/360M/1.7B Instruct models). Its template carries
 the default system prompt "You are a helpful AI assistant named SmolLM, trained by
@@ -21,7 +21,35 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.requests.tools import TOOL_CALL_END, TOOL_CALL_START, ToolSpec
+from engine.requests.inbound.tool_specs import ToolSpec
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+
+
+def fallback_tool_prompt(tools: Sequence[ToolSpec]) -> str:
+    """System-prompt text for chat templates that do not render tools themselves."""
+    listing = "\n".join(json.dumps(t.as_openai()) for t in tools)
+    return (
+        "You have access to the following tools:\n"
+        f"<tools>\n{listing}\n</tools>\n\n"
+        "To call a tool, reply with one line per call in exactly this format:\n"
+        f'{TOOL_CALL_START}{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}'
+        f"{TOOL_CALL_END}\n"
+        "Otherwise reply normally."
+    )
+
+
+def with_fallback_tool_prompt(messages: Sequence[Mapping[str, Any]],
+                              tools: Sequence[ToolSpec]) -> list[dict[str, Any]]:
+    """Messages with the tool listing merged into (or prepended as) the system message."""
+    text = fallback_tool_prompt(tools)
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{text}".strip()
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
 
 
 @dataclass(frozen=True)
@@ -112,6 +140,7 @@ SMOLLM2 = ToolFormat(
     render_result=_smollm2_result,
 )
 
+
 KNOWN_FORMATS: tuple[ToolFormat, ...] = (SMOLLM2,)
 
 
@@ -122,18 +151,4 @@ def detect_tool_format(chat_template: str | None) -> ToolFormat | None:
     for fmt in KNOWN_FORMATS:
         if fmt.marker in chat_template:
             return fmt
-    return None
-
-
-def split_call_list(raw: str) -> list[str] | None:
-    """A call body holding a JSON list of several calls -> one JSON text per call.
-
-    None when the body is not such a list (one call, or not JSON): it is parsed as is.
-    """
-    try:
-        value = json.loads(raw.strip())
-    except ValueError:
-        return None
-    if isinstance(value, list) and len(value) != 1:
-        return [json.dumps(item) for item in value]
     return None

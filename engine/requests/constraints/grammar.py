@@ -15,9 +15,19 @@ from typing import Any
 import numpy as np
 
 from engine.errors import InvalidConstraintError
-from engine.requests.constraints import Constraint, JsonObject, JsonSchema, LarkGrammar, Regex
-from engine.requests.schemas import strict_schema
-from engine.requests.string_repeats import DEFAULT_NGRAM, StringRepeats, refuse_in_bitmask
+from engine.requests.constraints.schemas import strict_schema
+from engine.requests.constraints.string_repeats import (
+    DEFAULT_NGRAM,
+    StringRepeats,
+    refuse_in_bitmask,
+)
+from engine.requests.inbound.output_constraint import (
+    Constraint,
+    JsonObject,
+    JsonSchema,
+    LarkGrammar,
+    Regex,
+)
 
 # Compact JSON: no free whitespace, so a model cannot wander in indentation forever.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -72,13 +82,24 @@ class GrammarCompiler:
             )
         return self._tokenizer
 
-    def lark_literal(self, text: str) -> str:
-        """Lark for ``text``: ``<text>`` if it is one special token, else a quoted string."""
+    def lark_text(self, text: str) -> str:
+        """Lark for ``text``: its special tokens as tokens (``<[id]>``; llguidance matches a
+        special token only when the grammar names it so), the text between them as quoted
+        strings. Empty text is the empty string."""
         tokenizer = self._llg_tokenizer()
-        ids = tokenizer.tokenize_str(text)
-        if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
-            return text if text.startswith("<") and text.endswith(">") else f"<[{ids[0]}]>"
-        return json.dumps(text)
+        parts: list[str] = []
+        plain = b""
+        for token in tokenizer.tokenize_str(text):
+            if tokenizer.is_special_token(token):
+                if plain:
+                    parts.append(json.dumps(plain.decode("utf-8")))
+                    plain = b""
+                parts.append(f"<[{token}]>")
+            else:
+                plain += tokenizer.decode_bytes([token])
+        if plain or not parts:
+            parts.append(json.dumps(plain.decode("utf-8")))
+        return " ".join(parts)
 
     def compile(self, constraint: Constraint) -> Any:
         """A pristine matcher for the constraint (cached); raises InvalidConstraintError."""

@@ -1,93 +1,26 @@
-"""Split a row's streamed text into channels: content, reasoning, tool-call markup.
-
-Markers (``<think>``/``</think>``, ``<tool_call>``/``</tool_call>``) are matched on text,
-so they may arrive split across tokens; a suffix that could be the start of a marker
-is held back until it is known. Markers themselves are never emitted.
+"""One row's output sorted into content, reasoning and tool calls as it streams, with the
+hold-back policy that keeps a call the engine may still drop from ever being sent.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
-from engine.requests.tool_formats import split_call_list
-from engine.requests.tools import (
+from engine.requests.inbound.tool_specs import ToolSpec
+from engine.requests.outbound.call_scanner import CallElement, CallScanner, compact_json, reads_json
+from engine.requests.outbound.channels import REASONING, TOOL, Splitter
+from engine.requests.outbound.tool_calls import (
     InvalidToolCall,
     ToolCall,
     ToolCallDelta,
     ToolParser,
-    ToolSpec,
     call_deltas,
+    call_key,
     new_call_id,
     parse_call,
+    split_call_list,
 )
-
-CONTENT = "content"
-REASONING = "reasoning"
-TOOL = "tool"
-
-
-class ChannelSplitter:
-    """Feeds text, returns (channel, text) pieces; ``markers`` maps channel -> (open, close)."""
-
-    def __init__(self, markers: dict[str, tuple[str, str]], start: str = CONTENT) -> None:
-        self._markers = {channel: pair for channel, pair in markers.items() if all(pair)}
-        self._channel = start
-        self._held = ""
-
-    @property
-    def channel(self) -> str:
-        return self._channel
-
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        """Pieces in order; a ("channel", "") piece marks each switch of channel."""
-        buffer = self._held + text
-        self._held = ""
-        pieces: list[tuple[str, str]] = []
-        while buffer:
-            found = self._next_marker(buffer)
-            if found is None:
-                keep = self._partial_suffix(buffer)
-                safe = buffer[: len(buffer) - keep]
-                if safe:
-                    pieces.append((self._channel, safe))
-                self._held = buffer[len(buffer) - keep :]
-                break
-            index, marker, next_channel = found
-            if index:
-                pieces.append((self._channel, buffer[:index]))
-            self._channel = next_channel
-            pieces.append((next_channel, ""))  # marks the switch, even with no text yet
-            buffer = buffer[index + len(marker) :]
-        return pieces
-
-    def flush(self) -> list[tuple[str, str]]:
-        """The row ended: whatever was held back is plain text of the current channel."""
-        held, self._held = self._held, ""
-        return [(self._channel, held)] if held else []
-
-    def _candidates(self) -> list[tuple[str, str]]:
-        """(marker, channel it leads to) that can occur in the current channel."""
-        if self._channel == CONTENT:
-            return [(pair[0], channel) for channel, pair in self._markers.items()]
-        close = self._markers.get(self._channel)
-        return [(close[1], CONTENT)] if close else []
-
-    def _next_marker(self, buffer: str) -> tuple[int, str, str] | None:
-        best: tuple[int, str, str] | None = None
-        for marker, channel in self._candidates():
-            index = buffer.find(marker)
-            if index >= 0 and (best is None or index < best[0]):
-                best = (index, marker, channel)
-        return best
-
-    def _partial_suffix(self, buffer: str) -> int:
-        best = 0
-        for marker, _ in self._candidates():
-            for n in range(min(len(marker) - 1, len(buffer)), best, -1):
-                if buffer.endswith(marker[:n]):
-                    best = n
-                    break
-        return best
 
 
 class RowChannels:
@@ -121,9 +54,12 @@ class RowChannels:
     parsers own), is parsed whole at the block's close and streams then, as one delta.
     """
 
-    def __init__(self, splitter: ChannelSplitter, parser: ToolParser | None,
-                 tools: tuple[ToolSpec, ...], parallel: bool = True) -> None:
+    def __init__(self, splitter: Splitter, parser: ToolParser | None,
+                 tools: tuple[ToolSpec, ...], parallel: bool = True, *,
+                 new_id: Callable[[], str] = new_call_id) -> None:
+        """``new_id`` makes call ids as the model's chat template accepts them."""
         self._splitter = splitter
+        self._new_id = new_id
         self._parser = parser
         self._tools = tools
         self._parallel = parallel  # False: only the first call is kept (parallel_tool_calls)
@@ -162,7 +98,7 @@ class RowChannels:
                                                     "the tool call was not closed",
                                                     element.index))
             elif not closed:
-                self.invalid.append(InvalidToolCall(new_call_id(), None, raw,
+                self.invalid.append(InvalidToolCall(self._new_id(), None, raw,
                                                     "the tool call was not closed"))
             self.repeated_calls += self._repeats
             self._repeats = 0
@@ -178,7 +114,7 @@ class RowChannels:
             if channel == TOOL:
                 if self._call_text is None:  # a call opens: the whitespace before it goes
                     self._call_text, self._spaces, self.saw_call = "", "", True
-                    self._scan = CallScanner() if reads_json(self._parser) else None
+                    self._scan = CallScanner(self._new_id) if reads_json(self._parser) else None
                 self._call_text += text
                 if self._scan is not None and text:
                     self._scan.feed(text)
@@ -245,7 +181,7 @@ class RowChannels:
 
     def _close_element(self, element: CallElement, text: str) -> None:
         """A call object closed: keep it, or drop it (a repeat, an extra), or it is invalid."""
-        parsed = self._as_streamed(element, parse_call(text, None, self._tools))
+        parsed = self._as_streamed(element, parse_call(text, None, self._tools, self._new_id))
         if isinstance(parsed, InvalidToolCall):
             self.invalid.append(parsed)
             return
@@ -294,7 +230,7 @@ class RowChannels:
             # A JSON list of calls in one block (SmolLM2's format) is one call per element.
             bodies = split_call_list(raw) if self._parser is None else None
             for body in [raw] if bodies is None else bodies:
-                self._add_call(parse_call(body, self._parser, self._tools))
+                self._add_call(parse_call(body, self._parser, self._tools, self._new_id))
         self.repeated_calls += self._repeats
         self._repeats = 0
 
@@ -308,7 +244,7 @@ class RowChannels:
                                                 "the tool call's JSON is not complete",
                                                 element.index))
         elif scan.failed:
-            self.invalid.append(InvalidToolCall(new_call_id(), None, raw[scan.end:],
+            self.invalid.append(InvalidToolCall(self._new_id(), None, raw[scan.end:],
                                                 "text after the tool calls is not JSON"))
 
     def _add_call(self, parsed: ToolCall | InvalidToolCall) -> None:
@@ -332,233 +268,3 @@ class RowChannels:
         """Call pieces produced since the last take (each piece is taken exactly once)."""
         deltas, self._deltas = tuple(self._deltas), []
         return deltas
-
-
-class CallElement:
-    """One call object of a tool block as it streams."""
-
-    def __init__(self, start: int) -> None:
-        self.start = start  # offset of its "{" in the block's text
-        self.id = new_call_id()
-        self.name: str | None = None
-        self.args = ""  # the arguments object's text so far, as the model writes it
-        self.args_key: str | None = None  # "arguments" or "parameters", the one captured
-        self.args_done = False
-        self.keys: list[str] = []  # the object's keys, in order
-        self.text = ""  # the whole object's text, once it closed
-        self.index: int | None = None  # set when its first delta goes out
-        self.sent = 0  # characters of its arguments text sent
-
-    @property
-    def used_key(self) -> str | None:
-        """The key ``parse_call`` reads the arguments from."""
-        for key in ("arguments", "parameters"):
-            if key in self.keys:
-                return key
-        return None
-
-
-_SPACE = " \t\r\n"
-
-
-class CallScanner:
-    """A tool block's text read as it arrives as JSON call objects: one object, or a JSON
-    list of them. Tracks the open object's name (once its string is whole) and its
-    arguments object's text as it grows; hands each object's text over when it closes.
-    ``failed`` once the text cannot be such JSON (the rest is then not read)."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.pos = 0
-        self.failed = False
-        self.element: CallElement | None = None  # the object being written
-        self.end = 0  # offset after the last closed object
-        self.closed = 0  # objects closed so far
-        self._closed: list[tuple[CallElement, str]] = []
-        self._state = "start"
-        self._list = False
-        self._token = ""  # a key or a name string being read
-        self._key = ""
-        self._escape = False
-        self._depth = 0
-        self._in_string = False
-        self._capture = False
-
-    def feed(self, text: str) -> None:
-        self.text += text
-        while self.pos < len(self.text) and not self.failed:
-            self._step(self.text[self.pos])
-            self.pos += 1
-
-    def take_closed(self) -> list[tuple[CallElement, str]]:
-        closed, self._closed = self._closed, []
-        return closed
-
-    def _fail(self) -> None:
-        self.failed = True
-
-    def _string_char(self, ch: str) -> bool:
-        """One character of a string being read; True when it closed the string."""
-        if self._escape:
-            self._escape = False
-        elif ch == "\\":
-            self._escape = True
-        elif ch == '"':
-            return True
-        return False
-
-    def _step(self, ch: str) -> None:
-        state = self._state
-        if state in ("start", "item", "sep", "after", "key_or_close", "colon",
-                     "comma_or_close", "key", "value") and ch in _SPACE:
-            return
-        if state == "start":
-            if ch == "[":
-                self._list, self._state = True, "item"
-            elif ch == "{":
-                self._open()
-            else:
-                self._fail()
-        elif state == "item":
-            if ch == "{":
-                self._open()
-            elif ch == "]":
-                self._state = "after"
-            else:
-                self._fail()
-        elif state == "sep":
-            if ch == ",":
-                self._state = "item"
-            elif ch == "]":
-                self._state = "after"
-            else:
-                self._fail()
-        elif state == "after":
-            self._fail()
-        elif state in ("key_or_close", "key"):
-            if ch == '"':
-                self._token, self._state = ch, "key_text"
-            elif ch == "}" and state == "key_or_close":
-                self._close()
-            else:
-                self._fail()
-        elif state == "key_text":
-            self._token += ch
-            if self._string_char(ch):
-                self._key = json.loads(self._token)
-                assert self.element is not None
-                self.element.keys.append(self._key)
-                self._state = "colon"
-        elif state == "colon":
-            if ch == ":":
-                self._state = "value"
-            else:
-                self._fail()
-        elif state == "value":
-            self._value(ch)
-        elif state == "name":
-            self._token += ch
-            if self._string_char(ch):
-                assert self.element is not None
-                self.element.name = json.loads(self._token)
-                self._state = "comma_or_close"
-        elif state == "string":
-            if self._string_char(ch):
-                self._state = "comma_or_close"
-        elif state == "nested":
-            self._nested(ch)
-        elif state == "scalar":
-            if ch in _SPACE:
-                self._state = "comma_or_close"
-            elif ch == ",":
-                self._state = "key"
-            elif ch == "}":
-                self._close()
-        elif state == "comma_or_close":
-            if ch == ",":
-                self._state = "key"
-            elif ch == "}":
-                self._close()
-            else:
-                self._fail()
-
-    def _value(self, ch: str) -> None:
-        element = self.element
-        assert element is not None
-        if self._key == "name" and ch == '"' and element.name is None:
-            self._token, self._state = ch, "name"
-        elif ch in "{[":
-            self._capture = (ch == "{" and self._key in ("arguments", "parameters")
-                             and element.args_key is None)
-            if self._capture:
-                element.args_key, element.args = self._key, ch
-            self._depth, self._in_string, self._state = 1, False, "nested"
-        elif ch == '"':
-            self._escape, self._state = False, "string"
-        elif ch in ",}]:":
-            self._fail()
-        else:
-            self._state = "scalar"
-
-    def _nested(self, ch: str) -> None:
-        element = self.element
-        assert element is not None
-        if self._capture:
-            element.args += ch
-        if self._in_string:
-            self._in_string = not self._string_char(ch)
-            return
-        if ch == '"':
-            self._in_string, self._escape = True, False
-        elif ch in "{[":
-            self._depth += 1
-        elif ch in "}]":
-            self._depth -= 1
-            if self._depth == 0:
-                element.args_done = element.args_done or self._capture
-                self._capture, self._state = False, "comma_or_close"
-
-    def _open(self) -> None:
-        self.element, self._state = CallElement(self.pos), "key_or_close"
-
-    def _close(self) -> None:
-        element = self.element
-        assert element is not None
-        element.text = self.text[element.start:self.pos + 1]
-        self._closed.append((element, element.text))
-        self.element, self.end, self.closed = None, self.pos + 1, self.closed + 1
-        self._state = "sep" if self._list else "after"
-
-
-def reads_json(parser: ToolParser | None) -> bool:
-    """Whether calls are the JSON objects ``CallScanner`` reads as they stream: no model
-    parser (the tagged-JSON fallback, SmolLM2's list), or mlx-lm's ``json_tools`` parser
-    (Qwen and the Hermes-style families), which is ``json.loads`` of the same text."""
-    return parser is None or getattr(parser, "__module__", "").endswith(
-        "tool_parsers.json_tools")
-
-
-def compact_json(text: str) -> str:
-    """JSON text (whole or a prefix) without the whitespace outside its strings."""
-    out: list[str] = []
-    in_string = escape = False
-    for ch in text:
-        if in_string:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in _SPACE:
-            continue
-        out.append(ch)
-    return "".join(out)
-
-
-def call_key(call: ToolCall) -> str:
-    """Identity of a call for spotting repeats: its name and its arguments as parsed JSON."""
-    return json.dumps([call.name, call.arguments], sort_keys=True, ensure_ascii=False,
-                      default=repr)

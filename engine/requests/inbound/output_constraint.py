@@ -1,7 +1,8 @@
 """What a constrained row may produce: a JSON schema, any JSON object, a regex, or Lark.
 
 Pure data, validated cheaply here; compiling to a token-level matcher happens on the
-engine thread (``engine.requests.grammar``), where an invalid grammar is reported to the caller.
+engine thread (``engine.requests.constraints.grammar``), where an invalid grammar is
+reported to the caller.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ class JsonSchema:
 
     Strict by default: every object level refuses keys it does not declare (the grammar
     adds ``"additionalProperties": false`` wherever the schema leaves it unsaid, as in
-    OpenAI's strict mode; see ``engine.requests.schemas.strict_schema``). To let an object take any
-    keys, write ``"additionalProperties": true`` (or a schema for the values) at its level.
+    OpenAI's strict mode; see ``engine.requests.constraints.schemas.strict_schema``). To let
+    an object take any keys, write ``"additionalProperties": true`` (or a schema for the
+    values) at its level.
     """
 
     schema: str

@@ -11,19 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, cast
 
 from engine.errors import InvalidRequestError
-from engine.requests.constraints import Constraint
-from engine.requests.messages import Message, messages_from_openai
-from engine.requests.request import SamplingParams, Tools, check_template_options
-from engine.requests.tools import (
-    ToolSpec,
-    forced_call_schema,
-    normalize_tool_choice,
-    normalize_tools,
-)
+from engine.requests.inbound.messages import Message, messages_from_openai
+from engine.requests.inbound.output_constraint import Constraint
+from engine.requests.inbound.sampling import SamplingParams, Tools, check_template_options
+from engine.requests.inbound.tool_specs import ToolSpec, normalize_tool_choice, normalize_tools
 
 # The sampling settings a face exposes as fields and per-call overrides, by their
 # ``SamplingParams`` names (``stop`` too): listed once, here, for every face.
@@ -33,7 +27,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
 
 class ToolChoiceView:
     """What a request's tools and resolved tool choice mean, for every request type that
-    carries them (``ChatRequest``, ``engine.requests.prepare.RequestSpec``)."""
+    carries them (``ChatRequest``)."""
 
     tools: tuple[ToolSpec, ...]
     tool_choice: str
@@ -108,11 +102,6 @@ class ChatRequest(ToolChoiceView):
                    specs, normalize_tool_choice(tool_choice, specs),
                    parallel_tool_calls,
                    chat_template_kwargs if chat_template_kwargs is not None else {})
-
-    @cached_property
-    def call_schema(self) -> dict[str, Any] | None:
-        """The forced call's JSON schema, built once per request (None when not forced)."""
-        return forced_call_schema(self.tools, self.tool_choice) if self.forces_call else None
 
 
 def forces_call(tools: Sequence[ToolSpec], tool_choice: str) -> bool:

@@ -1,68 +1,25 @@
 """Turning a request's prompt into token ids with the model's tokenizer and chat template.
 
 Chat messages are rendered with ``add_generation_prompt=True``; tools go through the
-template's ``tools=`` when it renders them, otherwise into the system message. Also
-knows the tokenizer's text markers for reasoning and tool calls. No model, no mlx.
+template's ``tools=`` when it renders them, otherwise into the system message. No model,
+no mlx.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.requests.channels import CONTENT, REASONING, TOOL
-from engine.requests.messages import Message, messages_from_openai, template_messages
-from engine.requests.request import ChatMessage, Prompt
-from engine.requests.tool_formats import ToolFormat, detect_tool_format
-from engine.requests.tools import (
-    TOOL_CALL_END,
-    TOOL_CALL_START,
-    ToolSpec,
+from engine.requests.inbound.messages import Message, messages_from_openai, template_messages
+from engine.requests.inbound.sampling import ChatMessage, Prompt
+from engine.requests.inbound.tool_prompts import (
+    ToolFormat,
+    detect_tool_format,
     with_fallback_tool_prompt,
 )
-
-_MAX_TOKEN_ID = 2**31 - 1  # mlx holds token ids as 32-bit integers
-_PROMPT_KINDS = "text, a list of token ids, or a list of chat messages (dicts)"
-
-
-def checked_prompt(prompt: Any) -> str | list[int] | list[Message]:
-    """``submit``'s prompt, checked at the door on the caller's thread, as a private copy.
-
-    Text stays text. Token ids must be integers (numpy's too, never bools or floats) in
-    [0, 2**31); whether they are inside this model's vocabulary is checked when the
-    request is prepared. Chat messages become ``Message`` values by the one rulebook
-    (``engine.requests.messages``). The copy means a caller that changes its list after
-    ``submit`` changes nothing queued.
-    """
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt is empty: give at least one token")
-        return prompt
-    if isinstance(prompt, (bytes, bytearray, Mapping)) or not isinstance(prompt, Iterable):
-        hint = " (one message? pass a list of messages)" if isinstance(prompt, Mapping) else ""
-        raise TypeError(f"prompt must be {_PROMPT_KINDS}, got {type(prompt).__name__}{hint}")
-    items = list(prompt)
-    if not items:
-        raise ValueError("prompt is empty: give at least one token or message")
-    if isinstance(items[0], Mapping | Message):
-        return list(messages_from_openai(items, "prompt"))
-    return [_token_id(t, i) for i, t in enumerate(items)]
-
-
-def _token_id(value: Any, i: int) -> int:
-    if isinstance(value, Mapping):
-        raise TypeError(f"prompt[{i}] is a dict after token ids: a prompt is {_PROMPT_KINDS}, "
-                        "not a mix")
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"prompt[{i}] must be an integer token id, got "
-                        f"{type(value).__name__} {value!r:.40}")
-    token = operator.index(value)
-    if not 0 <= token <= _MAX_TOKEN_ID:
-        raise ValueError(f"prompt token ids out of range [0, 2**31): prompt[{i}] = {token}")
-    return token
+from engine.requests.inbound.tool_specs import ToolSpec
 
 
 def is_chat(prompt: Any) -> bool:
@@ -84,7 +41,7 @@ class EncodedPrompt:
     """A request's prompt as the engine needs it."""
 
     ids: list[int]
-    start_channel: str = CONTENT
+    opens_reasoning: bool = False  # the prompt ends inside the template's thinking block
     head_len: int = 0
 
 
@@ -120,8 +77,8 @@ class PromptRenderer:
 
         Tools are rendered by the chat template when it knows how; otherwise they are
         described in the system message: in the family's trained format where it is known
-        (``engine.requests.tool_formats``), else
-        ``engine.requests.tools.fallback_tool_prompt``. The head
+        (``engine.requests.inbound.tool_prompts``), else
+        ``fallback_tool_prompt``. The head
         is the leading system message(s) with the tools: what parallel agent branches
         share, and what the prefix cache stores on its own.
         """
@@ -143,8 +100,7 @@ class PromptRenderer:
         think = self.tokenizer.think_start if self.tokenizer.has_thinking else None
         # Templates that open the thinking block themselves start the output inside it.
         starts_thinking = bool(think) and text.rstrip().endswith(str(think))
-        return EncodedPrompt(ids, REASONING if starts_thinking else CONTENT,
-                             self._head_length(messages, ids, kwargs))
+        return EncodedPrompt(ids, starts_thinking, self._head_length(messages, ids, kwargs))
 
     def _head_length(self, messages: list[ChatMessage], ids: list[int],
                      kwargs: dict[str, Any]) -> int:
@@ -178,20 +134,6 @@ class PromptRenderer:
         """The model family's known tool format, for templates that render no tools."""
         template = getattr(self.tokenizer, "chat_template", None)
         return detect_tool_format(template if isinstance(template, str) else None)
-
-    def channel_markers(self) -> dict[str, tuple[str, str]]:
-        """Text markers of reasoning and tool calls for this tokenizer."""
-        tokenizer = self.tokenizer
-        markers = {TOOL: (TOOL_CALL_START, TOOL_CALL_END)}
-        if tokenizer.has_tool_calling:
-            markers[TOOL] = (tokenizer.tool_call_start, tokenizer.tool_call_end)
-        if tokenizer.has_thinking:
-            markers[REASONING] = (tokenizer.think_start, tokenizer.think_end)
-        return markers
-
-    @property
-    def tool_parser(self) -> Any:
-        return self.tokenizer.tool_parser if self.tokenizer.has_tool_calling else None
 
     def render_chat(self, messages: list[ChatMessage], **template_kwargs: Any) -> list[int]:
         return list(self.tokenizer.encode(self.chat_text(messages, **template_kwargs),

@@ -1,0 +1,119 @@
+"""A model family's dialect: how its output carries reasoning and tool calls, and how a
+forced call is written in that same syntax.
+
+A tokenizer (its chat template, its vocabulary, what mlx-lm inferred) picks one dialect
+(``engine.requests.dialects.registry``). The dialect gives the row its ``Splitter``, the
+output side: text in, ``(channel, text)`` pieces out, with reasoning in the reasoning
+channel and each tool call in the tool channel. Calls the splitter hands over as JSON call
+objects (``{"name": ..., "arguments": {...}}``, alone or as a list) stream as argument
+fragments as they are written (``RowChannels`` reads them); a dialect with a ``parser``
+has its blocks parsed whole when they close instead. ``forced_calls`` is the constraint
+side: the Lark rule ``calls`` that admits only well-formed calls to the chosen tools,
+written as this family writes them, so a forced call is text the model was trained to
+write and its own parser reads back. ``new_call_id`` is what the family's chat template
+accepts as a call id. No mlx here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.requests.constraints.forced_calls import tagged_json_calls
+from engine.requests.inbound.tool_prompts import TOOL_CALL_END, TOOL_CALL_START
+from engine.requests.inbound.tool_specs import ToolSpec
+from engine.requests.outbound.channels import CONTENT, REASONING, TOOL, ChannelSplitter, Splitter
+from engine.requests.outbound.tool_calls import ToolParser, new_call_id
+
+# Lark for a text: its special tokens as tokens, the rest as quoted strings (the
+# tokenizer's; ``GrammarCompiler.lark_text``).
+Literal = Callable[[str], str]
+
+
+@dataclass(frozen=True)
+class TokenizerFacts:
+    """What a dialect is recognised by, read once from mlx-lm's ``TokenizerWrapper``."""
+
+    chat_template: str = ""
+    vocab: Mapping[str, int] = field(default_factory=dict)
+    markers: Mapping[str, tuple[str, str]] = field(default_factory=dict)  # mlx-lm's
+    tool_parser: ToolParser | None = None
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> TokenizerFacts:
+        template = getattr(tokenizer, "chat_template", None)
+        markers: dict[str, tuple[str, str]] = {}
+        if getattr(tokenizer, "has_tool_calling", False):
+            markers[TOOL] = (tokenizer.tool_call_start, tokenizer.tool_call_end)
+        if getattr(tokenizer, "has_thinking", False):
+            markers[REASONING] = (tokenizer.think_start, tokenizer.think_end)
+        parser = tokenizer.tool_parser if getattr(tokenizer, "has_tool_calling", False) else None
+        return cls(template if isinstance(template, str) else "", tokenizer.get_vocab(),
+                   markers, parser)
+
+    @property
+    def parser_name(self) -> str:
+        """The mlx-lm tool parser's module name (``json_tools``, ``mistral``...), or ""."""
+        module = getattr(self.tool_parser, "__module__", "") or ""
+        return module.rpartition(".")[2] if "tool_parsers" in module else ""
+
+
+class Dialect:
+    """The default: calls in the tool markers mlx-lm inferred (``<tool_call>`` JSON when it
+    inferred none, the format the fallback tool prompt asks for), reasoning in its thinking
+    markers. A family overrides what it writes differently."""
+
+    name = "tagged-json"
+
+    def __init__(self, facts: TokenizerFacts) -> None:
+        self.facts = facts
+
+    @classmethod
+    def matches(cls, facts: TokenizerFacts) -> bool:
+        """Whether a tokenizer speaks this dialect (the default speaks for any)."""
+        return True
+
+    # ----- output --------------------------------------------------------------------
+
+    @property
+    def markers(self) -> dict[str, tuple[str, str]]:
+        """Channel -> (open, close) text markers of reasoning and tool calls."""
+        markers = dict(self.facts.markers)
+        markers.setdefault(TOOL, (TOOL_CALL_START, TOOL_CALL_END))
+        return markers
+
+    @property
+    def parser(self) -> ToolParser | None:
+        """The parser of a closed tool block; None when blocks are JSON call objects (the
+        tagged-JSON fallback, SmolLM2's list, mlx-lm's ``json_tools``), read as they stream."""
+        if self.facts.parser_name == "json_tools":
+            return None
+        return self.facts.tool_parser
+
+    def splitter(self, start: str = CONTENT) -> Splitter:
+        """A new row's splitter; ``start`` is the channel its output begins in."""
+        return ChannelSplitter(self.markers, start)
+
+    def new_call_id(self) -> str:
+        return new_call_id()
+
+    # ----- constraints ---------------------------------------------------------------
+
+    def forced_calls(self, tools: Sequence[ToolSpec], choice: str, parallel: bool,
+                     literal: Literal) -> str:
+        """Lark defining ``calls``: one call (several when ``parallel``) to the chosen tools,
+        each ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` in this
+        tokenizer's markers."""
+        start, end = self.markers[TOOL]
+        return tagged_json_calls(tools, choice, parallel, literal(start), literal(end))
+
+    @property
+    def reasoning_close(self) -> str | None:
+        """Text that ends the reasoning block, when the family has one."""
+        pair = self.markers.get(REASONING)
+        return pair[1] if pair else None
+
+    # What the chat template writes between the end of the reasoning and the answer.
+    after_reasoning = "\n\n"
+

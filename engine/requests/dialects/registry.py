@@ -1,0 +1,18 @@
+"""Which dialect a tokenizer speaks: the first family whose marks it carries, else the
+default (tagged JSON in mlx-lm's markers). Families are checked most specific first."""
+
+from __future__ import annotations
+
+from engine.requests.dialects.dialect import Dialect, TokenizerFacts
+from engine.requests.dialects.harmony import Harmony
+
+# Family dialects, most specific first; each module of this package adds its own.
+FAMILIES: tuple[type[Dialect], ...] = (Harmony,)
+
+
+def dialect_for(facts: TokenizerFacts) -> Dialect:
+    """The dialect of the tokenizer these facts describe."""
+    for family in FAMILIES:
+        if family.matches(facts):
+            return family(facts)
+    return Dialect(facts)

@@ -1,0 +1,95 @@
+"""The one place a loaded model is composed: weights, request preparation, lanes, the core.
+
+``build_model`` is what every rank of an engine builds (rank 0 and a sharded engine's
+followers alike): the model loaded on this thread, its ``Preparer`` and its lanes.
+``compose_core`` adds what only rank 0 runs: the followers' link, the scheduler and the
+step core. Runs on the engine thread (or a follower's), which owns all MLX work.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
+from engine.core.scheduler import BatchMode, Scheduler
+from engine.core.stats import StatsBook
+from engine.core.step_core import StepCore
+from engine.core.step_probe import StepProbe
+from engine.errors import EngineDeadError
+from engine.models import config_context_limit
+from engine.requests.prepare import Preparer
+
+if TYPE_CHECKING:
+    from engine.device.collectives import Group
+    from engine.device.loader import Lanes, LoadedModel
+    from engine.distributed.link import Link
+
+log = logging.getLogger("engine")
+
+
+@dataclass
+class BuiltModel:
+    """A model loaded on this thread, with what prepares its requests and runs its rows."""
+
+    model: LoadedModel
+    preparer: Preparer
+    lanes: Lanes
+
+
+@dataclass
+class Composition:
+    """Rank 0's whole engine once loaded: the model, the core that drives its lanes, and
+    the link to the followers of a sharded engine."""
+
+    built: BuiltModel
+    scheduler: Scheduler
+    core: StepCore
+    link: Link | None = None
+
+
+def build_model(path: Path, config: EngineConfig, group: Group | None) -> BuiltModel:
+    """Load ``path`` on this thread (a shard of it with ``group``) and build its lanes.
+
+    Every rank of a sharded engine calls this at the same time: loading runs the model's
+    collectives.
+    """
+    from engine.device.loader import build_lanes, load_model
+
+    model = load_model(path, config, group, config_context_limit(path))
+    preparer = Preparer(model.tokenizer, path, model.vocab_size, config.json_string_ngram)
+    return BuiltModel(model, preparer, build_lanes(model, config, preparer.compiler))
+
+
+def compose_core(built: BuiltModel, config: EngineConfig, book: StatsBook,
+                 probe: StepProbe | None,
+                 on_hang: Callable[[EngineDeadError], None]) -> Composition:
+    """Rank 0's loop over a built model: the scheduler, the step core, and (sharded) the
+    link that replicates each lane call to the followers; the first stats are written."""
+    lanes = built.lanes
+    link = None
+    if lanes.channel is not None:  # rank 0 of a sharded engine
+        from engine.distributed.replicated_lane import replicate
+
+        link = replicate(lanes, config.distributed_timeout, on_hang=on_hang)
+    store = lanes.store
+    bounds = built.model.bounds  # the settings' "auto" values resolved for this machine
+    # Cached prefixes count against the KV budget and are the first thing to give way.
+    scheduler = Scheduler(built.model.footprint, config.max_batch,
+                          bounds.kv_budget_bytes or None,
+                          cache_bytes=lambda: store.nbytes, reclaim=store.shrink_to)
+    core = StepCore(scheduler, lanes.lane, built.preparer, book,
+                    prefix_bytes=lambda: store.nbytes,
+                    max_consecutive_failures=config.max_consecutive_step_failures,
+                    probe=probe)
+    book.set(kv_budget_bytes=bounds.kv_budget_bytes, prefix_cache_limit_bytes=store.max_bytes,
+             buffer_cache_limit_bytes=bounds.buffer_cache_bytes, loaded=True,
+             batch_mode=scheduler.mode.value, context_limit=built.model.footprint.context_limit,
+             **built.model.weights.stats())
+    if scheduler.mode is BatchMode.SERIAL:
+        log.warning("model caches (%s) cannot batch: requests run one at a time",
+                    ", ".join(built.model.footprint.non_batchable_kinds))
+    return Composition(built, scheduler, core, link)

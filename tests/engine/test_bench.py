@@ -1,0 +1,38 @@
+"""``make bench`` runs: the Makefile's bench scripts, small, on the tiny model.
+
+The bench scripts are not imported by anything else, so a move or an API change broke them
+silently before (``bench/blas.py`` loaded a file that had moved). This runs the target as a
+user would, in this interpreter's environment, with sizes that take seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed here")
+def test_make_bench_runs_and_prints_its_tables(tiny_model_dir: Path) -> None:
+    venv = Path(sys.prefix)
+    stamp = venv / ".installed-dev"
+    small = f"--model {tiny_model_dir}"
+    done = subprocess.run(
+        ["make", "-C", str(ROOT), "-o", str(stamp), "bench", f"VENV={venv}",
+         f"BENCH_ARGS={small}",
+         "THROUGHPUT_ARGS=--tokens 4 --concurrency 1,2 --repeats 1",
+         "BLAS_ARGS=--rows 1 --repeat 1 --matmuls 16x256x256 --tokens 4"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    out = done.stdout
+    # engine_throughput: the engine against the raw BatchGenerator, per concurrency.
+    assert "| BatchGenerator tok/s | Engine tok/s | ratio |" in out, out[-2000:]
+    assert "\n| 1 | " in out and "\n| 2 | " in out, out[-2000:]
+    # blas: the reference BLAS against the fast one, with the ratio.
+    assert "matmul 16x256x256" in out and "fast/ref" in out, out[-2000:]
