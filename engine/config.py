@@ -45,7 +45,9 @@ class EngineConfig(BaseModel):
     quantized: bool | None = Field(
         default=None,
         description="Keep quantized weights (True) or dequantize to float32 (False); "
-        "None picks per backend (float32 on CPU, quantized on Metal/CUDA).",
+        "None picks per backend: quantized on Metal/CUDA and on the CPU with this package's "
+        "CPU kernels; without them float32 on the CPU when it fits in half the memory "
+        "(MLX's own quantized CPU ops are slow). stats().weight_format says which.",
     )
     prefix_cache_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         default="auto",

@@ -21,6 +21,11 @@ class EngineStats:
     loaded: bool = False
     batch_mode: str = "batch"  # "off" (max_batch 1), "serial" (caches cannot merge), "batch"
     context_limit: int | None = None
+    # The weights as they run ("quantized 4-bit g32", "dequantized float32", "float32") and
+    # the CPU kernels' part: "" off the CPU, "off: why", or the instruction set and what runs
+    # on it (engine.device.weight_policy).
+    weight_format: str = ""
+    cpu_kernels: str = ""
     running: int = 0  # rows admitted to the batch or the serial lane
     pending: int = 0  # requests waiting for admission
     peak_running: int = 0  # most rows decoding in one step

@@ -37,6 +37,7 @@ from engine.device.padding_probe import KNOWN_DIVERGENT, batch_divergence
 from engine.device.prefix_reuse import PrefixReuse, reuse_policy
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
+from engine.device.weight_policy import WeightChoice, apply_weight_policy
 from engine.errors import InvalidModelError
 from engine.requests.constraints.grammar import GrammarCompiler
 
@@ -52,6 +53,8 @@ class LoadedModel:
     vocab_size: int
     bounds: MemoryBounds
     group: Group | None = None  # set when the model is sharded over a group of ranks
+    # The CPU weight policy's choice (weight_policy.py).
+    weights: WeightChoice = field(default_factory=lambda: WeightChoice("", ""))
 
 
 @dataclass
@@ -118,6 +121,7 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
             model, tokenizer = mlx_load(str(path))[:2]
     except ValueError as exc:  # weights that do not fit the config, a refused model_file
         raise InvalidModelError(f"mlx-lm could not build the model in {path}: {exc}") from exc
+    weights = apply_weight_policy(model, config.quantized)
     cache = make_prompt_cache(model, config.max_kv_size)
     with mx.stream(stream):
         logits = model(mx.array([[0]]), cache=cache)
@@ -128,7 +132,7 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
     vocab = int(logits.shape[-1])
     footprint = ModelFootprint.of(layers, context_limit, _batch_divergence(model, stream, layers))
     bounds = memory_bounds(model, config)
-    return LoadedModel(model, tokenizer, footprint, stream, vocab, bounds, group)
+    return LoadedModel(model, tokenizer, footprint, stream, vocab, bounds, group, weights)
 
 
 def _batch_divergence(model: Any, stream: Any, layers: list[LayerFootprint]) -> list[str]:

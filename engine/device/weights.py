@@ -20,6 +20,13 @@ def accelerator_available() -> bool:
     return bool(cuda is not None and cuda.is_available())
 
 
+def cpu_kernels_available() -> bool:
+    """Whether this package's CPU kernels load and pass their check here."""
+    from engine.device.cpu_kernels import kernels_available
+
+    return kernels_available()
+
+
 def _unpermute_rows(x: Any, n_head: int) -> Any:
     """Undo llama.cpp's q/k row permutation (HF's rotate-half layout -> interleaved pairs).
 

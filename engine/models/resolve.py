@@ -44,6 +44,7 @@ __all__ = [
     "converted_gguf_dir",
     "default_model_gguf",
     "gguf_fingerprint",
+    "on_accelerator",
     "prefer_quantized",
     "resolve_model",
 ]
@@ -81,15 +82,23 @@ def cache_dir() -> Path:
     return base / "mlx-providers"
 
 
-def prefer_quantized() -> bool:
-    """Whether the default backend runs quantized weights well (Metal or CUDA).
-
-    On mlx's CPU backend only float32 matmuls use BLAS: bf16 and 4-bit run 2-6x slower than
-    float32 there, so the CPU default is to dequantize.
-    """
+def on_accelerator() -> bool:
+    """Whether mlx runs on Metal or CUDA here."""
     from engine.device.weights import accelerator_available
 
     return accelerator_available()
+
+
+def prefer_quantized() -> bool:
+    """Whether the default backend runs quantized weights well: Metal, CUDA, or the CPU with
+    this package's kernels (engine.device.cpu_kernels).
+
+    MLX's own CPU ops run only float32 matmuls through BLAS: there bf16 and 4-bit run 2-6x
+    slower than float32, so without the kernels the CPU default is to dequantize.
+    """
+    from engine.device.weights import cpu_kernels_available
+
+    return on_accelerator() or cpu_kernels_available()
 
 
 # --- the cache key ------------------------------------------------------------------------------
@@ -180,7 +189,9 @@ def converted_gguf_dir(gguf_path: str | os.PathLike[str], *, quantized: bool) ->
     few milliseconds. Raises ``UnsupportedModelError`` for files the converter can't map.
     """
     src = Path(gguf_path).expanduser().resolve()
-    float_dtype: FloatDtype = "float16" if quantized and prefer_quantized() else "float32"
+    # float16 halves the non-quantized weights on a GPU; on the CPU MLX's float16 ops are
+    # slow, and the activations follow the weights' dtype.
+    float_dtype: FloatDtype = "float16" if quantized and on_accelerator() else "float32"
     name = _cache_name(src, gguf_fingerprint(src), quantized, float_dtype)
     root = cache_dir() / "models"
     final = root / name
@@ -350,7 +361,8 @@ def resolve_model(
     """A local directory that ``mlx_lm.load`` accepts for ``spec``.
 
     ``quantized`` applies to GGUF conversions: True keeps the file's 4/8-bit weights, False
-    writes float32; None picks by backend (quantized on Metal and CUDA, float32 on CPU).
+    writes float32; None picks by backend (quantized on Metal and CUDA, and on the CPU where
+    this package's CPU kernels run; float32 on the CPU without them).
     A missing path that looks like one (starting with ``/ . ~`` or ending ``.gguf``) raises
     ``FileNotFoundError`` rather than being tried on the hub.
     """

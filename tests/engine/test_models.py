@@ -190,12 +190,13 @@ def test_cache_hit_does_not_reconvert(cache: Path, fake_convert: Calls, some_ggu
 
 
 @pytest.mark.parametrize(
-    ("gpu", "quantized", "expected"),
+    ("gpu", "cpu_kernels", "quantized", "expected"),
     [
-        (False, None, (False, "float32")),
-        (True, None, (True, "float16")),
-        (False, True, (True, "float32")),  # 4-bit on the CPU: float32 scales, never float16
-        (True, False, (False, "float32")),
+        (False, False, None, (False, "float32")),
+        (False, True, None, (True, "float32")),  # the CPU kernels: 4-bit, float32 elsewhere
+        (True, False, None, (True, "float16")),
+        (False, False, True, (True, "float32")),  # 4-bit on the CPU: never float16
+        (True, False, False, (False, "float32")),
     ],
 )
 def test_weight_format_follows_backend_unless_overridden(
@@ -204,10 +205,12 @@ def test_weight_format_follows_backend_unless_overridden(
     some_gguf: Path,
     monkeypatch: pytest.MonkeyPatch,
     gpu: bool,
+    cpu_kernels: bool,
     quantized: bool | None,
     expected: tuple[bool, str],
 ) -> None:
-    monkeypatch.setattr(models, "prefer_quantized", lambda: gpu)
+    monkeypatch.setattr(models, "on_accelerator", lambda: gpu)
+    monkeypatch.setattr(models, "prefer_quantized", lambda: gpu or cpu_kernels)
     resolve_model(some_gguf, quantized=quantized)
     assert fake_convert[-1][1:] == expected
 

@@ -1,0 +1,135 @@
+"""The native CPU kernels (``engine.device.cpu_native``, built from ``native/`` at install).
+
+Two operations of the MLX graph, for the CPU backend only: a quantized matmul over MLX's
+affine 4/8-bit layout (int8 activations, VNNI / AVX2 / NEON dot products, several threads)
+and a fused attention for decode steps. This module loads the extension once, checks it
+(the mlx it was built against, a small product against MLX's own op) and says why when it
+cannot be used: then MLX's own ops run, as before.
+
+``MLX_PROVIDERS_CPU_KERNELS=0`` turns the kernels off (the reference path, for tests and
+comparisons); ``MLX_PROVIDERS_CPU_ISA`` picks a lower instruction set, and
+``MLX_PROVIDERS_CPU_THREADS`` the thread count (both read once, when the extension loads).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, cast
+
+import mlx.core as mx
+
+ENV_SWITCH = "MLX_PROVIDERS_CPU_KERNELS"
+ATTENTION_MAX_QUERIES = 32  # longer query spans (prefill) keep MLX's GEMM-based attention
+QMM_BITS = (4, 8)
+QMM_GROUPS = (32, 64)
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether the kernels run here, and which; ``reason`` says why not."""
+
+    available: bool
+    isa: str = ""
+    threads: int = 0
+    reason: str = ""
+
+    def describe(self) -> str:
+        """One line for ``stats()``: the instruction set and threads, or why they are off."""
+        if self.available:
+            return f"{self.isa}, {self.threads} threads"
+        return f"off: {self.reason}"
+
+
+def _same_release(built: str, running: str) -> bool:
+    """Whether two mlx versions share major.minor.patch (a dev suffix aside)."""
+    return built.split(".")[:3] == running.split("+")[0].split(".")[:3]
+
+
+def _self_test(ext: ModuleType) -> str:
+    """Empty when a small product matches MLX's own op; else what went wrong."""
+    w = mx.random.normal((16, 64), key=mx.random.key(7))
+    x = mx.random.normal((3, 64), key=mx.random.key(8))
+    wq, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    ours = ext.quantized_matmul(x, wq, scales, biases, 32, 4)
+    ref = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=32, bits=4)
+    error = mx.abs(ours - ref).max() / mx.maximum(mx.abs(ref).max(), 1e-6)
+    value = float(cast(float, error.item()))
+    return "" if value < 0.05 else f"self-test off by {value:.3g}"
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded() -> tuple[ModuleType | None, KernelStatus]:
+    """The extension and its status, once per process."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None, KernelStatus(False, reason=f"{ENV_SWITCH}=0")
+    try:
+        from engine.device import cpu_native as ext  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, KernelStatus(False, reason=f"extension not built or not loadable ({exc})")
+    info: dict[str, Any] = ext.info()
+    running = str(getattr(mx, "__version__", ""))
+    if not _same_release(str(info["mlx_version"]), running):
+        return None, KernelStatus(False, reason=f"built for mlx {info['mlx_version']}, "
+                                                f"running {running}")
+    try:
+        with mx.stream(mx.cpu):
+            failure = _self_test(ext)
+    except Exception as exc:  # a broken build must cost speed, never correctness
+        failure = f"self-test raised {type(exc).__name__}: {exc}"
+    if failure:
+        return None, KernelStatus(False, reason=failure)
+    return ext, KernelStatus(True, isa=str(info["isa"]), threads=int(info["threads"]))
+
+
+def kernel_status() -> KernelStatus:
+    """Whether the kernels can run in this process (loads them the first time)."""
+    return _loaded()[1]
+
+
+def kernels_available() -> bool:
+    """Whether the kernels load and pass their check here."""
+    return kernel_status().available
+
+
+def _ext() -> Any:
+    ext = _loaded()[0]
+    if ext is None:
+        raise RuntimeError(f"CPU kernels unavailable: {kernel_status().reason}")
+    return ext
+
+
+def qmm_supported(bits: int, group_size: int, mode: str = "affine") -> bool:
+    """Whether the matmul kernel takes weights quantized this way."""
+    return mode == "affine" and bits in QMM_BITS and group_size in QMM_GROUPS
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                     group_size: int, bits: int) -> mx.array:
+    """``x @ dequantize(w).T`` (``mx.quantized_matmul(..., transpose=True)``), on the CPU."""
+    return _ext().quantized_matmul(x, w, scales, biases, group_size, bits)  # type: ignore[no-any-return]
+
+
+def silu_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` (mlx-lm's ``swiglu``) in one pass, vectorized and threaded."""
+    return _ext().silu_mul(gate, up)  # type: ignore[no-any-return]
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+              mask: mx.array | None = None, causal: bool = False) -> mx.array:
+    """Fused attention of (B, Hq, L, D) queries over (B, Hkv, S, D) keys and values.
+
+    ``mask``: boolean (True keeps a key) or additive float32, broadcastable to
+    (B, Hq, L, S); ``causal``: key j is seen by query i when j <= i + S - L. Keys a mask
+    drops are never read, so padding costs nothing and changes no result.
+    """
+    return _ext().attention(q, k, v, scale, mask, causal)  # type: ignore[no-any-return]
+
+
+def read_through(a: mx.array) -> int:
+    """Reads ``a``'s bytes (evaluated first) on the kernels' threads; a checksum. What a
+    memory-bound kernel can stream at best: ``bench/cpu_kernels.py`` times it."""
+    mx.eval(a)
+    return int(_ext().read_through(a))
