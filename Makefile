@@ -6,7 +6,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test test-real fuzz lint bench clean
+.PHONY: demo test check test-real fuzz lint bench clean
+
+# Test files run whole on parallel workers (pytest-xdist): most tests wait on a model thread,
+# a subprocess or a socket, so three workers overlap them on two cores.
+TEST_WORKERS ?= 3
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,14 +23,19 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra $(XDIST)
+
+# The edit loop: lint, then everything but the slow and multi-process cases (a few minutes).
+check: $(STAMP)
+	$(BIN)/ruff check engine mlx_providers tests testkit bench examples
+	$(BIN)/python -m pytest -ra $(XDIST) -m 'not slow and not distributed and not real'
 
 test-real: $(STAMP)
 	$(BIN)/python -m pytest -ra -m real tests/real
 
 # Many more generated requests than the suite's bounded run.
 fuzz: $(STAMP)
-	MLX_PROVIDERS_FUZZ_EXAMPLES=2000 $(BIN)/python -m pytest -ra tests/engine/test_fuzz_engine.py \
+	MLX_PROVIDERS_FUZZ_EXAMPLES=2000 $(BIN)/python -m pytest -ra $(XDIST) tests/engine/test_fuzz_engine.py \
 		tests/adapters/test_fuzz_adapters.py tests/server/test_fuzz_server.py
 
 lint: $(STAMP)
