@@ -7,7 +7,7 @@ no mlx.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,20 +71,24 @@ class PromptRenderer:
         return ids
 
     def encode_request(
-        self, prompt: Prompt, tools: Sequence[ToolSpec], template_kwargs: dict[str, Any]
+        self, prompt: Prompt, tools: Sequence[ToolSpec], template_kwargs: dict[str, Any],
+        history: Callable[[list[ChatMessage]], list[ChatMessage]] | None = None,
     ) -> EncodedPrompt:
         """Token ids for a request, the channel its output starts in, and its shared head.
 
         Tools are rendered by the chat template when it knows how; otherwise they are
         described in the system message: in the family's trained format where it is known
         (``engine.requests.inbound.tool_prompts``), else
-        ``fallback_tool_prompt``. The head
+        ``fallback_tool_prompt``. ``history`` adapts the messages to what the model
+        family's template accepts first (``Dialect.history``). The head
         is the leading system message(s) with the tools: what parallel agent branches
         share, and what the prefix cache stores on its own.
         """
         if not is_chat(prompt):
             return EncodedPrompt(self.encode(prompt))
         messages: list[ChatMessage] = chat_dicts(prompt)
+        if history is not None:
+            messages = history(messages)
         kwargs = dict(template_kwargs)
         if tools:
             if self.template_renders_tools():
