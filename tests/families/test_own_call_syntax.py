@@ -11,6 +11,7 @@ another provider's call id, renders through the real template with the result in
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 
 from engine import ChatRequest, Engine, EngineConfig, FinishReason
 from engine.requests.prepare import Preparer
+from testkit.families.fitting import Transcript, fit_to_transcripts
 from tests.conftest import greedy
 
 _DS_CALLS = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
@@ -104,3 +106,45 @@ def test_the_second_turn_renders_the_tool_result(name: str, engine: Engine) -> N
     prompt = engine.tokenizer.decode(preparer(engine).prepare(request).prompt_ids)
     assert RESULT in prompt
     assert engine.submit(request).result(timeout=120).token_ids
+
+
+# family -> the call its model writes unforced, as its template renders one, and its end
+# of turn (a stop token): the fitted model must have it parsed, nothing left in content.
+NATIVE: dict[str, tuple[str, str]] = {
+    "llama3_1": ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "<|eot_id|>"),
+    "mistral_small_3_2": ('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}',
+                          "</s>"),
+    "deepseek_r1_qwen": ("I should look it up.\n</think>\n\n"
+                         f"{_DS_CALLS}<\uff5ctool\u2581call\u2581begin\uff5c>function"
+                         "<\uff5ctool\u2581sep\uff5c>get_weather\n```json\n"
+                         '{"city": "Paris"}\n```<\uff5ctool\u2581call\u2581end\uff5c>'
+                         "<\uff5ctool\u2581calls\u2581end\uff5c>",
+                         "<\uff5cend\u2581of\u2581sentence\uff5c>"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(NATIVE))
+def test_a_fitted_models_own_call_is_parsed_with_no_markup_left(
+        family: str, family_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    written, end_of_turn = NATIVE[family]
+    fitted = Path(shutil.copytree(family_model_dir(family), tmp_path / family))
+    request = ChatRequest.from_openai(QUESTION, greedy(80), tools=TOOLS[:1])
+    eng = Engine(fitted, EngineConfig()).start()
+    try:  # the prompt exactly as the engine renders it, tools and all
+        prompt = preparer(eng).prepare(request).prompt_ids
+        completion = eng.tokenizer.encode(written + end_of_turn, add_special_tokens=False)
+    finally:
+        eng.close()
+    fit_to_transcripts(fitted, [Transcript(prompt, completion)])
+    eng = Engine(fitted, EngineConfig()).start()
+    try:
+        result = eng.submit(request).result(timeout=120)
+    finally:
+        eng.close()
+    assert result.text == written
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("get_weather",
+                                                                   {"city": "Paris"})]
+    assert result.finish_reason == FinishReason.TOOL_CALLS and not result.invalid_tool_calls
+    assert result.content == ""
+    if family == "deepseek_r1_qwen":
+        assert result.reasoning == "I should look it up.\n"
