@@ -110,7 +110,10 @@ def test_the_second_turn_renders_the_tool_result(name: str, engine: Engine) -> N
 
 # family -> the call its model writes unforced, as its template renders one, and its end
 # of turn (a stop token): the fitted model must have it parsed, nothing left in content.
+_TAGGED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 NATIVE: dict[str, tuple[str, str]] = {
+    "qwen3": (_TAGGED, "<|im_end|>"),
+    "granite4": (_TAGGED, "<|end_of_text|>"),
     "llama3_1": ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "<|eot_id|>"),
     "mistral_small_3_2": ('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}',
                           "</s>"),
