@@ -12,6 +12,7 @@ from engine.requests.dialects.llama3 import Llama3, Llama3Splitter
 from engine.requests.dialects.registry import dialect_for
 from engine.requests.inbound.tool_specs import normalize_tools
 from engine.requests.outbound.row_channels import RowChannels
+from engine.requests.outbound.tool_calls import ToolCallDelta
 from tests.unit.test_harmony import TOOLS, WEATHER
 
 CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
@@ -61,7 +62,7 @@ def test_an_answer_is_content_even_when_it_is_json(text: str, by_char: bool) -> 
 
 def test_the_arguments_stream_in_fragments_that_add_up() -> None:
     channels = RowChannels(Llama3Splitter(), None, TOOLS)
-    deltas = []
+    deltas: list[ToolCallDelta] = []
     for ch in CALL:
         channels.feed(ch)
         deltas += channels.take_deltas()
@@ -96,8 +97,8 @@ def test_a_llama_template_speaks_llama3() -> None:
 
 
 def test_the_forced_call_is_the_templates_call_object() -> None:
-    tools = normalize_tools([WEATHER, {**WEATHER, "function": {
-        **WEATHER["function"], "name": "get_time"}}])
+    get_time = json.loads(json.dumps(WEATHER).replace("get_weather", "get_time"))
+    tools = normalize_tools([WEATHER, get_time])
     dialect = Llama3(TokenizerFacts())
     lark = dialect.forced_calls(tools, "get_time", False, json.dumps)
     assert lark.startswith("calls: call\ncall: call_0\n")

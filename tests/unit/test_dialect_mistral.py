@@ -14,6 +14,7 @@ from engine.requests.dialects.mistral import SYNTAX, Mistral, template_call_id
 from engine.requests.dialects.registry import dialect_for
 from engine.requests.outbound.channels import CONTENT, REASONING
 from engine.requests.outbound.row_channels import RowChannels
+from engine.requests.outbound.tool_calls import ToolCallDelta
 from tests.unit.test_harmony import TOOLS
 
 WITH_ID = '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}'
@@ -57,7 +58,7 @@ def test_reasoning_then_two_calls(by_char: bool) -> None:
 
 def test_the_arguments_stream_in_fragments_that_add_up() -> None:
     channels = RowChannels(MINISTRAL.splitter(), None, TOOLS)
-    deltas = []
+    deltas: list[ToolCallDelta] = []
     for ch in WITH_ID:
         channels.feed(ch)
         deltas += channels.take_deltas()
