@@ -93,7 +93,8 @@ class Preparer:
 
     def _encoded_chat(self, request: ChatRequest) -> EncodedPrompt:
         return self.prompts.encode_request(request.messages, request.rendered_tools,
-                                           dict(request.template_kwargs))
+                                           dict(request.template_kwargs),
+                                           history=self.dialect.history)
 
     def _forced_call(self, request: ChatRequest, opens_reasoning: bool) -> Constraint:
         """The grammar that forces tool calls in this model's own syntax. A prompt that

@@ -12,6 +12,8 @@ from engine.requests.inbound.tool_prompts import (
     TOOL_CALL_END,
     TOOL_CALL_START,
     detect_tool_format,
+    has_tool_history,
+    with_plain_tool_history,
 )
 from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.channels import TOOL, ChannelSplitter
@@ -129,3 +131,48 @@ def test_encode_request_keeps_the_generic_fallback_for_unknown_families() -> Non
     text = "".join(chr(i) for i in encoded.ids)
     assert "composing functions" not in text
     assert "You have access to the following tools:" in text
+
+
+def test_a_template_that_drops_tool_results_gets_them_as_plain_text() -> None:
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"location": "Paris"}}}
+    history: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris and Oslo?"},
+               {"role": "assistant", "content": "Checking.",
+                "tool_calls": [call, {**call, "id": "c2"}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+               {"role": "tool", "tool_call_id": "c2", "content": "rain"}]
+    out = with_plain_tool_history(history)
+    assert [m["role"] for m in out] == ["user", "assistant", "user"]
+    line = f'{TOOL_CALL_START}{{"name": "get_weather", "arguments": {{"location": "Paris"}}}}'
+    assert out[1]["content"] == f"Checking.\n{line}{TOOL_CALL_END}\n{line}{TOOL_CALL_END}"
+    assert "tool_calls" not in out[1]
+    assert out[2] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>\n"
+                                                "<tool_response>\nrain\n</tool_response>"}
+    assert has_tool_history(history) and not has_tool_history(history[:1])
+
+
+class _TextOnlyTemplate:
+    """A tokenizer whose template, like Phi-3.5's, renders only user/assistant text."""
+
+    chat_template = "text only"
+    has_thinking = False
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **_: Any) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages
+                       if m["role"] in ("system", "user", "assistant"))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(ch) for ch in text]
+
+
+def test_the_renderer_rewrites_the_history_only_where_results_are_dropped() -> None:
+    renderer = PromptRenderer(_TextOnlyTemplate(), Path("."), 1 << 20)
+    assert not renderer.template_renders_tool_results()
+    history: list[dict[str, Any]] = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [{
+                   "id": "c1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": {"location": "Oslo"}}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "22 degrees"}]
+    ids = renderer.encode_request(history, [WEATHER], {}).ids
+    text = "".join(chr(i) for i in ids)
+    assert "22 degrees" in text and '"location": "Oslo"' in text

@@ -11,7 +11,8 @@ has its blocks parsed whole when they close instead. ``forced_calls`` is the con
 side: the Lark rule ``calls`` that admits only well-formed calls to the chosen tools,
 written as this family writes them, so a forced call is text the model was trained to
 write and its own parser reads back. ``new_call_id`` is what the family's chat template
-accepts as a call id. No mlx here.
+accepts as a call id, and ``history`` adapts a past conversation to what that template
+renders. No mlx here.
 """
 
 from __future__ import annotations
@@ -97,6 +98,13 @@ class Dialect:
 
     def new_call_id(self) -> str:
         return new_call_id()
+
+    # ----- input ---------------------------------------------------------------------
+
+    def history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Template-ready messages as this family's chat template accepts them (call ids in
+        its form, calls split as it renders them); the default leaves them as they are."""
+        return messages
 
     # ----- constraints ---------------------------------------------------------------
 

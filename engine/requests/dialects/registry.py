@@ -3,11 +3,19 @@ default (tagged JSON in mlx-lm's markers). Families are checked most specific fi
 
 from __future__ import annotations
 
+from engine.requests.dialects.deepseek_r1 import DeepSeekR1
 from engine.requests.dialects.dialect import Dialect, TokenizerFacts
 from engine.requests.dialects.harmony import Harmony
+from engine.requests.dialects.llama3 import Llama3
+from engine.requests.dialects.mistral import Mistral
 
 # Family dialects, most specific first; each module of this package adds its own.
-FAMILIES: tuple[type[Dialect], ...] = (Harmony,)
+FAMILIES: tuple[type[Dialect], ...] = (
+    Harmony,
+    Mistral,
+    DeepSeekR1,
+    Llama3,
+)
 
 
 def dialect_for(facts: TokenizerFacts) -> Dialect:

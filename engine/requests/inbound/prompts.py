@@ -7,7 +7,7 @@ no mlx.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,9 @@ from engine.requests.inbound.sampling import ChatMessage, Prompt
 from engine.requests.inbound.tool_prompts import (
     ToolFormat,
     detect_tool_format,
+    has_tool_history,
     with_fallback_tool_prompt,
+    with_plain_tool_history,
 )
 from engine.requests.inbound.tool_specs import ToolSpec
 
@@ -53,6 +55,7 @@ class PromptRenderer:
         self.model_path = model_path
         self.vocab_size = vocab_size
         self._renders_tools: bool | None = None
+        self._renders_results: bool | None = None
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text, token ids, or chat messages (rendered with the chat template) -> ids."""
@@ -71,20 +74,26 @@ class PromptRenderer:
         return ids
 
     def encode_request(
-        self, prompt: Prompt, tools: Sequence[ToolSpec], template_kwargs: dict[str, Any]
+        self, prompt: Prompt, tools: Sequence[ToolSpec], template_kwargs: dict[str, Any],
+        history: Callable[[list[ChatMessage]], list[ChatMessage]] | None = None,
     ) -> EncodedPrompt:
         """Token ids for a request, the channel its output starts in, and its shared head.
 
         Tools are rendered by the chat template when it knows how; otherwise they are
         described in the system message: in the family's trained format where it is known
         (``engine.requests.inbound.tool_prompts``), else
-        ``fallback_tool_prompt``. The head
+        ``fallback_tool_prompt``. ``history`` adapts the messages to what the model
+        family's template accepts first (``Dialect.history``); a template that drops tool
+        results gets past calls and results as plain text (``with_plain_tool_history``),
+        so the result reaches the prompt. The head
         is the leading system message(s) with the tools: what parallel agent branches
         share, and what the prefix cache stores on its own.
         """
         if not is_chat(prompt):
             return EncodedPrompt(self.encode(prompt))
         messages: list[ChatMessage] = chat_dicts(prompt)
+        if history is not None:
+            messages = history(messages)
         kwargs = dict(template_kwargs)
         if tools:
             if self.template_renders_tools():
@@ -93,6 +102,8 @@ class PromptRenderer:
                 messages = family.rewrite(messages, tools)
             else:
                 messages = with_fallback_tool_prompt(messages, tools)
+        if has_tool_history(messages) and not self.template_renders_tool_results():
+            messages = with_plain_tool_history(messages)
         text = self.chat_text(messages, **kwargs)
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if not ids:
@@ -129,6 +140,22 @@ class PromptRenderer:
             except Exception:  # a template that chokes on tools cannot render them
                 self._renders_tools = False
         return self._renders_tools
+
+    def template_renders_tool_results(self) -> bool:
+        """Whether the chat template shows a ``tool`` message's result (probed once):
+        Phi-3.5's drops it, Gemma 3's raises."""
+        if self._renders_results is None:
+            result = "zz_probe_result_zz"
+            call = {"id": "a1b2c3d4e", "type": "function",
+                    "function": {"name": "zz_probe_tool_zz", "arguments": {}}}
+            history: list[ChatMessage] = [{"role": "user", "content": "hi"},
+                       {"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": result}]
+            try:
+                self._renders_results = result in self.chat_text(history)
+            except Exception:  # a template that refuses tool messages cannot render them
+                self._renders_results = False
+        return self._renders_results
 
     def tool_format(self) -> ToolFormat | None:
         """The model family's known tool format, for templates that render no tools."""

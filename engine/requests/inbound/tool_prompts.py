@@ -52,6 +52,39 @@ def with_fallback_tool_prompt(messages: Sequence[Mapping[str, Any]],
     return out
 
 
+def has_tool_history(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether past tool calls or results are among the messages."""
+    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
+def with_plain_tool_history(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Past calls and results as plain text, for templates that drop tool messages
+    (Phi-3.5's renders only system, user and assistant text): each assistant turn's calls
+    as tagged-JSON lines in its content, as the fallback tool prompt asks calls to be
+    written, and each run of tool results as one user turn of ``<tool_response>`` blocks
+    (one turn, as templates that insist on alternating roles want)."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        role = message.get("role")
+        if role == "assistant" and message.get("tool_calls"):
+            lines = [f"{TOOL_CALL_START}{json.dumps(_call_object(c))}{TOOL_CALL_END}"
+                     for c in message["tool_calls"]]
+            text = str(message.get("content") or "").strip()
+            rest = {k: v for k, v in message.items() if k != "tool_calls"}
+            out.append({**rest, "content": "\n".join([text, *lines] if text else lines)})
+        elif role == "tool":
+            block = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
+            if out and out[-1].get("role") == "user" and out[-1].get("tool_results"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "tool_results": True})
+        else:
+            out.append(dict(message))
+    for message in out:
+        message.pop("tool_results", None)  # only marked runs of results while joining
+    return out
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """How one model family was trained to see tools, tool calls and tool results."""

@@ -1,0 +1,80 @@
+# ruff: noqa: RUF002  (DeepSeek's tokens are spelled with fullwidth bars, as quoted here)
+"""DeepSeek-R1's calls (its distills onto Qwen and Llama included).
+
+The chat template writes a call turn as (one line, broken here)::
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\\n```json\\n
+    {"city": "Paris"}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+with ``\\n`` before each further ``<｜tool▁call▁begin｜>``. Reasoning is ``<think>...</think>``,
+opened by the prompt when thinking is on: a forced call closes it first (``Preparer``).
+No mlx here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from engine.requests.constraints.forced_calls import arguments_schema, chosen_tools
+from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
+from engine.requests.dialects.marked_calls import CallSyntax, MarkedCallSplitter
+from engine.requests.inbound.tool_specs import ToolSpec
+from engine.requests.outbound.channels import CONTENT, REASONING, TOOL, Splitter
+
+
+def _token(words: str) -> str:
+    """A DeepSeek token: fullwidth bars around words joined by U+2581 ("▁")."""
+    return "<\uff5c" + "\u2581".join(words.split()) + "\uff5c>"
+
+
+CALLS_BEGIN, CALLS_END = _token("tool calls begin"), _token("tool calls end")
+CALL_BEGIN, CALL_END = _token("tool call begin"), _token("tool call end")
+SEP = _token("tool sep")
+_FENCE = "```json"
+
+
+def _name_of(header: str) -> str | None:
+    """``function<｜tool▁sep｜>NAME\\n`` -> NAME."""
+    kind, sep, name = header.partition(SEP)
+    name = name.strip()
+    return name if sep and name and kind.strip() == "function" else None
+
+
+SYNTAX = CallSyntax(open=CALL_BEGIN, args=_FENCE, name_of=_name_of, close=CALL_END,
+                    dropped=(CALLS_BEGIN, CALLS_END))
+
+
+class DeepSeekR1(Dialect):
+    """DeepSeek-R1 and its distills (their tool-call tokens)."""
+
+    name = "deepseek-r1"
+
+    @classmethod
+    def matches(cls, facts: TokenizerFacts) -> bool:
+        return all(t in facts.vocab for t in (CALLS_BEGIN, CALL_BEGIN, SEP, CALL_END))
+
+    @property
+    def markers(self) -> dict[str, tuple[str, str]]:
+        return {**self.facts.markers, TOOL: (CALLS_BEGIN, CALLS_END)}
+
+    @property
+    def parser(self) -> None:
+        return None  # calls are handed over as JSON call objects
+
+    def splitter(self, start: str = CONTENT) -> Splitter:
+        return MarkedCallSplitter(SYNTAX, self.markers.get(REASONING), start)
+
+    def forced_calls(self, tools: Sequence[ToolSpec], choice: str, parallel: bool,
+                     literal: Literal) -> str:
+        """The calls block as the template writes it; parallel calls one a line."""
+        lines, names = [], []
+        for i, tool in enumerate(chosen_tools(tools, choice)):
+            names.append(f"call_{i}")
+            head = literal(f"function{SEP}{tool.name}\n{_FENCE}\n")
+            lines.append(f"call_{i}: {literal(CALL_BEGIN)} {head} args_{i} "
+                         f"{literal(chr(10) + '```')} {literal(CALL_END)}")
+            lines.append(f"args_{i}: %json {json.dumps(arguments_schema(tool))}")
+        repeat = ' ("\\n" call)*' if parallel else ""
+        return "\n".join([f"calls: {literal(CALLS_BEGIN)} call{repeat} {literal(CALLS_END)}",
+                          f"call: {' | '.join(names)}", *lines]) + "\n"

@@ -1,0 +1,77 @@
+"""Small text scans the family splitters share: the first of several markers in a text, the
+start of a marker held at a text's end, and where a JSON value that streams in ends.
+No mlx here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def first_marker(text: str, markers: Sequence[str]) -> tuple[int, str]:
+    """(offset, marker) of the earliest marker in ``text``; (-1, "") when none is there.
+    At the same offset the longer marker wins (one marker may start another)."""
+    best = (-1, "")
+    for marker in markers:
+        index = text.find(marker) if marker else -1
+        if index < 0:
+            continue
+        if best[0] < 0 or index < best[0] or (index == best[0] and len(marker) > len(best[1])):
+            best = (index, marker)
+    return best
+
+
+def partial_suffix(text: str, markers: Sequence[str]) -> int:
+    """Characters at the end of ``text`` that may be the start of a marker: held back until
+    the next text says whether the marker is there (markers arrive split across tokens)."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:n]):
+                best = n
+                break
+    return best
+
+
+class JsonEnd:
+    """Finds where one JSON object or array ends as its text arrives, a piece at a time
+    (strings and escapes respected). Whitespace before it is skipped; a value that does not
+    open with ``{`` or ``[`` is ``malformed`` and never ends."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.started = False
+        self.malformed = False
+        self._in_string = False
+        self._escape = False
+
+    def feed(self, text: str) -> int:
+        """Offset in ``text`` just after the value's last character; -1 if it has not ended."""
+        for i, ch in enumerate(text):
+            if self.malformed:
+                return -1
+            if not self.started:
+                if ch in " \t\r\n":
+                    continue
+                self.started = True
+                if ch not in "{[":
+                    self.malformed = True
+                    return -1
+                self.depth = 1
+                continue
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return -1
