@@ -67,7 +67,13 @@ def chosen_tools(tools: Sequence[ToolSpec], choice: str) -> list[ToolSpec]:
 def arguments_schema(tool: ToolSpec) -> dict[str, Any]:
     """A tool's arguments as a forced call may write them: closed at every level (OpenAI's
     strict mode), compact JSON."""
-    return {**strict_schema(tool.parameters), "x-guidance": _COMPACT}
+    return compact_schema(tool.parameters)
+
+
+def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A schema (a tool's arguments, or one argument) as ``%json`` in a forced call writes
+    it: closed at every level, compact JSON."""
+    return {**strict_schema(schema), "x-guidance": _COMPACT}
 
 
 def forced_call_schema(tools: Sequence[ToolSpec], choice: str) -> dict[str, Any]:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from engine.requests.dialects.dialect import Dialect, TokenizerFacts
 from engine.requests.dialects.harmony import Harmony
+from engine.requests.dialects.qwen_xml import QwenXml
 
 # Family dialects, most specific first; each module of this package adds its own.
-FAMILIES: tuple[type[Dialect], ...] = (Harmony,)
+FAMILIES: tuple[type[Dialect], ...] = (
+    Harmony,
+    QwenXml,
+)
 
 
 def dialect_for(facts: TokenizerFacts) -> Dialect:
