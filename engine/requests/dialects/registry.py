@@ -4,13 +4,17 @@ default (tagged JSON in mlx-lm's markers). Families are checked most specific fi
 from __future__ import annotations
 
 from engine.requests.dialects.dialect import Dialect, TokenizerFacts
+from engine.requests.dialects.gemma4 import Gemma4
 from engine.requests.dialects.harmony import Harmony
+from engine.requests.dialects.pythonic import Pythonic
 from engine.requests.dialects.qwen_xml import QwenXml
 
 # Family dialects, most specific first; each module of this package adds its own.
 FAMILIES: tuple[type[Dialect], ...] = (
     Harmony,
     QwenXml,
+    Gemma4,
+    Pythonic,
 )
 
 
