@@ -93,7 +93,8 @@ class Preparer:
                            request.parallel_tool_calls, new_id=dialect.new_call_id)
 
     def _encoded_chat(self, request: ChatRequest) -> EncodedPrompt:
-        return self.prompts.encode_request(request.messages, request.rendered_tools,
+        return self.prompts.encode_request(self.dialect.history(request.messages),
+                                           request.rendered_tools,
                                            dict(request.template_kwargs))
 
     def _forced_call(self, request: ChatRequest, opens_reasoning: bool) -> Constraint:

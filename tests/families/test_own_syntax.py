@@ -6,7 +6,8 @@ real tokenizer and accepts the call exactly as the family writes it (as its temp
 renders a call, or as documented where the template renders none); a grammar-forced call
 through the Engine on the tiny family model comes back parsed (finish_reason tool_calls,
 arguments valid for the schema), for "required" and a named tool, parallel on and off; and
-a second turn renders the tool result with the real template.
+a second turn renders the past call and its result with the real template (LFM2's template
+renders no calls: its dialect writes them into the assistant turn).
 """
 
 from __future__ import annotations
@@ -155,12 +156,16 @@ def test_a_second_turn_renders_the_tool_result(name: str, engine: Engine,
                                                preparer: Preparer) -> None:
     if name == "gemma3":
         pytest.skip("Gemma 3's template raises on tool messages (test_matrix records it)")
-    history = [*ASK, tool_call_message(),
+    history = [{"role": "user", "content": QUESTION}, tool_call_message(),
                {"role": "tool", "tool_call_id": CALL_ID, "name": "get_weather",
                 "content": "22 degrees and sunny"}]
     request = ChatRequest.from_openai(history, greedy(4), tools=[WEATHER_TOOL])
     prompt = engine.tokenizer.decode(preparer.prepare(request).prompt_ids)
     assert "22 degrees and sunny" in prompt
+    past = prompt.split(QUESTION, 1)[1]  # the call is in the history after the question
+    if name in (*RENDERS_CALLS, "lfm2"):  # LFM2's is written into the turn's content
+        assert NATIVE[name][1] in past
+    assert "Paris" in past
     assert engine.submit(request).result(timeout=60).token_ids
 
 

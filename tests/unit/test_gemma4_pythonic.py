@@ -16,6 +16,7 @@ from engine.requests.dialects.dialect import TokenizerFacts
 from engine.requests.dialects.gemma4 import Gemma4
 from engine.requests.dialects.pythonic import Pythonic, python_calls
 from engine.requests.dialects.registry import dialect_for
+from engine.requests.inbound.messages import messages_from_openai
 from engine.requests.inbound.tool_specs import normalize_tools
 from engine.requests.outbound.channels import CONTENT, REASONING, TOOL
 from engine.requests.outbound.row_channels import RowChannels
@@ -105,3 +106,20 @@ def test_lfm2_forced_calls_write_a_python_call_list() -> None:
     assert lark.startswith('calls: "<|tool_call_start|>" "[" call (", " call)* "]" '
                            '"<|tool_call_end|>"\n')
     assert 'call_0: "get_weather(" "city=" %json {"type": "string"' in lark
+
+
+def test_lfm2_past_calls_are_written_into_their_turn_when_the_template_renders_none() -> None:
+    chat = messages_from_openai([
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "sunny"}])
+    rewritten = LFM2.history(chat)
+    assert rewritten[1].content == ('<|tool_call_start|>[get_weather(city="Paris", days=3)]'
+                                    "<|tool_call_end|>") and not rewritten[1].tool_calls
+    assert rewritten[0] == chat[0] and rewritten[2] == chat[2]
+    assert python_calls(rewritten[1].content.split("|>", 1)[1].rsplit("<|", 1)[0]) == [
+        {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]
+    renders = Pythonic(TokenizerFacts(chat_template="{{ m.tool_calls }}",
+                                      markers=LFM2.facts.markers))
+    assert renders.history(chat) == chat

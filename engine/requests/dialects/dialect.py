@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.requests.constraints.forced_calls import tagged_json_calls
+from engine.requests.inbound.messages import Message
 from engine.requests.inbound.tool_prompts import TOOL_CALL_END, TOOL_CALL_START
 from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.channels import CONTENT, REASONING, TOOL, ChannelSplitter, Splitter
@@ -98,6 +99,13 @@ class Dialect:
 
     def new_call_id(self) -> str:
         return new_call_id()
+
+    # ----- input ---------------------------------------------------------------------
+
+    def history(self, messages: Sequence[Message]) -> Sequence[Message]:
+        """The chat as this family's template should see it: as it is, unless the template
+        cannot render something the family was trained to see (past calls, say)."""
+        return messages
 
     # ----- constraints ---------------------------------------------------------------
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 import ast
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from engine.requests.constraints.forced_calls import chosen_tools, compact_schema, separated
 from engine.requests.dialects.call_blocks import CallBlockSplitter
 from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
+from engine.requests.inbound.messages import Message, MessageToolCall
 from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.channels import CONTENT, TOOL, Splitter
 
@@ -44,6 +46,15 @@ class Pythonic(Dialect):
 
     def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return CallBlockSplitter(self.markers, start, PythonCallWriter)
+
+    def history(self, messages: Sequence[Message]) -> Sequence[Message]:
+        """LFM2's template renders no ``tool_calls``: past calls are written into their
+        assistant turn's content as the model writes them, so the next turn sees them."""
+        if "tool_calls" in self.facts.chat_template:
+            return messages  # a template that renders calls itself
+        start, end = self.markers[TOOL]
+        return tuple(replace(m, content=m.content + start + python_call_list(m.tool_calls)
+                             + end, tool_calls=()) if m.tool_calls else m for m in messages)
 
     def forced_calls(self, tools: Sequence[ToolSpec], choice: str, parallel: bool,
                      literal: Literal) -> str:
@@ -82,6 +93,15 @@ class PythonCallWriter:
         except (SyntaxError, ValueError):
             return self._text
         return json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+
+
+def python_call_list(calls: Sequence[MessageToolCall]) -> str:
+    """Past calls as LFM2 writes them: ``[name(key=<JSON>, ...), ...]``, values as JSON
+    (as its forced calls write them; Python reads both)."""
+    return "[" + ", ".join(
+        f"{call.name}(" + ", ".join(f"{key}={json.dumps(value, ensure_ascii=False)}"
+                                    for key, value in call.arguments.items()) + ")"
+        for call in calls) + "]"
 
 
 def python_calls(text: str) -> list[dict[str, Any]]:
