@@ -29,6 +29,8 @@ NATIVE = {
     # write, so the completion is given; <turn|> ends the turn (an end-of-sequence token).
     "gemma4": ("<turn|>", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
                           "<turn|>"),
+    # The template's own rendering: the recipient before the channel, <|call|> ends it.
+    "gpt_oss": ("<|call|>", None),
     # LFM2's template renders no calls: its documented form.
     "lfm2": ("<|im_end|>", '<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>'
                            "<|im_end|>"),
