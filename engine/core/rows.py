@@ -103,10 +103,13 @@ class Row:
         text held back for stop strings when it ends a row); endings made elsewhere
         (errors, cancellation) carry no text.
         """
-        self.status, self.finish_reason = RequestStatus.FINISHED, reason
         channels = self.channels
         if channels is not None:
             channels.finish()
+            if reason is FinishReason.STOP and channels.calls:
+                # A call that only the row's end closed: harmony's <|call|> is a stop token.
+                reason = FinishReason.TOOL_CALLS
+        self.status, self.finish_reason = RequestStatus.FINISHED, reason
         content, reasoning = self._unsent()
         usage = self.usage()
         calls = tuple(channels.calls) if channels is not None else ()

@@ -85,9 +85,10 @@ class Preparer:
 
     def row_channels(self, request: Request, prepared: PreparedRequest) -> RowChannels:
         dialect = self.dialect
-        splitter = dialect.splitter(prepared.start_channel)
         if isinstance(request, TextRequest):
+            splitter = dialect.splitter(prepared.start_channel)
             return RowChannels(splitter, dialect.parser, (), new_id=dialect.new_call_id)
+        splitter = dialect.splitter(prepared.start_channel, request.tools)
         return RowChannels(splitter, dialect.parser, request.tools,
                            request.parallel_tool_calls, new_id=dialect.new_call_id)
 

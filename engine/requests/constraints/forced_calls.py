@@ -67,7 +67,13 @@ def chosen_tools(tools: Sequence[ToolSpec], choice: str) -> list[ToolSpec]:
 def arguments_schema(tool: ToolSpec) -> dict[str, Any]:
     """A tool's arguments as a forced call may write them: closed at every level (OpenAI's
     strict mode), compact JSON."""
-    return {**strict_schema(tool.parameters), "x-guidance": _COMPACT}
+    return compact_schema(tool.parameters)
+
+
+def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A schema (a tool's arguments, or one argument) as ``%json`` in a forced call writes
+    it: closed at every level, compact JSON."""
+    return {**strict_schema(schema), "x-guidance": _COMPACT}
 
 
 def forced_call_schema(tools: Sequence[ToolSpec], choice: str) -> dict[str, Any]:
@@ -87,3 +93,27 @@ def _closed(schema: dict[str, Any], at: str) -> dict[str, Any]:
     # otherwise, as in OpenAI's strict mode; otherwise a small model can invent keys forever.
     # The schema now sits at ``at`` in the call schema: its local $refs must point there.
     return rebase_refs(strict_schema(schema), at)
+
+
+def separated(entries: Sequence[tuple[str, bool]], sep: str) -> str:
+    """Lark for ``entries`` (a Lark expression, whether it is required) in order, the
+    optional ones optional, ``sep`` (Lark) between those written: a call's keyword
+    arguments, an object's keys. ``'""'`` when there are none."""
+    def tail(k: int) -> str:  # entries k.. after something was written
+        if k == len(entries):
+            return ""
+        entry, required = entries[k]
+        step = f"{sep} {entry}" if required else f"({sep} {entry})?"
+        return f"{step} {tail(k + 1)}".strip()
+
+    def head(k: int) -> str:  # entries k.. with nothing written yet
+        if k == len(entries):
+            return ""
+        entry, required = entries[k]
+        first = f"{entry} {tail(k + 1)}".strip()
+        if required:
+            return first
+        rest = head(k + 1)
+        return f"({first} | {rest})" if rest else f"({first})?"
+
+    return head(0) or '""'

@@ -62,7 +62,7 @@ class DeepSeekR1(Dialect):
     def parser(self) -> None:
         return None  # calls are handed over as JSON call objects
 
-    def splitter(self, start: str = CONTENT) -> Splitter:
+    def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return MarkedCallSplitter(SYNTAX, self.markers.get(REASONING), start)
 
     def forced_calls(self, tools: Sequence[ToolSpec], choice: str, parallel: bool,

@@ -92,8 +92,9 @@ class Dialect:
             return None
         return self.facts.tool_parser
 
-    def splitter(self, start: str = CONTENT) -> Splitter:
-        """A new row's splitter; ``start`` is the channel its output begins in."""
+    def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
+        """A new row's splitter; ``start`` is the channel its output begins in, ``tools``
+        the request's (a family whose calls are not JSON reads values by their schema)."""
         return ChannelSplitter(self.markers, start)
 
     def new_call_id(self) -> str:

@@ -53,7 +53,7 @@ class Harmony(Dialect):
     def reasoning_close(self) -> None:
         return None  # the prompt never opens a message: the model writes every header
 
-    def splitter(self, start: str = CONTENT) -> Splitter:
+    def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return HarmonySplitter()
 
     def forced_calls(self, tools: Sequence[ToolSpec], choice: str, parallel: bool,

@@ -52,7 +52,9 @@ class Llama3(Dialect):
     def reasoning_close(self) -> None:
         return None
 
-    def splitter(self, start: str = CONTENT) -> Splitter:
+    def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
+        if not tools:  # an answer that starts '{"name":' is only a call when tools were given
+            return super().splitter(start, tools)
         return Llama3Splitter()
 
     def history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -73,7 +73,7 @@ class Mistral(Dialect):
     def parser(self) -> None:
         return None  # calls are handed over as JSON call objects (mlx-lm 0.32.2's misreads ids)
 
-    def splitter(self, start: str = CONTENT) -> Splitter:
+    def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return MarkedCallSplitter(SYNTAX, self.markers.get(REASONING), start)
 
     def new_call_id(self) -> str:
