@@ -45,7 +45,7 @@ from engine.device.first_tokens import FirstToken, Sampler, SamplerTap
 from engine.device.forced_spans import forward_spans, spans_supported
 from engine.device.logprobs import forced_logprob, token_logprob
 from engine.device.prefix_reuse import PrefixReuse
-from engine.device.rejoin import direct_join_supported, join_decoding, next_inputs
+from engine.device.rejoin import decoding, direct_join_supported, join_decoding, next_inputs
 from engine.device.row_cache import copied, trims_exactly
 from engine.device.sampling import (
     GrammarMask,
@@ -575,19 +575,23 @@ class BatchLane:
     def _enter(self, rows: list[_BatchRow], result: LaneStep) -> None:
         """Rows leave the generator to speculate, each with one decided token to feed.
 
-        A cache that trims gives back its last token, fed again so its logits check the
-        first draft. A state cache cannot: the token the generator already chose after
-        it (greedy, read from the decoding batch) is reported now and fed first instead.
+        A row that rejoined this step after a span brings the token it sampled there
+        (reported, not fed). Otherwise its last token is in its cache already: a cache
+        that trims gives it back, fed again so its logits check the first draft; a
+        state cache cannot, so the token the generator already chose after it (greedy,
+        read from the decoding batch) is reported now and fed first instead.
         """
-        trims = self._trims
-        chosen = {} if trims else next_inputs(
-            self._generator, [self._request_to_uid[row.row.request_id] for row in rows])
         uids = [self._request_to_uid[row.row.request_id] for row in rows]
+        fresh = [uid for uid, row in zip(uids, rows) if row.row.request_id not in self._echo]
+        chosen = {} if self._trims or not fresh else next_inputs(self._generator, fresh)
         for row, uid, (cache, history) in zip(rows, uids, self._take_out(rows)):
             assert row.shadow is not None
             row.shadow.reset()
             grammar = row.grammar
-            if trims:
+            echoed = self._echo.pop(row.row.request_id, None)
+            if echoed is not None:
+                pending = echoed
+            elif self._trims:
                 for layer in cache:
                     layer.trim(1)
                 history, pending = history[:-1], history[-1]
@@ -602,7 +606,7 @@ class BatchLane:
                     grammar is not None and row.failure is None and grammar.done)))
                 row.output.append(pending)
             self._speculating[row.row.request_id] = SpeculatingRow(
-                row.row, cache, history, pending, row.shadow.acceptance, trims=trims,
+                row.row, cache, history, pending, row.shadow.acceptance, trims=self._trims,
                 grammar=grammar, words=self._compiler.words)
 
     def _shadow(self, row: _BatchRow) -> bool:
@@ -612,8 +616,8 @@ class BatchLane:
         # (one token per step for constrained rows) it does not speculate either.
         constrained_ok = row.grammar is None or self.fast_forward
         if not (eligible(row.row) and constrained_ok and row.failure is None
-                and request_id not in self._early
-                and request_id not in self._echo and request_id in self._request_to_uid):
+                and request_id not in self._early and request_id in self._request_to_uid
+                and decoding(self._generator, self._request_to_uid[request_id])):
             return False
         if row.shadow is None:
             row.shadow = ShadowDraft(DRAFT_TOKENS)

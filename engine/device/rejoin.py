@@ -78,3 +78,8 @@ def next_inputs(generator: BatchGenerator, uids: Sequence[int]) -> dict[int, int
     index = {uid: i for i, uid in enumerate(batch.uids)}
     chosen: list[int] = batch._next_tokens.tolist()
     return {uid: int(chosen[index[uid]]) for uid in uids}
+
+
+def decoding(generator: BatchGenerator, uid: int) -> bool:
+    """Whether the row is in the decoding batch (not queued or prefilling a segment)."""
+    return uid in generator._generation_batch.uids
