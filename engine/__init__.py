@@ -96,6 +96,7 @@ __all__ = [
     "RequestHandle",
     "RequestTimeoutError",
     "SamplingParams",
+    "SpeedUp",
     "StepProbe",
     "StreamEvent",
     "TextRequest",

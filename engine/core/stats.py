@@ -14,6 +14,20 @@ from typing import Any
 from engine.requests.outbound.results import FinishReason
 
 
+@dataclass(frozen=True)
+class SpeedUp:
+    """One of the engine's speed-ups for the loaded model: on or off, and how or why.
+
+    ``name``: ``fast_forward``, ``speculation``, ``prefix_reuse`` or ``prefix_disk``.
+    ``detail`` says how it works on this model's caches when on (trimming, rolling back,
+    reusing at stored boundaries), and why not when off (a setting, a cache kind).
+    """
+
+    name: str
+    on: bool
+    detail: str
+
+
 @dataclass
 class EngineStats:
     """Counters since the engine started; ``stats()`` returns a copy."""
@@ -21,6 +35,10 @@ class EngineStats:
     loaded: bool = False
     batch_mode: str = "batch"  # "off" (max_batch 1), "serial" (caches cannot merge), "batch"
     context_limit: int | None = None
+    # The loaded model's cache kinds (mlx-lm class names) and what each speed-up does on
+    # them; set once when the model loads.
+    cache_kinds: tuple[str, ...] = ()
+    speedups: tuple[SpeedUp, ...] = ()
     running: int = 0  # rows admitted to the batch or the serial lane
     pending: int = 0  # requests waiting for admission
     peak_running: int = 0  # most rows decoding in one step

@@ -47,6 +47,7 @@ from engine.device.logprobs import forced_logprob, token_logprob
 from engine.device.prefix_reuse import PrefixReuse
 from engine.device.rejoin import decoding, direct_join_supported, join_decoding, next_inputs
 from engine.device.row_cache import copied, trims_exactly
+from engine.device.speedups import cache_kinds
 from engine.device.sampling import (
     GrammarMask,
     SamplerCache,
@@ -156,7 +157,10 @@ class BatchLane:
         supported = spans_supported(model, max_kv_size)
         self.fast_forward = fast_forward and supported
         self.speculation = speculation if supported else 0
-        self._trims = trims_exactly(make_prompt_cache(model, max_kv_size))
+        self.asked = (fast_forward, speculation)  # the settings, for stats().speedups
+        layers = make_prompt_cache(model, max_kv_size)
+        self.cache_kinds = cache_kinds(layers)
+        self.trims = self._trims = trims_exactly(layers)
         self._speculating: dict[int, SpeculatingRow] = {}
 
     def _new_generator(self) -> BatchGenerator:

@@ -21,6 +21,7 @@ from engine.core.footprint import ModelFootprint
 from engine.core.lane import Lane, LaneKind
 from engine.core.memory import MemoryBounds, resident_bytes, resolve_bounds
 from engine.core.prefix_cache import PrefixStore
+from engine.core.stats import SpeedUp
 from engine.device.batch_lane import BatchLane
 from engine.device.cache_layout import footprint_of
 from engine.device.collectives import Channel, Group
@@ -35,6 +36,7 @@ from engine.device.memory import (
 from engine.device.prefix_reuse import PrefixReuse, reuse_policy
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
+from engine.device.speedups import report
 from engine.requests.constraints.grammar import GrammarCompiler
 
 
@@ -68,6 +70,17 @@ class Lanes:
         if found is not None:
             return found
         return self.batch if kind is LaneKind.BATCH else self.serial
+
+    def speedups(self, *, serial: bool, disk: str | None = None) -> tuple[SpeedUp, ...]:
+        """What fast-forward, speculation and prefix reuse do on this model's caches, or
+        why they are off (``serial``: every row runs on the serial lane)."""
+        batch = self.batch
+        fast_forward_asked, speculation_asked = batch.asked
+        return report(batch.cache_kinds, serial=serial, fast_forward=batch.fast_forward,
+                      fast_forward_asked=fast_forward_asked, speculation=batch.speculation,
+                      speculation_asked=speculation_asked, trims=batch.trims,
+                      reuse_policy=batch.reuse.policy, reuse_bytes=self.store.max_bytes,
+                      sharded=self.channel is not None, disk=disk)
 
     def rows_held(self) -> dict[str, int]:
         """Rows each lane holds now (the local lanes; a probe's ``TurnReport``)."""

@@ -2,7 +2,8 @@
 
 Each app has its own ``CollectorRegistry``, so several apps (tests, mounted twice) never
 collide. Engine numbers (running and pending rows, batch width, tokens, prefix-cache hits,
-KV bytes) are read from ``Engine.stats()`` when Prometheus scrapes, never copied.
+KV bytes) are read from ``Engine.stats()`` when Prometheus scrapes, never copied, and so
+is which speed-ups are on for each model's cache kinds (``mlx_engine_speedup``).
 """
 
 from __future__ import annotations
@@ -89,6 +90,16 @@ class _EngineCollector(Collector):
             for model, stats in snapshots.items():
                 counter.add_metric([model], float(getattr(stats, field)))
             families.append(counter)
+        speedups = GaugeMetricFamily(
+            "mlx_engine_speedup", "1 if the speed-up is on for the model's caches, else 0; "
+            "detail says how it works on them, or why it is off.",
+            labels=["model", "speedup", "cache_kinds", "detail"])
+        for model, stats in snapshots.items():
+            kinds = ",".join(stats.cache_kinds)
+            for speedup in stats.speedups:
+                speedups.add_metric([model, speedup.name, kinds, speedup.detail],
+                                    1.0 if speedup.on else 0.0)
+        families.append(speedups)
         yield from families
 
 

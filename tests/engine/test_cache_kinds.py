@@ -159,3 +159,36 @@ def test_batched_equals_alone_with_every_speed_up_on(pair: Pair) -> None:
         got = [h.result(timeout=120).token_ids for h in handles]
         assert got == (alone if order is requests else alone[::-1])
     assert pair.on.stats().peak_running >= 4
+
+
+def test_stats_say_what_each_speed_up_does_on_these_caches(pair: Pair) -> None:
+    stats = pair.on.stats()
+    found = {s.name: s for s in stats.speedups}
+    assert set(found) == {"fast_forward", "speculation", "prefix_reuse", "prefix_disk"}
+    assert found["fast_forward"].on and found["speculation"].on and found["prefix_reuse"].on
+    kinds = set(stats.cache_kinds)
+    assert kinds - {"KVCache"}, kinds  # every architecture here has more than plain KV
+    if "ArraysCache" in kinds:
+        assert "rolled back" in found["speculation"].detail
+        assert "state caches resumed exactly" in found["prefix_reuse"].detail
+    if "RotatingKVCache" in kinds:
+        assert "sliding windows" in found["prefix_reuse"].detail
+    off = {s.name: s for s in pair.off.stats().speedups}
+    assert not any(s.on for s in off.values())
+    assert off["fast_forward"].detail == "off: fast_forward=False"
+    assert off["prefix_reuse"].detail == "off: prefix_cache_bytes=0"
+
+
+def test_stats_say_why_caches_that_cannot_merge_get_no_speed_ups(
+        make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_lm.models import qwen2
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    monkeypatch.setattr(qwen2.Model, "make_cache", lambda self: [
+        QuantizedKVCache(group_size=32, bits=8) for _ in self.layers], raising=False)
+    stats = make_engine().stats()
+    found = {s.name: s for s in stats.speedups}
+    assert stats.cache_kinds == ("QuantizedKVCache",) and stats.batch_mode == "serial"
+    assert found["fast_forward"].on  # the serial lane feeds forced tokens with the sampled one
+    assert not found["speculation"].on and "QuantizedKVCache" in found["speculation"].detail
+    assert not found["prefix_reuse"].on and "QuantizedKVCache" in found["prefix_reuse"].detail
