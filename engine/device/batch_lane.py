@@ -47,7 +47,6 @@ from engine.device.logprobs import forced_logprob, token_logprob
 from engine.device.prefix_reuse import PrefixReuse
 from engine.device.rejoin import decoding, direct_join_supported, join_decoding, next_inputs
 from engine.device.row_cache import copied, trims_exactly
-from engine.device.speedups import cache_kinds
 from engine.device.sampling import (
     GrammarMask,
     SamplerCache,
@@ -63,6 +62,7 @@ from engine.device.speculation import (
     eligible,
     speculate,
 )
+from engine.device.speedups import cache_kinds
 from engine.requests.constraints.grammar import GrammarCompiler, RowGrammar
 from engine.requests.inbound.sampling import LogitsProcessor
 
