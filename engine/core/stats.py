@@ -60,6 +60,13 @@ class EngineStats:
     prefix_evictions: int = 0  # entries dropped by the byte cap, LRU or TTL
     prefix_bytes: int = 0  # KV bytes the prefix cache holds now
     prefix_entries: int = 0
+    # The disk tier (prefix_cache_dir): entries read back, written, refused; what it holds.
+    prefix_disk_hits: int = 0
+    prefix_disk_hit_tokens: int = 0
+    prefix_disk_written: int = 0
+    prefix_disk_skipped: int = 0  # files refused (short, altered, another key) and removed
+    prefix_disk_bytes: int = 0
+    prefix_disk_entries: int = 0
     # MLX's allocator, read on the engine thread each turn: live arrays (weights, KV, the
     # prefix store) and freed buffers it keeps for reuse (mx.clear_cache releases them).
     mlx_active_bytes: int = 0

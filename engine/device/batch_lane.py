@@ -366,6 +366,7 @@ class BatchLane:
                 result.failed[request_id] = row.failure
         self._feed()  # the group ahead has its first tokens: the next one prefills now
         result.cached_tokens = self.take_cached_tokens()
+        self.reuse.tick()
         return result
 
     def _first_tokens(self, progress: Sequence[Any],

@@ -24,6 +24,7 @@ import numpy as np
 
 from engine.core.footprint import ModelFootprint
 from engine.core.prefix_cache import PrefixHit, PrefixStore, common_prefix
+from engine.device.prefix_disk import PrefixDisk
 from engine.device.row_cache import copied, cut_to, cuttable, nbytes
 
 TRIM = "trim"  # plain KV: any shared length, running rows donate
@@ -51,9 +52,10 @@ def cache_nbytes(cache: Sequence[Any]) -> int:
 class PrefixReuse:
     """Looks up, copies and stores prefixes; the running rows are searched too."""
 
-    def __init__(self, store: PrefixStore, policy: str) -> None:
+    def __init__(self, store: PrefixStore, policy: str, disk: PrefixDisk | None = None) -> None:
         self.store = store
         self.policy = policy
+        self.disk = disk if policy != OFF else None  # entries written behind the store
 
     @property
     def enabled(self) -> bool:
@@ -89,6 +91,10 @@ class PrefixReuse:
                 if resumed is not None:
                     self._count(n)
                     return resumed, n
+        if self.disk is not None:
+            from_disk = self._from_disk(prompt, best)
+            if from_disk is not None:
+                return from_disk
         if hit is None:
             self.store.stats.misses += 1
             return None
@@ -100,6 +106,38 @@ class PrefixReuse:
         self._count(hit.tokens)
         return resumed, hit.tokens
 
+    def _from_disk(self, prompt: Sequence[int], best: int) -> tuple[list[Any], int] | None:
+        """A longer prefix than memory holds, read back from disk into the memory store."""
+        assert self.disk is not None
+        found = self.disk.lookup(prompt)
+        if found is None or found.tokens <= best:
+            return None
+        loaded = self.disk.load(found)
+        if loaded is None:
+            return None
+        tokens, cache, trimmable = loaded
+        resumed = cut_to(cache, found.tokens, len(tokens))
+        if resumed is None:
+            return None
+        self.store.insert(tokens, cache, cache_nbytes(cache), trimmable=trimmable)
+        self._count(found.tokens)
+        return resumed, found.tokens
+
+    def tick(self) -> None:
+        """A step ended (entries stored before it are computed: the disk may take them)."""
+        if self.disk is not None:
+            self.disk.tick()
+
+    def flush(self) -> None:
+        """Hand every stored entry to the disk writer now (idle, or closing)."""
+        if self.disk is not None:
+            self.disk.flush()
+
+    def close(self) -> None:
+        """Write what the disk was offered, and stop its writer."""
+        if self.disk is not None:
+            self.disk.close()
+
     def covered(self, prompt: Sequence[int]) -> int:
         """How many leading tokens of ``prompt`` the store already holds (no stats)."""
         hit: PrefixHit | None = self.store.lookup(prompt, record=False)
@@ -109,8 +147,11 @@ class PrefixReuse:
         """Store the state of ``tokens`` (a row's whole cache, which holds exactly them)."""
         if self.enabled and len(tokens) >= self.store.min_tokens and len(cache):
             stored = copied(cache)
-            self.store.insert(list(tokens), stored, cache_nbytes(stored),
-                              trimmable=cuttable(stored))
+            trimmable = cuttable(stored)
+            entry = self.store.insert(list(tokens), stored, cache_nbytes(stored),
+                                      trimmable=trimmable)
+            if self.disk is not None and entry is not None and len(entry) == len(tokens):
+                self.disk.offer(tokens, stored, trimmable)
 
     def keep_prefix(self, tokens: Sequence[int], cache: Sequence[Any], n: int) -> None:
         """Store the state of the first ``n`` of ``tokens`` (the cache holds them all),

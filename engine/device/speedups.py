@@ -32,14 +32,15 @@ def cache_kinds(cache: Sequence[Any]) -> tuple[str, ...]:
 
 def report(kinds: Sequence[str], *, serial: bool, fast_forward: bool, fast_forward_asked: bool,
            speculation: int, speculation_asked: int, trims: bool, reuse_policy: str,
-           reuse_bytes: int, sharded: bool, disk: str | None) -> tuple[SpeedUp, ...]:
+           reuse_bytes: int, sharded: bool, disk: str | None,
+           disk_off: str | None) -> tuple[SpeedUp, ...]:
     """The four speed-ups as the lanes were built (``*_asked``: the settings)."""
     odd = [kind for kind in kinds if kind not in ("KVCache", _RING, _STATE)]
     unsupported = f"{', '.join(odd)} caches do not merge into a batch" if odd else ""
     return (_fast_forward(serial, fast_forward, fast_forward_asked, unsupported),
             _speculation(kinds, serial, speculation, speculation_asked, trims, unsupported),
             _reuse(kinds, serial, reuse_policy, reuse_bytes, sharded, unsupported),
-            _disk(disk, reuse_policy, reuse_bytes, serial))
+            _disk(disk, disk_off))
 
 
 def _fast_forward(serial: bool, on: bool, asked: bool, unsupported: str) -> SpeedUp:
@@ -90,9 +91,10 @@ def _reuse(kinds: Sequence[str], serial: bool, policy: str, max_bytes: int, shar
                                          f"and answer; {', '.join(limits)}")
 
 
-def _disk(disk: str | None, policy: str, max_bytes: int, serial: bool) -> SpeedUp:
+def _disk(disk: str | None, off: str | None) -> SpeedUp:
+    """``off``: why the directory asked for is not used (None: it is)."""
     if disk is None:
         return SpeedUp("prefix_disk", False, "off: prefix_cache_dir not set")
-    if serial or policy not in (TRIM, BOUNDARY) or max_bytes <= 0:
-        return SpeedUp("prefix_disk", False, "off: no prefix reuse on this model")
+    if off is not None:
+        return SpeedUp("prefix_disk", False, f"off: {off or 'not used'}")
     return SpeedUp("prefix_disk", True, f"entries written behind the store to {disk}")
