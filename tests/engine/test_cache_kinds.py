@@ -192,3 +192,17 @@ def test_stats_say_why_caches_that_cannot_merge_get_no_speed_ups(
     assert found["fast_forward"].on  # the serial lane feeds forced tokens with the sampled one
     assert not found["speculation"].on and "QuantizedKVCache" in found["speculation"].detail
     assert not found["prefix_reuse"].on and "QuantizedKVCache" in found["prefix_reuse"].detail
+
+
+def test_a_restart_reads_the_head_back_from_disk(pair: Pair, tmp_path: Path) -> None:
+    def asked(question: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+    path = pair.on.model_path
+    with Engine(path, EngineConfig(prefix_cache_dir=str(tmp_path))) as first:
+        first.submit(request_for(asked("First?"), greedy(8))).result(timeout=120)
+    with Engine(path, EngineConfig(prefix_cache_dir=str(tmp_path))) as restarted:
+        second = restarted.submit(request_for(asked("Second?"), greedy(8))).result(timeout=120)
+        stats = restarted.stats()
+    assert stats.prefix_disk_hits == 1 and second.usage.cached_tokens > 40
+    assert second.token_ids == tokens(pair.off, asked("Second?"), greedy(8))
