@@ -118,3 +118,40 @@ def build_cache_kind_model(model_type: str, out: Path, tokenizer_dir: Path, *,
     eos = json.loads((tokenizer_dir / "config.json").read_text()).get("eos_token_id")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     return out
+
+
+# ~100M-parameter shapes for benchmarks (random weights time like trained ones): the
+# default model's width (576) and vocabulary, and each family's layer pattern.
+_WIDE = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+         "head_dim": 64, "max_position_embeddings": 8192}
+BENCH_SIZES: dict[str, dict[str, Any]] = {
+    # Gemma 3: five sliding-window layers (512 tokens) per global one.
+    "gemma3_text": {**_WIDE, "num_hidden_layers": 24, "intermediate_size": 1536,
+                    "sliding_window": 512, "sliding_window_pattern": 6,
+                    "query_pre_attn_scalar": 64},
+    # LFM2: short convolutions, a third of the layers full attention.
+    "lfm2": {**_WIDE, "num_hidden_layers": 18, "block_ff_dim": 1536, "block_dim": 576,
+             "layer_types": ["conv", "conv", "full_attention"] * 6},
+    # Mamba 2 blocks with attention every fourth layer (Granite 4 hybrids).
+    "granitemoehybrid": {**_WIDE, "num_hidden_layers": 16, "intermediate_size": 1536,
+                         "shared_intermediate_size": 1536, "attention_multiplier": 0.125,
+                         "layer_types": ["mamba", "mamba", "mamba", "attention"] * 4,
+                         "mamba_n_heads": 18, "mamba_d_head": 64, "mamba_d_state": 64},
+    "mamba2": {"hidden_size": 576, "intermediate_size": 1152, "num_heads": 18,
+               "head_dim": 64, "state_size": 64, "num_hidden_layers": 24},
+}
+
+
+def bench_model(model_type: str, tokenizer_dir: Path, root: Path) -> Path:
+    """A ~100M-parameter random ``model_type`` with ``tokenizer_dir``'s tokenizer, built
+    once under ``root`` (reused by later runs)."""
+    import os
+
+    out = root / f"{model_type}-100m-v1"
+    if not (out / "config.json").exists():
+        vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+        partial = out.with_name(out.name + f".tmp{os.getpid()}")
+        build_cache_kind_model(model_type, partial, tokenizer_dir, vocab_size=vocab,
+                               weight_scale=1.0, scale=BENCH_SIZES[model_type])
+        os.replace(partial, out)
+    return out
