@@ -18,7 +18,7 @@ tokens. Run for the default model and every ``--kinds`` model.
 
     python bench/prefix_reuse.py [--model PATH_OR_GGUF] [--rows 16] [--tokens 16]
         [--kinds gemma3_text lfm2 granitemoehybrid] [--kind-rows 4]
-        [--restart] [--restart-rules 90] [--skip-turns]
+        [--restart] [--restart-rules 90] [--restart-kinds gemma3_text] [--skip-turns]
 """
 
 from __future__ import annotations
@@ -210,6 +210,8 @@ def main() -> None:
                         help="also ~100M random models of these mlx-lm types")
     parser.add_argument("--kind-rows", type=int, default=4)
     parser.add_argument("--restart", action="store_true", help="measure a restart (part 3)")
+    parser.add_argument("--restart-kinds", nargs="*", default=None,
+                        help="the --kinds models part 3 runs on (default: all of them)")
     parser.add_argument("--restart-rules", type=int, default=90,
                         help="restart head length knob (90: ~2,000 tokens with the tools)")
     parser.add_argument("--skip-turns", action="store_true", help="skip part 1")
@@ -226,7 +228,10 @@ def main() -> None:
     if kind_models:
         kinds_table(kind_models, args.kind_rows, args.tokens, rules(args.rules))
     if args.restart:
-        restart_table([default, *kind_models], args.restart_rules, args.tokens)
+        chosen = args.kinds if args.restart_kinds is None else args.restart_kinds
+        restart_models = [str(bench_model(kind, Path(default), BENCH_MODELS))
+                          for kind in chosen]
+        restart_table([default, *restart_models], args.restart_rules, args.tokens)
 
 
 if __name__ == "__main__":
