@@ -134,7 +134,8 @@ SPEC_LOADS: dict[str, tuple[list[dict[str, str]], dict[str, Any]]] = {
                     f"and print the whole code:\n{CODE}"}], {}),
     "free prose": ([{"role": "user",
                      "content": "Write a short story about a lighthouse keeper."}], {}),
-    # The default model writes this call twice: the repeat ends the row and is dropped.
+    # Parallel calls allowed: a second call may follow (an exact repeat ends the row and
+    # is dropped; the default model writes this one once, 2026-12-05).
     "forced call, parallel allowed": ([{"role": "user", "content": "What is the weather in "
                                         "Paris in celsius?"}],
                                       {"tools": [WEATHER], "tool_choice": "required"}),
