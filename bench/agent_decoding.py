@@ -54,7 +54,7 @@ BENCH_MODELS = Path.home() / ".cache" / "mlx-providers" / "bench-models"
 
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Rome", "Quito", "Seoul",
           "Dakar", "Perth", "Hanoi", "Bern", "Doha", "Riga", "Kyiv"]
-WEATHER = {"type": "function", "function": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string", "description": "The city"},

@@ -180,7 +180,8 @@ def run_child(model: str, mode: str, directory: str, head_rules: int,
                           "--dir", directory, "--restart-rules", str(head_rules),
                           "--tokens", str(tokens)],
                          check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
 def restart_table(models: list[str], head_rules: int, tokens: int) -> None:
