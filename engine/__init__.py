@@ -9,7 +9,7 @@ from engine._platform.blas import activate_fast_blas, blas_info
 activate_fast_blas()
 
 from engine.config import EngineConfig
-from engine.core.stats import EngineStats
+from engine.core.stats import EngineStats, SpeedUp
 from engine.core.step_probe import StepProbe, TurnReport
 from engine.core.streams import RequestHandle
 from engine.embedding.request import EmbeddingHandle, Embeddings, check_texts
@@ -96,6 +96,7 @@ __all__ = [
     "RequestHandle",
     "RequestTimeoutError",
     "SamplingParams",
+    "SpeedUp",
     "StepProbe",
     "StreamEvent",
     "TextRequest",

@@ -64,6 +64,18 @@ class EngineConfig(BaseModel):
     prefix_cache_ttl: float | None = Field(
         default=600.0, gt=0, description="Seconds a stored prefix may be reused (None = no TTL).",
     )
+    prefix_cache_dir: str | None = Field(
+        default=None,
+        description="A directory where the prefix store's entries are also written (in the "
+        "background, never blocking a step), so a restarted engine reuses prompts it saw "
+        "before: a long agent head is read back instead of prefilled. Keyed by the model's "
+        "files, its cache layout and the engine's version: another model or version never "
+        "reads them; damaged files are skipped with a warning. None = memory only.",
+    )
+    prefix_cache_disk_bytes: int = Field(
+        default=8 << 30, ge=0,
+        description="Byte cap of prefix_cache_dir (least recently used files go first).",
+    )
     prefix_min_tokens: int = Field(
         default=16, ge=1, description="Shortest prefix worth storing or reusing.",
     )
@@ -133,6 +145,11 @@ class EngineConfig(BaseModel):
         description="Seconds one sharded step (its broadcast and the model's collectives) "
         "may take before rank 0 declares the engine dead (a follower stopped answering).",
     )
+
+    @field_validator("prefix_cache_dir", mode="before")
+    @classmethod
+    def _directory_as_text(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
     @field_validator("json_string_ngram")
     @classmethod

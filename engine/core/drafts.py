@@ -64,20 +64,25 @@ class ShadowDraft:
         self.acceptance = Acceptance()
         self.draft: list[int] = []
         self._matched = 0
+        self._seen = 0  # tokens observed so far
 
     def observe(self, tokens: Sequence[int]) -> bool:
-        """``tokens``: the row's prompt and output, the newest last. True if a draft is
-        ready for what comes next."""
-        if self.draft:
-            hit = tokens[-1] == self.draft[self._matched]
+        """``tokens``: the row's prompt and output, the newest last (a step may bring
+        several: a forced span, a chain of them). True if a draft is ready for what
+        comes next."""
+        for token in tokens[self._seen or len(tokens) - 1:]:
+            if not self.draft:
+                break
+            hit = token == self.draft[self._matched]
             self._matched += hit
             if not hit or self._matched == len(self.draft):
                 self.acceptance.record(self._matched)
                 self.draft, self._matched = [], 0
+        self._seen = len(tokens)
         if not self.draft:
             self.draft = lookup_draft(tokens, self.length)
         return bool(self.draft)
 
     def reset(self) -> None:
         """The row checks its drafts for real now: the shadow starts again afterwards."""
-        self.draft, self._matched = [], 0
+        self.draft, self._matched, self._seen = [], 0, 0

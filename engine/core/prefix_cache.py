@@ -147,6 +147,11 @@ class PrefixStore:
             self.stats.evictions += 1
         return freed
 
+    def remove(self, entry: PrefixEntry) -> None:
+        """Drop one entry (its bytes are no longer held)."""
+        if entry in self._entries:
+            self._entries.remove(entry)
+
     def clear(self) -> None:
         self._entries.clear()
 

@@ -14,6 +14,20 @@ from typing import Any
 from engine.requests.outbound.results import FinishReason
 
 
+@dataclass(frozen=True)
+class SpeedUp:
+    """One of the engine's speed-ups for the loaded model: on or off, and how or why.
+
+    ``name``: ``fast_forward``, ``speculation``, ``prefix_reuse`` or ``prefix_disk``.
+    ``detail`` says how it works on this model's caches when on (trimming, rolling back,
+    reusing at stored boundaries), and why not when off (a setting, a cache kind).
+    """
+
+    name: str
+    on: bool
+    detail: str
+
+
 @dataclass
 class EngineStats:
     """Counters since the engine started; ``stats()`` returns a copy."""
@@ -26,6 +40,10 @@ class EngineStats:
     # on it (engine.device.weight_policy).
     weight_format: str = ""
     cpu_kernels: str = ""
+    # The loaded model's cache kinds (mlx-lm class names) and what each speed-up does on
+    # them; set once when the model loads.
+    cache_kinds: tuple[str, ...] = ()
+    speedups: tuple[SpeedUp, ...] = ()
     running: int = 0  # rows admitted to the batch or the serial lane
     pending: int = 0  # requests waiting for admission
     peak_running: int = 0  # most rows decoding in one step
@@ -47,6 +65,13 @@ class EngineStats:
     prefix_evictions: int = 0  # entries dropped by the byte cap, LRU or TTL
     prefix_bytes: int = 0  # KV bytes the prefix cache holds now
     prefix_entries: int = 0
+    # The disk tier (prefix_cache_dir): entries read back, written, refused; what it holds.
+    prefix_disk_hits: int = 0
+    prefix_disk_hit_tokens: int = 0
+    prefix_disk_written: int = 0
+    prefix_disk_skipped: int = 0  # files refused (short, altered, another key) and removed
+    prefix_disk_bytes: int = 0
+    prefix_disk_entries: int = 0
     # MLX's allocator, read on the engine thread each turn: live arrays (weights, KV, the
     # prefix store) and freed buffers it keeps for reuse (mx.clear_cache releases them).
     mlx_active_bytes: int = 0

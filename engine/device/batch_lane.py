@@ -36,6 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
 
 from engine.core.drafts import ShadowDraft
 from engine.core.lane import LaneRow, LaneStep, RowToken
@@ -43,8 +44,9 @@ from engine.core.prefill_planner import HeadKey, PrefillPlanner, cluster_heads
 from engine.device.first_tokens import FirstToken, Sampler, SamplerTap
 from engine.device.forced_spans import forward_spans, spans_supported
 from engine.device.logprobs import forced_logprob, token_logprob
-from engine.device.prefix_reuse import PrefixReuse, materialized, sliced
-from engine.device.rejoin import direct_join_supported, join_decoding
+from engine.device.prefix_reuse import PrefixReuse
+from engine.device.rejoin import decoding, direct_join_supported, join_decoding, next_inputs
+from engine.device.row_cache import copied, trims_exactly
 from engine.device.sampling import (
     GrammarMask,
     SamplerCache,
@@ -60,6 +62,7 @@ from engine.device.speculation import (
     eligible,
     speculate,
 )
+from engine.device.speedups import cache_kinds
 from engine.requests.constraints.grammar import GrammarCompiler, RowGrammar
 from engine.requests.inbound.sampling import LogitsProcessor
 
@@ -150,9 +153,14 @@ class BatchLane:
         self._early: dict[int, int] = {}
         # Rows rejoined with their next input: the generator echoes that token back.
         self._echo: dict[int, int] = {}
-        plain_kv = spans_supported(model, max_kv_size)  # both feed several tokens at once
-        self.fast_forward = fast_forward and plain_kv
-        self.speculation = speculation if plain_kv else 0
+        # Both feed several tokens at once: every cache kind but quantized KV takes them.
+        supported = spans_supported(model, max_kv_size)
+        self.fast_forward = fast_forward and supported
+        self.speculation = speculation if supported else 0
+        self.asked = (fast_forward, speculation)  # the settings, for stats().speedups
+        layers = make_prompt_cache(model, max_kv_size)
+        self.cache_kinds = cache_kinds(layers)
+        self.trims = self._trims = trims_exactly(layers)
         self._speculating: dict[int, SpeculatingRow] = {}
 
     def _new_generator(self) -> BatchGenerator:
@@ -241,7 +249,7 @@ class BatchLane:
         if found is None:
             return None
         # Copied now, so the running batch's buffers are not pinned by a lazy slice.
-        return materialized(list(found[0])), list(found[1])
+        return copied(list(found[0])), list(found[1])
 
     def _head_stored(self, key: HeadKey) -> None:
         """The head's prefill ended (stored or abandoned): start the rows waiting on it."""
@@ -312,6 +320,8 @@ class BatchLane:
                 self._planner.progressed(request_id, total - done)
             if prompt_response.end_of_segment and not prompt_response.end_of_prompt:
                 self._maybe_store_head(prompt_response.uid)
+            elif prompt_response.end_of_prompt and self.reuse.snapshots:
+                self._snapshot_prompt(prompt_response.uid)
         decoded: list[int] = []  # rows whose token came from the generator's decode
         for response in responses:
             request_id = self._uid_to_request.get(response.uid)
@@ -356,6 +366,7 @@ class BatchLane:
                 result.failed[request_id] = row.failure
         self._feed()  # the group ahead has its first tokens: the next one prefills now
         result.cached_tokens = self.take_cached_tokens()
+        self.reuse.tick()
         return result
 
     def _first_tokens(self, progress: Sequence[Any],
@@ -545,21 +556,20 @@ class BatchLane:
             row = self._rows[request_id]
             if self._shadow(row) and row.shadow is not None and row.shadow.acceptance.mean >= floor:
                 entering.append(row)
-        for row, (cache, history) in zip(entering, self._take_out(entering)):
-            for layer in cache:  # the last token is fed again: its logits check the draft
-                layer.trim(1)
-            assert row.shadow is not None
-            row.shadow.reset()
-            self._speculating[row.row.request_id] = SpeculatingRow(
-                row.row, cache, history[:-1], history[-1], row.shadow.acceptance)
+        if entering:
+            self._enter(entering, result)
         leaving = []
         for request_id, spec in self._speculating.items():
             row = self._rows[request_id]
             budget = row.row.params.max_tokens - row.generated
-            if budget <= 0:
+            if budget <= 0 or row.failure is not None:
                 continue  # it ends at this step's tokens
-            with mx.stream(self._stream):
-                tokens = speculate(self._model, spec, budget)
+            try:
+                with mx.stream(self._stream):
+                    tokens = speculate(self._model, spec, budget)
+            except Exception as exc:  # the row's own grammar: it fails alone
+                row.failure = exc
+                continue
             result.tokens.extend(tokens)
             result.width += 1
             row.output.extend(token.token for token in tokens)
@@ -567,23 +577,66 @@ class BatchLane:
                 leaving.append(spec)
         self._leave(leaving)
 
+    def _enter(self, rows: list[_BatchRow], result: LaneStep) -> None:
+        """Rows leave the generator to speculate, each with one decided token to feed.
+
+        A row that rejoined this step after a span brings the token it sampled there
+        (reported, not fed). Otherwise its last token is in its cache already: a cache
+        that trims gives it back, fed again so its logits check the first draft; a
+        state cache cannot, so the token the generator already chose after it (greedy,
+        read from the decoding batch) is reported now and fed first instead.
+        """
+        uids = [self._request_to_uid[row.row.request_id] for row in rows]
+        fresh = [uid for uid, row in zip(uids, rows) if row.row.request_id not in self._echo]
+        chosen = {} if self._trims or not fresh else next_inputs(self._generator, fresh)
+        for row, uid, (cache, history) in zip(rows, uids, self._take_out(rows)):
+            assert row.shadow is not None
+            row.shadow.reset()
+            grammar = row.grammar
+            echoed = self._echo.pop(row.row.request_id, None)
+            if echoed is not None:
+                pending = echoed
+            elif self._trims:
+                for layer in cache:
+                    layer.trim(1)
+                history, pending = history[:-1], history[-1]
+            else:
+                pending = chosen[uid]
+                try:
+                    if grammar is not None:
+                        grammar.consume(pending)
+                except Exception as exc:  # the row's own grammar: it fails alone
+                    row.failure = exc
+                result.tokens.append(RowToken(row.row.request_id, pending, grammar_done=(
+                    grammar is not None and row.failure is None and grammar.done)))
+                row.output.append(pending)
+            self._speculating[row.row.request_id] = SpeculatingRow(
+                row.row, cache, history, pending, row.shadow.acceptance, trims=self._trims,
+                grammar=grammar, words=self._compiler.words)
+
     def _shadow(self, row: _BatchRow) -> bool:
         """Shadow the row's drafts against what it decodes; True when it has a draft now."""
         request_id = row.row.request_id
-        if not (eligible(row.row) and row.failure is None and request_id not in self._early
-                and request_id in self._request_to_uid):
+        # A constrained row's draft starts with its forced tokens: with fast-forward off
+        # (one token per step for constrained rows) it does not speculate either.
+        constrained_ok = row.grammar is None or self.fast_forward
+        if not (eligible(row.row) and constrained_ok and row.failure is None
+                and request_id not in self._early and request_id in self._request_to_uid
+                and decoding(self._generator, self._request_to_uid[request_id])):
             return False
         if row.shadow is None:
             row.shadow = ShadowDraft(DRAFT_TOKENS)
         return row.shadow.observe([*row.row.prompt, *row.output])
 
     def _leave(self, rows: list[SpeculatingRow]) -> None:
-        """Speculating rows go back to the generator with their last token to feed."""
+        """Speculating rows go back to the generator with what they have not fed."""
         for spec in rows:
             del self._speculating[spec.row.request_id]
+            if spec.grammar is not None:
+                spec.grammar.started = False  # its pending token is consumed already
         self._put_back([self._rows[spec.row.request_id] for spec in rows],
                        [spec.cache for spec in rows], [spec.history for spec in rows],
-                       [[spec.pending] for spec in rows])
+                       [spec.unfed for spec in rows])
 
     def _maybe_store_head(self, uid: int) -> None:
         request_id = self._uid_to_request.get(uid)
@@ -592,5 +645,17 @@ class BatchLane:
             return
         found = self._extract(request_id)
         if found is not None and len(found[1]) >= len(key):
-            self.reuse.keep(found[1][: len(key)], sliced(found[0], len(key)))
+            self.reuse.keep_prefix(found[1], found[0], len(key))
         self._head_stored(key)
+
+    def _snapshot_prompt(self, uid: int) -> None:
+        """Store a row's state at the end of its prompt (caches resumed only where a
+        snapshot was taken): the next turn of its conversation starts with this prompt.
+        Rows rejoining after a span or speculation also end a "prompt": not stored."""
+        request_id = self._uid_to_request.get(uid)
+        row = self._rows.get(request_id) if request_id is not None else None
+        if row is None or row.generated > 0:
+            return
+        found = self._generator.extract_cache([uid]).get(uid)
+        if found is not None and list(found[1]) == row.row.prompt:
+            self.reuse.keep(found[1], found[0])

@@ -4,8 +4,14 @@ A constrained row often has no choice for many tokens in a row (a tool call's en
 JSON keys and separators, an enum's tail). mlx-lm's ``GenerationBatch`` feeds exactly
 one token per row per step, so each of those would cost a whole batch step. Here the
 rows with a forced span are fed their spans at once, right-padded into one batch on
-mlx-lm's own ``BatchKVCache`` (the padding is rolled to the left afterwards, as mlx-lm
-does for prompts), and the logits after each span's last token come back for sampling.
+mlx-lm's own batch caches, exactly as mlx-lm prefills a right-padded prompt chunk, and
+the logits after each span's last token come back for sampling.
+
+Forced tokens are certain, so nothing fed here is ever taken back: every cache kind
+advances through a span as through a prompt chunk. A sliding window (``BatchRotatingKVCache``)
+masks each position to its window and rolls the padding out of the ring; a state cache
+(``ArraysCache``: SSM, linear attention, convolutions) is told each row's length, so its
+state stops at the row's last real token, not at the padding.
 
 Only those last positions go through the output head where the architecture allows it
 (``last_logits``): the head is a fifth of a small model's work per token, and a span
@@ -19,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.device.row_cache import extracted, merged, supported
 
 
 @dataclass
@@ -51,22 +59,23 @@ def last_logits(model: Any, tokens: mx.array, cache: list[Any],
 
 
 def spans_supported(model: Any, max_kv_size: int | None) -> bool:
-    """Spans need plain KV caches (rotating, quantized and state caches are not handled)."""
-    return all(type(layer) is KVCache for layer in make_prompt_cache(model, max_kv_size))
+    """Spans need caches that merge into a batch and take a right-padded chunk: plain KV,
+    sliding windows, state caches and lists of them (quantized KV does not merge)."""
+    return supported(make_prompt_cache(model, max_kv_size))
 
 
 def forward_spans(model: Any, caches: Sequence[Sequence[Any]],
                   spans: Sequence[Sequence[int]]) -> SpanForward:
     """Feed each row its span on top of its own cache, all rows in one forward.
 
-    Rows are merged into one ``BatchKVCache`` per layer (left-padded to the longest
-    history, right-padded to the longest span), so a row's result does not depend on
-    which other rows share the forward: padding is masked, never attended.
+    Rows are merged into one batch cache per layer (left-padded to the longest history,
+    right-padded to the longest span), so a row's result does not depend on which other
+    rows share the forward: padding is masked, never attended, and never enters a state.
     """
     lengths = [len(span) for span in spans]
     width = max(lengths)
     padding = [width - n for n in lengths]
-    layers = [BatchKVCache.merge([row[i] for row in caches]) for i in range(len(caches[0]))]
+    layers = merged(caches)
     if max(padding) > 0:
         for layer in layers:
             layer.prepare(lengths=lengths, right_padding=padding)
@@ -75,5 +84,5 @@ def forward_spans(model: Any, caches: Sequence[Sequence[Any]],
     for layer in layers:
         layer.finalize()
     mx.eval(last, [layer.state for layer in layers])
-    rows = [[layer.extract(i) for layer in layers] for i in range(len(spans))]
+    rows = [extracted(layers, i) for i in range(len(spans))]
     return SpanForward(last, rows)

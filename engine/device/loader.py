@@ -7,6 +7,7 @@ with). ``build_lanes`` makes the batch and serial lanes over the loaded model.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from engine.core.footprint import LayerFootprint, ModelFootprint
 from engine.core.lane import Lane, LaneKind
 from engine.core.memory import MemoryBounds, resident_bytes, resolve_bounds
 from engine.core.prefix_cache import PrefixStore
+from engine.core.stats import SpeedUp
 from engine.device.architecture import architecture_module, read_model_config
 from engine.device.batch_lane import BatchLane
 from engine.device.cache_layout import footprint_of
@@ -34,12 +36,16 @@ from engine.device.memory import (
     weights_bytes,
 )
 from engine.device.padding_probe import KNOWN_DIVERGENT, batch_divergence
-from engine.device.prefix_reuse import PrefixReuse, reuse_policy
+from engine.device.prefix_disk import PrefixDisk, disk_key
+from engine.device.prefix_reuse import OFF, PrefixReuse, reuse_policy
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
+from engine.device.speedups import report
 from engine.device.weight_policy import WeightChoice, apply_weight_policy
 from engine.errors import InvalidModelError
 from engine.requests.constraints.grammar import GrammarCompiler
+
+log = logging.getLogger("engine")
 
 
 @dataclass
@@ -53,6 +59,7 @@ class LoadedModel:
     vocab_size: int
     bounds: MemoryBounds
     group: Group | None = None  # set when the model is sharded over a group of ranks
+    path: Path | None = None  # the model's directory (the disk tier's key reads its files)
     # The CPU weight policy's choice (weight_policy.py).
     weights: WeightChoice = field(default_factory=lambda: WeightChoice("", ""))
 
@@ -65,6 +72,8 @@ class Lanes:
     serial: SerialLane
     store: PrefixStore
     channel: Channel | None = None  # sharded: rank 0's messages to the other ranks
+    disk_dir: str | None = None  # prefix_cache_dir as asked
+    disk_off: str = ""  # why it is not used, when asked for
     # Rank 0 of a sharded engine: the lanes the loop drives (engine.distributed.replicate).
     replicated: dict[LaneKind, Lane] = field(default_factory=dict)
 
@@ -74,6 +83,18 @@ class Lanes:
         if found is not None:
             return found
         return self.batch if kind is LaneKind.BATCH else self.serial
+
+    def speedups(self, *, serial: bool) -> tuple[SpeedUp, ...]:
+        """What fast-forward, speculation and prefix reuse do on this model's caches, or
+        why they are off (``serial``: every row runs on the serial lane)."""
+        batch = self.batch
+        fast_forward_asked, speculation_asked = batch.asked
+        return report(batch.cache_kinds, serial=serial, fast_forward=batch.fast_forward,
+                      fast_forward_asked=fast_forward_asked, speculation=batch.speculation,
+                      speculation_asked=speculation_asked, trims=batch.trims,
+                      reuse_policy=batch.reuse.policy, reuse_bytes=self.store.max_bytes,
+                      sharded=self.channel is not None, disk=self.disk_dir,
+                      disk_off=None if batch.reuse.disk is not None else self.disk_off)
 
     def rows_held(self) -> dict[str, int]:
         """Rows each lane holds now (the local lanes; a probe's ``TurnReport``)."""
@@ -88,10 +109,26 @@ class Lanes:
         """MLX's allocator now: bytes in live arrays, bytes it keeps cached for reuse."""
         return device_memory()
 
-    @staticmethod
-    def release_memory() -> None:
-        """Give freed buffers back to the OS (call only when no row runs)."""
+    def release_memory(self) -> None:
+        """Nothing runs: hand stored prefixes to the disk writer, give freed buffers back
+        to the OS."""
+        self.batch.reuse.flush()
         release_free_memory()
+
+    def close(self) -> None:
+        """The engine is going away: finish writing stored prefixes to disk."""
+        self.batch.reuse.close()
+
+    def disk_figures(self) -> dict[str, int]:
+        """The disk tier's numbers as ``EngineStats`` fields (zeros without one)."""
+        disk = self.batch.reuse.disk
+        if disk is None:
+            return {}
+        return {"prefix_disk_hits": disk.stats.hits,
+                "prefix_disk_hit_tokens": disk.stats.hit_tokens,
+                "prefix_disk_written": disk.stats.written,
+                "prefix_disk_skipped": disk.stats.skipped,
+                "prefix_disk_bytes": disk.nbytes, "prefix_disk_entries": len(disk)}
 
 
 def load_model(path: Path, config: EngineConfig, group: Group | None = None,
@@ -132,7 +169,8 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
     vocab = int(logits.shape[-1])
     footprint = ModelFootprint.of(layers, context_limit, _batch_divergence(model, stream, layers))
     bounds = memory_bounds(model, config)
-    return LoadedModel(model, tokenizer, footprint, stream, vocab, bounds, group, weights)
+    return LoadedModel(model, tokenizer, footprint, stream, vocab, bounds, group, Path(path),
+                       weights)
 
 
 def _batch_divergence(model: Any, stream: Any, layers: list[LayerFootprint]) -> list[str]:
@@ -171,14 +209,28 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
     store = PrefixStore(0 if sharded else loaded.bounds.prefix_cache_bytes,
                         config.prefix_cache_ttl,
                         min_tokens=config.prefix_min_tokens)
-    reuse = PrefixReuse(store, reuse_policy(loaded.footprint))
+    policy = reuse_policy(loaded.footprint)
+    disk = None
+    disk_off = ("sharded engine" if sharded else "prefix_cache_bytes=0" if store.max_bytes <= 0
+                else "prefix_cache_disk_bytes=0" if config.prefix_cache_disk_bytes <= 0
+                else "no prefix reuse on this model's caches" if policy == OFF else "")
+    if config.prefix_cache_dir is not None and not disk_off and loaded.path is not None:
+        layout = make_prompt_cache(loaded.model, config.max_kv_size)
+        try:
+            disk = PrefixDisk(Path(config.prefix_cache_dir), disk_key(loaded.path, layout),
+                              config.prefix_cache_disk_bytes, config.prefix_min_tokens)
+        except OSError as exc:  # a directory that cannot be made or read: memory only
+            log.warning("prefix cache: %s cannot hold prefixes (%r); memory only",
+                        config.prefix_cache_dir, exc)
+            disk_off = f"cannot use the directory ({exc.strerror or exc})"
+    reuse = PrefixReuse(store, policy, disk)
     batch = BatchLane(loaded.model, loaded.stream, compiler, samplers, reuse,
                       max_batch=config.max_batch, prefill_batch=config.prefill_batch,
                       prefill_chunk=config.prefill_chunk, max_kv_size=config.max_kv_size,
                       fast_forward=config.fast_forward, speculation=config.speculation)
     serial = SerialLane(loaded.model, loaded.stream, compiler, samplers, config.max_kv_size,
                         config.prefill_chunk, fast_forward=config.fast_forward)
-    lanes = Lanes(batch, serial, store)
+    lanes = Lanes(batch, serial, store, disk_dir=config.prefix_cache_dir, disk_off=disk_off)
     if loaded.group is None:
         return lanes
     channel = lanes.channel = Channel(loaded.group, loaded.stream)

@@ -21,7 +21,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
-from mlx_lm.models.cache import BatchKVCache, TokenBuffer
+from mlx_lm.models.cache import TokenBuffer
+
+from engine.device.row_cache import merged
 
 _BATCH_FIELDS = ("_next_tokens", "_next_logprobs", "_token_context", "_num_tokens",
                  "_matchers", "_current_tokens", "_current_logprobs")
@@ -53,8 +55,7 @@ def join_decoding(generator: BatchGenerator, caches: Sequence[Sequence[Any]],
     joining = GenerationBatch(generator.model, [], None, [], [], [], generator.sampler,
                               [], [], [])
     joining.uids = uids
-    joining.prompt_cache = [BatchKVCache.merge([row[i] for row in caches])
-                            for i in range(len(caches[0]))]
+    joining.prompt_cache = merged(caches)  # each layer's own batch kind
     joining.tokens = [list(history) for history in histories]
     joining.samplers = list(samplers)
     joining.logits_processors = [tuple(p) for p in processors]
@@ -68,3 +69,17 @@ def join_decoding(generator: BatchGenerator, caches: Sequence[Sequence[Any]],
     joining._matchers = [stops.matcher() for _ in range(rows)]
     generator._generation_batch.extend(joining)
     return uids
+
+
+def next_inputs(generator: BatchGenerator, uids: Sequence[int]) -> dict[int, int]:
+    """The token each decoding row's next step would feed: the generator sampled it in
+    the step that returned the row's last token (mlx-lm runs one step ahead)."""
+    batch = generator._generation_batch
+    index = {uid: i for i, uid in enumerate(batch.uids)}
+    chosen: list[int] = batch._next_tokens.tolist()
+    return {uid: int(chosen[index[uid]]) for uid in uids}
+
+
+def decoding(generator: BatchGenerator, uid: int) -> bool:
+    """Whether the row is in the decoding batch (not queued or prefilling a segment)."""
+    return uid in generator._generation_batch.uids

@@ -1,23 +1,42 @@
-"""Prompt-lookup speculation for greedy rows while few rows run.
+"""Prompt-lookup speculation for greedy rows while few rows run, on every cache kind.
 
 At low load a batch step is one row's forward, and most of its cost is reading the
 weights, not the tokens: checking eight drafted tokens costs little more than decoding
-one. A speculating row leaves mlx-lm's generator and is decoded here on its own KV cache:
-each step feeds its last token and a draft (``engine.core.drafts``), keeps the drafted tokens
-the model's own greedy choice agrees with plus the model's next token, and trims the
-rejected ones from its cache. Greedy output is the model's argmax at every position,
-as without speculation. A row whose drafts stop being accepted returns to the generator.
+one. A speculating row leaves mlx-lm's generator and is decoded here on its own cache:
+each step feeds its last token and a draft (``engine.core.drafts``), keeps the drafted
+tokens the model's own greedy choice agrees with plus the model's next token, and takes
+the rejected ones back out of its cache. Greedy output is the model's argmax at every
+position, as without speculation. A row whose drafts stop being accepted returns to the
+generator.
+
+Taking rejected tokens back, by cache kind (``engine.device.row_cache``):
+
+- plain KV and sliding windows are trimmed: a multi-token forward keeps the window the
+  last kept token needs, so trimming the rejected keys is exact (``trimmed``);
+- state caches (SSM, linear attention, convolutions) cannot forget tokens: the state
+  before the forward is kept (``Rollback``, no copy) and restored, and the tokens that
+  were right are fed again at the front of the next step's forward (the row's
+  ``backlog``), so a rejection costs a few more tokens in one forward, not a forward.
+
+Constrained rows speculate too: the tokens their grammar forces lead the draft, the
+prompt-lookup part is cut where the grammar would refuse it (llguidance's
+``validate_tokens``), each position's logits are masked as decoding would mask them,
+and the matcher is rolled back to what the model accepted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from engine.core.drafts import Acceptance, lookup_draft
 from engine.core.lane import LaneRow, RowToken
+from engine.device.row_cache import Rollback, trimmed
+from engine.device.sampling import unpack_bitmask
+from engine.requests.constraints.grammar import RowGrammar
 
 # Tokens drafted per check. Measured here (SmolLM2-135M f32, 2 cores): a one-token
 # forward ~85 ms, seven tokens ~150 ms, so a check pays from about one accepted token.
@@ -27,46 +46,126 @@ DRAFT_TOKENS = 6
 # B rows steps each row for less, so the bar rises with B.
 ACCEPTANCE_FLOOR = 1.2
 IDLE_CHECKS = 2  # steps without a draft after which a row goes back to the generator
+# Tokens a state-cache row may carry to feed again before it checks no draft for a step
+# (which feeds them for good): bounds the extra width of its forwards.
+MAX_BACKLOG = 2 * DRAFT_TOKENS
 
 
 @dataclass
 class SpeculatingRow:
-    """A row decoded outside the generator: its cache and the token not yet fed."""
+    """A row decoded outside the generator: its cache and the tokens not yet in it."""
 
     row: LaneRow
     cache: list[Any]
     history: list[int]  # the tokens its cache holds
-    pending: int  # the last token, decided but not yet fed
+    pending: int  # the last token, decided (and reported) but not yet fed
     acceptance: Acceptance
     idle: int = 0  # consecutive steps without a draft
+    trims: bool = True  # rejected tokens are trimmed; else the cache is rolled back
+    # Decided and reported, fed by a forward that was rolled back: fed before ``pending``.
+    backlog: list[int] = field(default_factory=list)
+    grammar: RowGrammar | None = None  # a constrained row's matcher, ``pending`` consumed
+    words: int = 0  # the grammar's bitmask width (32-bit words)
+
+    @property
+    def unfed(self) -> list[int]:
+        """Everything decided that the cache does not hold yet, in order."""
+        return [*self.backlog, self.pending]
 
 
 def eligible(row: LaneRow) -> bool:
-    """Rows whose next token is the plain argmax: nothing else changes the logits."""
+    """Rows whose next token is the plain (or grammar-masked) argmax: nothing else changes
+    the logits, and no logprobs are asked for."""
     params = row.params
-    return (params.greedy and params.constraint is None and not params.logits_processors
+    return (params.greedy and not params.logits_processors
             and params.repetition_penalty is None and not params.logprobs)
 
 
 def speculate(model: Any, spec: SpeculatingRow, budget: int) -> list[RowToken]:
-    """One step of one row: feed its last token and a draft, keep what the model agrees
-    with and the model's own next token (at most ``budget`` tokens in all)."""
-    draft = lookup_draft([*spec.history, spec.pending], min(DRAFT_TOKENS, budget - 1))
-    spec.idle = 0 if draft else spec.idle + 1
-    fed = [spec.pending, *draft]
-    logits = model(mx.array([fed]), cache=spec.cache)
-    choices: list[int] = mx.argmax(logits[0], axis=-1).tolist()  # type: ignore[assignment]
+    """One step of one row: feed what it has decided and a draft, keep what the model
+    agrees with and the model's own next token (at most ``budget`` tokens in all)."""
+    request_id = spec.row.request_id
+    grammar = spec.grammar
+    if grammar is not None and grammar.done:
+        return []  # its last token completed the grammar: the row ends on it
+    forced = _forced(grammar, budget - 1)
+    out = [RowToken(request_id, token, forced=True, grammar_done=done)
+           for token, done in forced]
+    if forced and forced[-1][1]:
+        return out  # the grammar is complete: the row ends on its last forced token
+    span = [token for token, _ in forced]
+    room = 0 if len(spec.backlog) >= MAX_BACKLOG else min(DRAFT_TOKENS, budget - 1 - len(span))
+    draft = lookup_draft([*spec.history, *spec.unfed, *span], room)
+    if grammar is not None and draft:
+        draft = draft[:grammar.validate(draft)]
+    spec.idle = 0 if draft or span else spec.idle + 1
+    fed = [*spec.unfed, *span, *draft]
+    checked = len(spec.backlog) + len(span)  # logits from here on choose tokens
+    mark = None if spec.trims or not draft else Rollback.of(spec.cache)
+    logits = model(mx.array([fed]), cache=spec.cache)[0, checked:]
+    choices = _choices(logits, grammar, draft, spec.words)
     accepted = 0
     while accepted < len(draft) and choices[accepted] == draft[accepted]:
         accepted += 1
-    if draft:
-        spec.acceptance.record(accepted)
-    rejected = len(draft) - accepted
-    if rejected:
-        for layer in spec.cache:
-            layer.trim(rejected)
+    if draft or span:
+        spec.acceptance.record(accepted + len(span))
     kept = [*draft[:accepted], choices[accepted]]
-    spec.history += fed[:1 + accepted]
+    done_after = _consume(grammar, kept)
+    rejected = len(draft) - accepted
+    known = fed[:len(fed) - rejected]  # every fed token that stays true
+    if rejected and mark is not None:
+        mark.restore(spec.cache)  # the state as before this forward: feed ``known`` again
+        spec.backlog = known
+    else:
+        trimmed(spec.cache, rejected)
+        spec.history += known
+        spec.backlog = []
     spec.pending = kept[-1]
-    request_id = spec.row.request_id
-    return [RowToken(request_id, token, drafted=i < accepted) for i, token in enumerate(kept)]
+    return out + [RowToken(request_id, token, drafted=i < accepted, grammar_done=done)
+                  for i, (token, done) in enumerate(zip(kept, done_after))]
+
+
+def _forced(grammar: RowGrammar | None, limit: int) -> list[tuple[int, bool]]:
+    """The tokens the row's grammar forces next, consumed (they are certain), each with
+    whether the grammar is complete after it."""
+    if grammar is None or limit <= 0:
+        return []
+    span = []
+    for token in grammar.forced(limit):
+        grammar.consume(token)
+        span.append((token, grammar.done))
+    return span
+
+
+def _choices(logits: mx.array, grammar: RowGrammar | None, draft: list[int],
+             words: int) -> list[int]:
+    """The greedy choice at each checked position, masked as decoding would mask it.
+
+    A constrained row's mask at position ``i`` is its matcher's after the first ``i``
+    draft tokens: they are consumed to fill it, then rolled back (the caller consumes
+    what was accepted).
+    """
+    if grammar is None:
+        return mx.argmax(logits, axis=-1).tolist()  # type: ignore[return-value]
+    bitmask = np.zeros((len(draft) + 1, words), dtype=np.int32)
+    mark = grammar.mark()
+    for i in range(len(draft) + 1):
+        grammar.fill(bitmask, i)  # a complete grammar's mask allows only the end
+        if i < len(draft) and not grammar.done:
+            grammar.consume(draft[i])
+    grammar.rollback(mark)
+    allowed = unpack_bitmask(bitmask, logits.shape[-1])
+    masked = mx.where(allowed, logits[: len(draft) + 1], -mx.inf)
+    return mx.argmax(masked, axis=-1).tolist()  # type: ignore[return-value]
+
+
+def _consume(grammar: RowGrammar | None, tokens: list[int]) -> list[bool]:
+    """Feed the kept tokens to the matcher; whether it is complete after each."""
+    if grammar is None:
+        return [False] * len(tokens)
+    done = []
+    for token in tokens:
+        if not grammar.done:  # tokens after completion are dropped where the row ends
+            grammar.consume(token)
+        done.append(grammar.done)
+    return done

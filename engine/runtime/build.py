@@ -88,6 +88,8 @@ def compose_core(built: BuiltModel, config: EngineConfig, book: StatsBook,
     book.set(kv_budget_bytes=bounds.kv_budget_bytes, prefix_cache_limit_bytes=store.max_bytes,
              buffer_cache_limit_bytes=bounds.buffer_cache_bytes, loaded=True,
              batch_mode=scheduler.mode.value, context_limit=built.model.footprint.context_limit,
+             cache_kinds=lanes.batch.cache_kinds,
+             speedups=lanes.speedups(serial=scheduler.mode is BatchMode.SERIAL),
              **built.model.weights.stats())
     if scheduler.mode is BatchMode.SERIAL:
         log.warning("model caches (%s) cannot batch: requests run one at a time",

@@ -196,6 +196,12 @@ class Runtime:
             self._die(exc)
         finally:
             self._loaded.set()
+            composition = self.composition
+            if composition is not None:  # stored prefixes still on their way to disk
+                try:
+                    composition.built.lanes.close()
+                except Exception:
+                    log.exception("closing the lanes failed")
             if self._touched_mlx:
                 from engine.device.loader import release_streams
 

@@ -129,7 +129,8 @@ class Turns:
             prefix_hit_tokens=store.stats.hit_tokens,
             prefix_evictions=store.stats.evictions + store.stats.expirations,
             prefix_bytes=store.nbytes, prefix_entries=len(store),
-            mlx_active_bytes=active, mlx_cache_bytes=cached, resident_bytes=resident_bytes())
+            mlx_active_bytes=active, mlx_cache_bytes=cached, resident_bytes=resident_bytes(),
+            **lanes.disk_figures())
 
 
 def embedding_figures(embeddings: EmbeddingService) -> dict[str, Any]:

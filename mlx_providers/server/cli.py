@@ -38,6 +38,7 @@ _ENGINE_OPTIONS: dict[str, Callable[[str], Any]] = {
     "max_kv_size": int, "prefix_cache_bytes": _byte_count("auto"),
     "buffer_cache_bytes": _byte_count("auto"), "prefix_cache_ttl": float,
     "shard": str, "distributed_timeout": float, "admission_window": float,
+    "prefix_cache_dir": str, "prefix_cache_disk_bytes": _byte_count(),
 }
 # Where the server's default differs from the engine's: HTTP requests sent together reach
 # the engine spread over tens of ms (16 concurrent SDK streams here: ~20 ms), so an idle

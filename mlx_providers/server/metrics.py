@@ -2,7 +2,8 @@
 
 Each app has its own ``CollectorRegistry``, so several apps (tests, mounted twice) never
 collide. Engine numbers (running and pending rows, batch width, tokens, prefix-cache hits,
-KV bytes) are read from ``Engine.stats()`` when Prometheus scrapes, never copied.
+KV bytes) are read from ``Engine.stats()`` when Prometheus scrapes, never copied, and so
+is which speed-ups are on for each model's cache kinds (``mlx_engine_speedup``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class _EngineCollector(Collector):
             "kv_bytes_projected": ("mlx_engine_kv_bytes",
                                    "Worst-case KV bytes of the running rows."),
             "prefix_bytes": ("mlx_engine_prefix_cache_bytes", "KV bytes the prefix cache holds."),
+            "prefix_disk_bytes": ("mlx_engine_prefix_disk_bytes",
+                                  "Bytes of prefix entries on disk (prefix_cache_dir)."),
             # Memory against its bound (docs/memory.md): what is held, then what may be.
             "mlx_active_bytes": ("mlx_engine_mlx_active_bytes",
                                  "Bytes in MLX's live arrays (weights, KV, prefix store)."),
@@ -62,6 +65,12 @@ class _EngineCollector(Collector):
             "prompt_tokens": ("mlx_engine_prompt_tokens", "Prompt tokens admitted for prefill."),
             "prefix_hit_tokens": ("mlx_engine_prefix_cache_hit_tokens",
                                   "Prompt tokens not prefilled thanks to the prefix cache."),
+            "prefix_disk_hit_tokens": ("mlx_engine_prefix_disk_hit_tokens",
+                                       "Prompt tokens read back from disk, not prefilled."),
+            "prefix_disk_written": ("mlx_engine_prefix_disk_written_entries",
+                                    "Prefix entries written to disk."),
+            "prefix_disk_skipped": ("mlx_engine_prefix_disk_skipped_files",
+                                    "Prefix files refused (short, altered, another model)."),
             "steps": ("mlx_engine_steps", "Engine steps."),
             # The engine's own request outcomes (HTTP outcomes are mlx_server_requests).
             "completed": ("mlx_engine_completed_requests", "Requests that finished."),
@@ -89,6 +98,16 @@ class _EngineCollector(Collector):
             for model, stats in snapshots.items():
                 counter.add_metric([model], float(getattr(stats, field)))
             families.append(counter)
+        speedups = GaugeMetricFamily(
+            "mlx_engine_speedup", "1 if the speed-up is on for the model's caches, else 0; "
+            "detail says how it works on them, or why it is off.",
+            labels=["model", "speedup", "cache_kinds", "detail"])
+        for model, stats in snapshots.items():
+            kinds = ",".join(stats.cache_kinds)
+            for speedup in stats.speedups:
+                speedups.add_metric([model, speedup.name, kinds, speedup.detail],
+                                    1.0 if speedup.on else 0.0)
+        families.append(speedups)
         yield from families
 
 

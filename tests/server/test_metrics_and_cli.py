@@ -101,7 +101,12 @@ def test_the_memory_bounds_take_bytes_auto_or_none() -> None:
     for built in (config("--kv-budget-bytes", "none", "--prefix-cache-bytes", "0"),
                   config("--buffer-cache-bytes", "4096")):
         EngineConfig(**built)  # what serve() builds is a valid config
-    for bad in (["--kv-budget-bytes", "lots"], ["--prefix-cache-bytes", "none"]):
+    on_disk = config("--prefix-cache-dir", "/tmp/prefixes", "--prefix-cache-disk-bytes", "4096")
+    assert (on_disk["prefix_cache_dir"], on_disk["prefix_cache_disk_bytes"]) == (
+        "/tmp/prefixes", 4096)
+    EngineConfig(**on_disk)
+    for bad in (["--kv-budget-bytes", "lots"], ["--prefix-cache-bytes", "none"],
+                ["--prefix-cache-disk-bytes", "auto"]):
         with pytest.raises(SystemExit):  # argparse names the option and exits 2
             parser().parse_args(["serve", *bad])
 

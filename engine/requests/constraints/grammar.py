@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -137,6 +139,14 @@ class GrammarCompiler:
         return self._token_bytes
 
 
+@dataclass(frozen=True)
+class GrammarMark:
+    """A row grammar's position: tokens consumed, and its string-loop guard then."""
+
+    consumed: int
+    repeats: StringRepeats | None
+
+
 class RowGrammar:
     """One row's matcher: consume sampled tokens, fill the next-token mask."""
 
@@ -146,6 +156,7 @@ class RowGrammar:
         self._matcher: Any = matcher
         self.repeats = repeats  # refuses loops inside JSON strings, None for other grammars
         self.started = False  # the first sampler call sees the prompt's last token
+        self._consumed = 0  # tokens consumed so far (what ``rollback`` counts back to)
         compiler.live_matchers += 1
 
     def consume(self, token: int) -> None:
@@ -153,8 +164,28 @@ class RowGrammar:
             raise InvalidConstraintError(
                 f"token {token} violates the constraint: {self._matcher.get_error()}"
             )
+        self._consumed += 1
         if self.repeats is not None:
             self.repeats.advance(token)
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts from here (none consumed)."""
+        return int(self._matcher.validate_tokens(list(tokens)))
+
+    def mark(self) -> GrammarMark:
+        """The matcher's position now, to roll back to (speculation consumes a draft to
+        fill each position's mask, then keeps only what the model accepted)."""
+        return GrammarMark(self._consumed,
+                           self.repeats.copy() if self.repeats is not None else None)
+
+    def rollback(self, mark: GrammarMark) -> None:
+        """Undo every token consumed since ``mark``."""
+        undo = self._consumed - mark.consumed
+        if undo > 0 and not self._matcher.rollback(undo):
+            raise InvalidConstraintError(f"cannot roll back {undo} tokens: "
+                                         f"{self._matcher.get_error()}")
+        self._consumed = mark.consumed
+        self.repeats = mark.repeats
 
     def forced(self, limit: int) -> list[int]:
         """The tokens the grammar alone decides next (at most ``limit``), not consumed.

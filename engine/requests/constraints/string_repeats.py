@@ -38,6 +38,15 @@ class StringRepeats:
         self._span: list[int] = []  # tokens of the string being written
         self._followers: dict[tuple[int, ...], set[int]] = {}  # (n-1)-gram -> next tokens
 
+    def copy(self) -> StringRepeats:
+        """An independent copy of the state (a grammar's rollback point)."""
+        twin = StringRepeats.__new__(StringRepeats)
+        twin._token_bytes, twin._ngram = self._token_bytes, self._ngram
+        twin._in_string, twin._escaped = self._in_string, self._escaped
+        twin._span = list(self._span)
+        twin._followers = {key: set(value) for key, value in self._followers.items()}
+        return twin
+
     @property
     def in_string(self) -> bool:
         """Whether the output so far ends inside an open JSON string."""
