@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from engine.requests.constraints.forced_calls import arguments_schema, chosen_tools
 from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
+from engine.requests.dialects.scanning import first_marker, partial_suffix
 from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.channels import CONTENT, REASONING, TOOL, Splitter
 
@@ -94,9 +95,9 @@ class HarmonySplitter:
             if not self._in_body:
                 buffer = self._read_header(buffer, pieces)
                 continue
-            index, marker = _first(buffer, _BODY_ENDS)
+            index, marker = first_marker(buffer, _BODY_ENDS)
             if index < 0:
-                keep = _partial_suffix(buffer, _BODY_ENDS)
+                keep = partial_suffix(buffer, _BODY_ENDS)
                 body, self._held = buffer[:len(buffer) - keep], buffer[len(buffer) - keep:]
                 if body:
                     pieces.append((self._channel, body))
@@ -156,17 +157,3 @@ class HarmonySplitter:
             pieces.append((channel, ""))
 
 
-def _first(text: str, markers: Sequence[str]) -> tuple[int, str]:
-    found = [(text.find(m), m) for m in markers if m in text]
-    return min(found) if found else (-1, "")
-
-
-def _partial_suffix(text: str, markers: Sequence[str]) -> int:
-    """Characters at the end of ``text`` that may be the start of a marker."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:n]):
-                best = n
-                break
-    return best

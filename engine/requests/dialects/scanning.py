@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from engine.requests.outbound.text import partial_suffix
+
+__all__ = ["JsonEnd", "first_marker", "partial_suffix"]
+
 
 def first_marker(text: str, markers: Sequence[str]) -> tuple[int, str]:
     """(offset, marker) of the earliest marker in ``text``; (-1, "") when none is there.
@@ -18,18 +22,6 @@ def first_marker(text: str, markers: Sequence[str]) -> tuple[int, str]:
             continue
         if best[0] < 0 or index < best[0] or (index == best[0] and len(marker) > len(best[1])):
             best = (index, marker)
-    return best
-
-
-def partial_suffix(text: str, markers: Sequence[str]) -> int:
-    """Characters at the end of ``text`` that may be the start of a marker: held back until
-    the next text says whether the marker is there (markers arrive split across tokens)."""
-    best = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:n]):
-                best = n
-                break
     return best
 
 

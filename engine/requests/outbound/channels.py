@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from engine.requests.outbound.text import partial_suffix
+
 CONTENT = "content"
 REASONING = "reasoning"
 TOOL = "tool"
@@ -84,10 +86,4 @@ class ChannelSplitter:
         return best
 
     def _partial_suffix(self, buffer: str) -> int:
-        best = 0
-        for marker, _ in self._candidates():
-            for n in range(min(len(marker) - 1, len(buffer)), best, -1):
-                if buffer.endswith(marker[:n]):
-                    best = n
-                    break
-        return best
+        return partial_suffix(buffer, [marker for marker, _ in self._candidates()])

@@ -7,6 +7,7 @@ output and is released.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 
@@ -62,7 +63,7 @@ class RowText:
             self._held = ""
             out = buffer[:cut]
         else:
-            keep = _partial_stop_suffix(buffer, self._stop)
+            keep = partial_suffix(buffer, self._stop)
             out, self._held = buffer[: len(buffer) - keep], buffer[len(buffer) - keep :]
         self.text += out
         return out
@@ -73,12 +74,13 @@ def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
     return min(positions) if positions else None
 
 
-def _partial_stop_suffix(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+def partial_suffix(text: str, markers: Sequence[str]) -> int:
+    """Characters at the end of ``text`` that may be the start of a marker (a stop string,
+    a channel or call marker): held back until the next text says whether it is there."""
     best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:n]):
                 best = n
                 break
     return best
