@@ -17,6 +17,11 @@ from engine.requests.inbound.tool_prompts import TOOL_CALL_END, TOOL_CALL_START
 from engine.requests.inbound.tool_specs import ToolSpec
 
 # Compact JSON with fixed separators: the grammar then decides every separator.
+# Numbers a forced call writes outside JSON (XML values, Gemma's call syntax): at most 16
+# digits a part, so a forced value always ends.
+BOUNDED_INTEGER = "/-?(0|[1-9][0-9]{0,15})/"
+BOUNDED_NUMBER = "/-?(0|[1-9][0-9]{0,15})(\\.[0-9]{1,16})?/"
+
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

@@ -18,7 +18,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.requests.constraints.forced_calls import chosen_tools, separated
+from engine.requests.constraints.forced_calls import (
+    BOUNDED_INTEGER,
+    BOUNDED_NUMBER,
+    chosen_tools,
+    separated,
+)
 from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
 from engine.requests.dialects.xml_calls import main_type
 from engine.requests.inbound.tool_specs import ToolSpec
@@ -27,8 +32,6 @@ from engine.requests.outbound.channels import TOOL
 QUOTE = '<|"|>'
 # A string's text stops at "<", so it can never write the bytes of a quote token.
 _TEXT = "/[^<]+/"
-_INTEGER = "/-?(0|[1-9][0-9]{0,15})/"
-_NUMBER = "/-?(0|[1-9][0-9]{0,15})(\\.[0-9]{1,16})?/"
 
 
 class Gemma4(Dialect):
@@ -76,9 +79,9 @@ class GemmaValues:
             item = self._rule(self.of(schema.get("items") or {}))
             return f'"[" ({item} ("," {item})*)? "]"'
         if kind == "integer":
-            return _INTEGER
+            return BOUNDED_INTEGER
         if kind == "number":
-            return _NUMBER
+            return BOUNDED_NUMBER
         if kind == "boolean":
             return '("true" | "false")'
         return f"{self.quote} {_TEXT}? {self.quote}"  # strings, and what has no one type

@@ -24,7 +24,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.requests.constraints.forced_calls import chosen_tools, compact_schema
+from engine.requests.constraints.forced_calls import (
+    BOUNDED_INTEGER,
+    BOUNDED_NUMBER,
+    chosen_tools,
+    compact_schema,
+)
 from engine.requests.dialects.call_blocks import CallBlockSplitter
 from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
 from engine.requests.dialects.xml_calls import XmlCallWriter, main_type
@@ -34,8 +39,6 @@ from engine.requests.outbound.channels import CONTENT, TOOL, Splitter
 # Forced values end: a string is one line without "<" (its lexeme must not run into the
 # closing tag); numbers have at most 16 digits a part, so a forced value always ends.
 _ONE_LINE = "/[^<\\n]+/"
-_INTEGER = "/-?(0|[1-9][0-9]{0,15})/"
-_NUMBER = "/-?(0|[1-9][0-9]{0,15})(\\.[0-9]{1,16})?/"
 
 
 class QwenXml(Dialect):
@@ -93,9 +96,9 @@ def xml_value(schema: Mapping[str, Any]) -> str:
     if kind == "string" or not schema:
         return _ONE_LINE
     if kind == "integer":
-        return _INTEGER
+        return BOUNDED_INTEGER
     if kind == "number":
-        return _NUMBER
+        return BOUNDED_NUMBER
     if kind == "boolean":
         return '("true" | "false")'
     return f"%json {json.dumps(compact_schema(dict(schema)))}"
