@@ -225,3 +225,24 @@ def embedding_engine(tiny_model_dir: Path, embedding_model_dir: Path) -> Iterato
     eng.embed(["warm up"], embedding_model_dir).result(timeout=120)  # loads the encoder once
     yield eng
     eng.close()
+
+
+# Whole files that `make check` (the edit loop) leaves to `make test`: subprocess exits,
+# fuzzing, soaks, the architecture and family matrices, the real default model's heavy cases.
+SLOW_FILES = frozenset({
+    "tests/engine/test_clean_exit.py", "tests/engine/test_load_failures.py",
+    "tests/engine/test_killed_conversion.py", "tests/engine/test_fuzz_engine.py",
+    "tests/engine/test_soak.py", "tests/engine/test_architectures.py",
+    "tests/engine/test_bench.py", "tests/engine/test_device_memory.py",
+    "tests/engine/test_cache_kinds.py", "tests/engine/test_prefix_disk.py",
+    "tests/server/test_fuzz_server.py", "tests/server/test_memory_bounds.py",
+    "tests/adapters/test_fuzz_adapters.py", "tests/adapters/test_langchain_standard.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+    for item in items:
+        where = Path(str(item.path)).relative_to(root).as_posix()
+        if where in SLOW_FILES or where.startswith("tests/families/"):
+            item.add_marker(pytest.mark.slow)
