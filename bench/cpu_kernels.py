@@ -22,10 +22,11 @@ import statistics
 import time
 from collections.abc import Callable
 
-import mlx.core as mx
-
-import engine  # noqa: F401 - the fast BLAS before mlx
+import engine  # noqa: F401 - the fast BLAS before mlx (else MLX's float32 runs slow)
 from engine.device import cpu_kernels
+
+# isort: split
+import mlx.core as mx
 
 SHAPES = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576),
           "gate/up_proj": (1536, 576), "down_proj": (576, 1536), "lm_head (tied)": (49152, 576)}
