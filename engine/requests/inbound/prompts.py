@@ -1,8 +1,9 @@
 """Turning a request's prompt into token ids with the model's tokenizer and chat template.
 
 Chat messages are rendered with ``add_generation_prompt=True``; tools go through the
-template's ``tools=`` when it renders them, otherwise into the system message. No model,
-no mlx.
+template's ``tools=`` when it renders them, otherwise into the system message, which is
+folded into the first user turn where the template refuses system messages (Gemma 2/3's).
+No model, no mlx.
 """
 
 from __future__ import annotations
@@ -38,6 +39,26 @@ def chat_dicts(prompt: Any) -> list[ChatMessage]:
     return template_messages(messages)
 
 
+def with_system_in_first_user_turn(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """The leading system messages' text put before the first user turn's (as Gemma 3's
+    own template does with a system prompt), for templates that refuse system messages."""
+    leading = 0
+    while leading < len(messages) and messages[leading].get("role") == "system":
+        leading += 1
+    system = "\n\n".join(str(m.get("content") or "") for m in messages[:leading]).strip()
+    rest = [dict(m) for m in messages[leading:]]
+    if not system:
+        return rest
+    if not rest or rest[0].get("role") != "user":
+        return [{"role": "user", "content": system}, *rest]
+    content = rest[0].get("content")
+    if isinstance(content, list):  # content parts: the system text as the first part
+        rest[0]["content"] = [{"type": "text", "text": f"{system}\n\n"}, *content]
+    else:
+        rest[0]["content"] = f"{system}\n\n{content or ''}"
+    return rest
+
+
 @dataclass(frozen=True)
 class EncodedPrompt:
     """A request's prompt as the engine needs it."""
@@ -56,6 +77,7 @@ class PromptRenderer:
         self.vocab_size = vocab_size
         self._renders_tools: bool | None = None
         self._renders_results: bool | None = None
+        self._takes_system: bool | None = None
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text, token ids, or chat messages (rendered with the chat template) -> ids."""
@@ -104,6 +126,8 @@ class PromptRenderer:
                 messages = with_fallback_tool_prompt(messages, tools)
         if has_tool_history(messages) and not self.template_renders_tool_results():
             messages = with_plain_tool_history(messages)
+        if messages and messages[0].get("role") == "system" and not self.template_takes_system():
+            messages = with_system_in_first_user_turn(messages)
         text = self.chat_text(messages, **kwargs)
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if not ids:
@@ -156,6 +180,18 @@ class PromptRenderer:
             except Exception:  # a template that refuses tool messages cannot render them
                 self._renders_results = False
         return self._renders_results
+
+    def template_takes_system(self) -> bool:
+        """Whether the chat template renders a system message (probed once): Gemma 2's
+        and Gemma 3's stand-in raise "System role not supported"."""
+        if self._takes_system is None:
+            probe = "zz_probe_system_zz"
+            try:
+                self._takes_system = probe in self.chat_text(
+                    [{"role": "system", "content": probe}, {"role": "user", "content": "hi"}])
+            except Exception:  # a template that refuses system messages
+                self._takes_system = False
+        return self._takes_system
 
     def tool_format(self) -> ToolFormat | None:
         """The model family's known tool format, for templates that render no tools."""
