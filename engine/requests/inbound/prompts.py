@@ -25,6 +25,11 @@ from engine.requests.inbound.tool_prompts import (
 from engine.requests.inbound.tool_specs import ToolSpec
 
 
+# The template variables tools are passed in, in order: the standard one, then SmolLM3's
+# (its published template lists ``xml_tools`` in the system prompt and ignores ``tools``).
+TOOL_KEYWORDS = ("tools", "xml_tools")
+
+
 def is_chat(prompt: Any) -> bool:
     """Whether a prompt is chat messages (``Message`` values, or OpenAI dicts)."""
     return not isinstance(prompt, str) and bool(prompt) and all(
@@ -75,7 +80,7 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.vocab_size = vocab_size
-        self._renders_tools: bool | None = None
+        self._renders_tools: dict[str, bool] = {}
         self._renders_results: bool | None = None
         self._takes_system: bool | None = None
 
@@ -118,8 +123,9 @@ class PromptRenderer:
             messages = history(messages)
         kwargs = dict(template_kwargs)
         if tools:
-            if self.template_renders_tools():
-                kwargs["tools"] = [t.as_openai() for t in tools]
+            keyword = next((k for k in TOOL_KEYWORDS if self.template_renders_tools(k)), None)
+            if keyword is not None:
+                kwargs[keyword] = [t.as_openai() for t in tools]
             elif (family := self.tool_format()) is not None:
                 messages = family.rewrite(messages, tools)
             else:
@@ -153,17 +159,18 @@ class PromptRenderer:
         # Only a true token prefix of the whole prompt can be reused as one.
         return len(head) if 0 < len(head) < len(ids) and ids[: len(head)] == head else 0
 
-    def template_renders_tools(self) -> bool:
-        """Whether the chat template shows tools passed as ``tools=`` (probed once)."""
-        if self._renders_tools is None:
+    def template_renders_tools(self, keyword: str = "tools") -> bool:
+        """Whether the chat template shows tools passed as ``keyword`` (``tools=``, or
+        ``xml_tools=`` as SmolLM3's published template reads them), probed once each."""
+        if keyword not in self._renders_tools:
             probe = ToolSpec("zz_probe_tool_zz", "probe")
             message = [{"role": "user", "content": "hi"}]
             try:
-                text = self.chat_text(message, tools=[probe.as_openai()])
-                self._renders_tools = probe.name in text
+                text = self.chat_text(message, **{keyword: [probe.as_openai()]})
+                self._renders_tools[keyword] = probe.name in text
             except Exception:  # a template that chokes on tools cannot render them
-                self._renders_tools = False
-        return self._renders_tools
+                self._renders_tools[keyword] = False
+        return self._renders_tools[keyword]
 
     def template_renders_tool_results(self) -> bool:
         """Whether the chat template shows a ``tool`` message's result (probed once):
