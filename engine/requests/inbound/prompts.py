@@ -24,7 +24,6 @@ from engine.requests.inbound.tool_prompts import (
 )
 from engine.requests.inbound.tool_specs import ToolSpec
 
-
 # The template variables tools are passed in, in order: the standard one, then SmolLM3's
 # (its published template lists ``xml_tools`` in the system prompt and ignores ``tools``).
 TOOL_KEYWORDS = ("tools", "xml_tools")
