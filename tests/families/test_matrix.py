@@ -45,7 +45,9 @@ INFERRED: dict[str, tuple[str | None, str | None]] = {
 CANNOT_RENDER: dict[str, dict[str, str]] = {
     "phi3_5": {"tools": "dropped", "call": "dropped", "result": "dropped"},
     "gemma3": {"tools": "dropped", "call": "dropped", "result": "raises"},
-    "smollm3": {"tools": "dropped (it reads xml_tools / python_tools)", "call": "dropped"},
+    # The sdist's SmolLM3 template (Unsloth's edit) reads neither tools= nor the published
+    # template's xml_tools=: the engine lists tools in the system prompt (SmolLM's format).
+    "smollm3": {"tools": "dropped", "xml_tools": "dropped", "call": "dropped"},
     "lfm2": {"call": "dropped (LFM2 writes calls in the content)"},
     "deepseek_r1_qwen": {"tools": "dropped"},
 }
@@ -69,6 +71,8 @@ def _renders(tokenizer: Any) -> dict[str, str]:
     found: dict[str, str] = {}
     checks = {
         "tools": (question, {"add_generation_prompt": True}, "get_weather"),
+        "xml_tools": (question, {"add_generation_prompt": True, "xml_tools": [WEATHER_TOOL]},
+                      "get_weather"),
         "call": ([*question, tool_call_message()], {}, "Paris"),
         "result": (
             [*question, tool_call_message(), result],
@@ -82,7 +86,7 @@ def _renders(tokenizer: Any) -> dict[str, str]:
         except Exception:  # a template that refuses the history (raise_exception)
             found[what] = "raises"
             continue
-        tail = text.split(QUESTION, 1)[-1] if what != "tools" else text
+        tail = text.split(QUESTION, 1)[-1] if what not in ("tools", "xml_tools") else text
         found[what] = "rendered" if needle in tail else "dropped"
     return found
 
@@ -124,6 +128,7 @@ def test_the_template_renders_a_tool_round_trip_or_fails_as_recorded(
     expected.update(
         {what: how.split(" ")[0] for what, how in CANNOT_RENDER.get(family.name, {}).items()}
     )
+    expected.setdefault("xml_tools", expected["tools"])  # as tools= unless recorded
     assert _renders(family_engine.tokenizer) == expected
 
 

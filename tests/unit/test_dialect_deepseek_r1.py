@@ -17,7 +17,7 @@ from engine.requests.dialects.deepseek_r1 import (
 )
 from engine.requests.dialects.dialect import TokenizerFacts
 from engine.requests.dialects.registry import dialect_for
-from engine.requests.outbound.channels import REASONING, TOOL
+from engine.requests.outbound.channels import CONTENT, REASONING, TOOL
 from engine.requests.outbound.row_channels import RowChannels
 from tests.unit.test_harmony import TOOLS
 
@@ -32,6 +32,7 @@ def call(city: str) -> str:
             f"{CALL_END}")
 
 
+ANSWERED = "Hmm.</think>\n\nIt is sunny.\n\nBye."
 ONE = f"{CALLS_BEGIN}{call('Paris')}{CALLS_END}"
 TWO = f"{CALLS_BEGIN}{call('Paris')}\n{call('Oslo')}{CALLS_END}"
 
@@ -61,9 +62,22 @@ def test_two_calls_in_one_block(by_char: bool) -> None:
     assert channels.content == ""
 
 
-def test_an_answer_is_content() -> None:
-    channels = read("Hmm.</think>\n\nIt is sunny.", by_char=True)
-    assert channels.content.strip() == "It is sunny." and channels.reasoning == "Hmm."
+@pytest.mark.parametrize("by_char", [False, True])
+def test_an_answer_is_content_from_its_first_word(by_char: bool) -> None:
+    # The template's "\n\n" after </think> is layout: content starts with the answer, as
+    # streamed and as a whole; the answer's own line breaks stay.
+    channels = RowChannels(DIALECT.splitter(REASONING), DIALECT.parser, TOOLS)
+    streamed = ""
+    for piece in (list(ANSWERED) if by_char else [ANSWERED]):
+        streamed += channels.feed(piece)[0]
+    streamed += channels.finish()[0]
+    assert channels.reasoning == "Hmm."
+    assert channels.content == streamed == "It is sunny.\n\nBye."
+
+
+def test_an_answer_without_reasoning_keeps_its_leading_line_breaks() -> None:
+    channels = read("\n\nIt is sunny.", start=CONTENT)
+    assert channels.content == "\n\nIt is sunny." and channels.reasoning == ""
 
 
 def test_a_call_cut_inside_its_arguments_is_invalid() -> None:

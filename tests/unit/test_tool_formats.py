@@ -176,3 +176,22 @@ def test_the_renderer_rewrites_the_history_only_where_results_are_dropped() -> N
     ids = renderer.encode_request(history, [WEATHER], {}).ids
     text = "".join(chr(i) for i in ids)
     assert "22 degrees" in text and '"location": "Oslo"' in text
+
+
+class _XmlToolsTemplate(FakeTokenizer):
+    """A template that lists tools only from ``xml_tools``, as SmolLM3's published one does
+    (its "### Tools" section), ignoring ``tools``."""
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        listed = "".join(json.dumps(t) for t in kwargs.get("xml_tools") or [])
+        return f"system: ### Tools <tools>{listed}</tools>\n" + super().apply_chat_template(
+            messages)
+
+
+def test_tools_go_to_xml_tools_when_the_template_reads_only_those() -> None:
+    renderer = PromptRenderer(_XmlToolsTemplate("xml_tools"), Path("."), 200_000)
+    assert not renderer.template_renders_tools() and renderer.template_renders_tools("xml_tools")
+    encoded = renderer.encode_request([{"role": "user", "content": "weather?"}], [WEATHER], {})
+    text = "".join(chr(i) for i in encoded.ids)
+    assert '<tools>{"type": "function", "function": {"name": "get_weather"' in text
+    assert "You have access to the following tools" not in text  # no second listing

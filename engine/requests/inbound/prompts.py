@@ -1,8 +1,9 @@
 """Turning a request's prompt into token ids with the model's tokenizer and chat template.
 
 Chat messages are rendered with ``add_generation_prompt=True``; tools go through the
-template's ``tools=`` when it renders them, otherwise into the system message. No model,
-no mlx.
+template's ``tools=`` when it renders them, otherwise into the system message, which is
+folded into the first user turn where the template refuses system messages (Gemma 2/3's).
+No model, no mlx.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from engine.requests.inbound.tool_prompts import (
 )
 from engine.requests.inbound.tool_specs import ToolSpec
 
+# The template variables tools are passed in, in order: the standard one, then SmolLM3's
+# (its published template lists ``xml_tools`` in the system prompt and ignores ``tools``).
+TOOL_KEYWORDS = ("tools", "xml_tools")
+
 
 def is_chat(prompt: Any) -> bool:
     """Whether a prompt is chat messages (``Message`` values, or OpenAI dicts)."""
@@ -36,6 +41,26 @@ def chat_dicts(prompt: Any) -> list[ChatMessage]:
     messages = prompt if all(isinstance(m, Message) for m in prompt) else (
         messages_from_openai(prompt, "prompt"))
     return template_messages(messages)
+
+
+def with_system_in_first_user_turn(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """The leading system messages' text put before the first user turn's (as Gemma 3's
+    own template does with a system prompt), for templates that refuse system messages."""
+    leading = 0
+    while leading < len(messages) and messages[leading].get("role") == "system":
+        leading += 1
+    system = "\n\n".join(str(m.get("content") or "") for m in messages[:leading]).strip()
+    rest = [dict(m) for m in messages[leading:]]
+    if not system:
+        return rest
+    if not rest or rest[0].get("role") != "user":
+        return [{"role": "user", "content": system}, *rest]
+    content = rest[0].get("content")
+    if isinstance(content, list):  # content parts: the system text as the first part
+        rest[0]["content"] = [{"type": "text", "text": f"{system}\n\n"}, *content]
+    else:
+        rest[0]["content"] = f"{system}\n\n{content or ''}"
+    return rest
 
 
 @dataclass(frozen=True)
@@ -54,8 +79,9 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.vocab_size = vocab_size
-        self._renders_tools: bool | None = None
+        self._renders_tools: dict[str, bool] = {}
         self._renders_results: bool | None = None
+        self._takes_system: bool | None = None
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text, token ids, or chat messages (rendered with the chat template) -> ids."""
@@ -96,14 +122,17 @@ class PromptRenderer:
             messages = history(messages)
         kwargs = dict(template_kwargs)
         if tools:
-            if self.template_renders_tools():
-                kwargs["tools"] = [t.as_openai() for t in tools]
+            keyword = next((k for k in TOOL_KEYWORDS if self.template_renders_tools(k)), None)
+            if keyword is not None:
+                kwargs[keyword] = [t.as_openai() for t in tools]
             elif (family := self.tool_format()) is not None:
                 messages = family.rewrite(messages, tools)
             else:
                 messages = with_fallback_tool_prompt(messages, tools)
         if has_tool_history(messages) and not self.template_renders_tool_results():
             messages = with_plain_tool_history(messages)
+        if messages and messages[0].get("role") == "system" and not self.template_takes_system():
+            messages = with_system_in_first_user_turn(messages)
         text = self.chat_text(messages, **kwargs)
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if not ids:
@@ -129,17 +158,18 @@ class PromptRenderer:
         # Only a true token prefix of the whole prompt can be reused as one.
         return len(head) if 0 < len(head) < len(ids) and ids[: len(head)] == head else 0
 
-    def template_renders_tools(self) -> bool:
-        """Whether the chat template shows tools passed as ``tools=`` (probed once)."""
-        if self._renders_tools is None:
+    def template_renders_tools(self, keyword: str = "tools") -> bool:
+        """Whether the chat template shows tools passed as ``keyword`` (``tools=``, or
+        ``xml_tools=`` as SmolLM3's published template reads them), probed once each."""
+        if keyword not in self._renders_tools:
             probe = ToolSpec("zz_probe_tool_zz", "probe")
             message = [{"role": "user", "content": "hi"}]
             try:
-                text = self.chat_text(message, tools=[probe.as_openai()])
-                self._renders_tools = probe.name in text
+                text = self.chat_text(message, **{keyword: [probe.as_openai()]})
+                self._renders_tools[keyword] = probe.name in text
             except Exception:  # a template that chokes on tools cannot render them
-                self._renders_tools = False
-        return self._renders_tools
+                self._renders_tools[keyword] = False
+        return self._renders_tools[keyword]
 
     def template_renders_tool_results(self) -> bool:
         """Whether the chat template shows a ``tool`` message's result (probed once):
@@ -156,6 +186,18 @@ class PromptRenderer:
             except Exception:  # a template that refuses tool messages cannot render them
                 self._renders_results = False
         return self._renders_results
+
+    def template_takes_system(self) -> bool:
+        """Whether the chat template renders a system message (probed once): Gemma 2's
+        and Gemma 3's stand-in raise "System role not supported"."""
+        if self._takes_system is None:
+            probe = "zz_probe_system_zz"
+            try:
+                self._takes_system = probe in self.chat_text(
+                    [{"role": "system", "content": probe}, {"role": "user", "content": "hi"}])
+            except Exception:  # a template that refuses system messages
+                self._takes_system = False
+        return self._takes_system
 
     def tool_format(self) -> ToolFormat | None:
         """The model family's known tool format, for templates that render no tools."""

@@ -28,7 +28,8 @@ class RowChannels:
 
     Whitespace around calls is not an answer: whitespace-only content before the first
     call, between calls and after the last one is held back and dropped (released if text
-    follows).
+    follows). The line breaks a template writes after the reasoning block (Qwen's and
+    DeepSeek-R1's ``</think>\n\n``) are layout, not answer: content starts with the answer.
 
     Tool calls stream (``take_deltas``). Without a model tool parser, or with mlx-lm's
     ``json_tools`` one (``reads_json``), a call is JSON, ``{"name": ..., "arguments": {...}}``
@@ -77,6 +78,7 @@ class RowChannels:
         self._keys: set[str] = set()
         self._loose = True  # no answer text yet since the start or the last call
         self._spaces = ""  # whitespace content held back while loose
+        self._after_reasoning = False  # line breaks right after reasoning are dropped
         self._deltas: list[ToolCallDelta] = []  # call pieces not yet taken by an event
         self._next_index = 0  # calls sent so far (each delta's index)
 
@@ -123,7 +125,7 @@ class RowChannels:
             self._close_call()
             if channel == REASONING:
                 reasoning += text
-                self.saw_reasoning = True
+                self.saw_reasoning = self._after_reasoning = True
             else:
                 content += self._answer_text(text)
         self.content += content
@@ -131,7 +133,13 @@ class RowChannels:
         return content, reasoning
 
     def _answer_text(self, text: str) -> str:
-        """Content to emit now; whitespace after the start or a call waits for text."""
+        """Content to emit now; whitespace after the start or a call waits for text, line
+        breaks right after the reasoning block are dropped."""
+        if self._after_reasoning:
+            text = text.lstrip("\r\n")
+            if not text:
+                return ""
+            self._after_reasoning = False
         if not self._loose:
             return text
         if not text.strip():
