@@ -38,18 +38,23 @@ def grammar_text(constraint: Constraint) -> str:
     import llguidance
 
     matcher = llguidance.LLMatcher
-    if isinstance(constraint, JsonSchema):
-        schema = strict_schema(constraint.schema_dict)  # undeclared keys refused at every level
-        schema.setdefault("x-guidance", _JSON_OPTIONS)
-        return str(matcher.grammar_from_json_schema(json.dumps(schema)))
-    if isinstance(constraint, JsonObject):
-        return str(matcher.grammar_from_json_schema(
-            json.dumps({"type": "object", "x-guidance": _JSON_OPTIONS})))
+    if isinstance(constraint, JsonSchema | JsonObject):
+        return str(matcher.grammar_from_json_schema(json.dumps(json_answer_schema(constraint))))
     if isinstance(constraint, Regex):
         return str(matcher.grammar_from_regex(constraint.pattern))
     if isinstance(constraint, LarkGrammar):
         return str(matcher.grammar_from_lark(constraint.grammar))
     raise TypeError(f"not a constraint: {constraint!r}")
+
+
+def json_answer_schema(constraint: JsonSchema | JsonObject) -> dict[str, Any]:
+    """The JSON schema a JSON constraint's output follows, as the grammar applies it:
+    closed at every level (undeclared keys refused) and written as compact JSON."""
+    if isinstance(constraint, JsonObject):
+        return {"type": "object", "x-guidance": _JSON_OPTIONS}
+    schema = strict_schema(constraint.schema_dict)
+    schema.setdefault("x-guidance", _JSON_OPTIONS)
+    return schema
 
 
 class GrammarCompiler:
