@@ -35,7 +35,7 @@ from langchain_core.output_parsers import (
     PydanticToolsParser,
 )
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, Generation
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.json import parse_partial_json
@@ -439,6 +439,18 @@ def structured_parser(schema: Mapping[str, Any] | type | None, *,
     else:
         inner = JsonOutputParser()
     return TruncationCheckedParser(inner=inner, tool_output=tool_output)
+
+
+def unless_called(parser: Runnable[Any, Any]) -> Runnable[Any, Any]:
+    """``parser`` for an answer; None for a reply that calls a tool instead (tools beside a
+    schema: the caller runs the calls and asks again)."""
+
+    def parse(message: BaseMessage) -> Any:
+        if isinstance(message, AIMessage) and message.tool_calls:
+            return None
+        return parser.invoke(message)
+
+    return RunnableLambda(parse)
 
 
 def with_raw(llm: Runnable[Any, Any], parser: Runnable[Any, Any]) -> Runnable[Any, Any]:

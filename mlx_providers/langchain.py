@@ -50,6 +50,7 @@ from mlx_providers._langchain_messages import (
     structured_parser,
     tool_choice_name,
     tool_specs,
+    unless_called,
     with_raw,
 )
 
@@ -370,11 +371,19 @@ class ChatMLXBatch(BaseChatModel):
         ``max_tokens`` raises ``engine.OutputTruncatedError`` (also an
         ``OutputParserException``) naming the limit. ``include_raw`` returns
         ``{"raw", "parsed", "parsing_error"}`` instead of raising on a parsing error.
+
+        ``tools`` (with ``json_schema`` or ``json_mode``, as langchain-openai takes them):
+        the model may call one of them instead of answering, in the same request; a reply
+        that calls a tool parses to None (``include_raw`` keeps its calls in ``raw``).
         """
+        tools = kwargs.pop("tools", None)
         if kwargs:
             raise ValueError(f"unsupported arguments {sorted(kwargs)}")
         if schema is None and method != "json_mode":
             raise ValueError(f"method={method!r} needs a schema")
+        if tools and method == "function_calling":
+            raise ValueError("tools go with method='json_schema' or 'json_mode' (the "
+                             "schema is then the answer's, the tools the model may call)")
         trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
         if method == "function_calling":
             assert schema is not None
@@ -386,11 +395,15 @@ class ChatMLXBatch(BaseChatModel):
         elif method in ("json_schema", "json_mode"):
             constraint = (JsonSchema(json_schema_of(schema)) if schema is not None
                           and method == "json_schema" else JsonObject())
-            llm = self.bind(response_format=constraint, ls_structured_output_format=trace)
+            llm = (self.bind_tools(tools, strict=strict, response_format=constraint,
+                                   ls_structured_output_format=trace) if tools
+                   else self.bind(response_format=constraint, ls_structured_output_format=trace))
         else:
             raise ValueError(f"method must be function_calling, json_schema or json_mode, "
                              f"got {method!r}")
         parser = structured_parser(schema, tool_output=method == "function_calling")
+        if tools:
+            parser = unless_called(parser)
         return with_raw(llm, parser) if include_raw else llm | parser
 
     # ----- requests -----------------------------------------------------------------------
