@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LangSmithParams, LanguageModelInput, ModelProfile
@@ -37,6 +37,7 @@ from engine import (
     RequestHandle,
     SamplingParams,
     StreamEvent,
+    declared_model,
     get_engine,
     messages_from_openai,
 )
@@ -183,12 +184,28 @@ class ChatMLXBatch(BaseChatModel):
         return params
 
     def _resolve_model_profile(self) -> ModelProfile | None:
-        # Static capabilities; max_input_tokens is added once the model has loaded (the
-        # context limit is only known then and construction must stay cheap).
-        return ModelProfile(text_inputs=True, text_outputs=True, image_inputs=False,
-                            audio_inputs=False, video_inputs=False, pdf_inputs=False,
-                            tool_calling=True, tool_choice=True, tool_call_streaming=True,
-                            structured_output=True, temperature=True, open_weights=True)
+        # Complete from construction, so middleware built before the first request can read
+        # it (SummarizationMiddleware's fractional triggers need max_input_tokens): the
+        # context limit and reasoning markers the model declares, read from its files
+        # without loading, converting or downloading it (``engine.declared_model``).
+        declared = declared_model(self.model)
+        profile: dict[str, Any] = {
+            "name": self.model_name, "open_weights": True,
+            "text_inputs": True, "image_inputs": False, "image_url_inputs": False,
+            "pdf_inputs": False, "audio_inputs": False, "video_inputs": False,
+            "image_tool_message": False, "pdf_tool_message": False,
+            "text_outputs": True, "image_outputs": False, "audio_outputs": False,
+            "video_outputs": False, "tool_calling": True, "tool_choice": True,
+            "tool_call_streaming": True, "mid_conversation_tools": False,
+            "structured_output": True,  # with tools too: one grammar for a call or the answer
+            "attachment": False, "temperature": True}
+        if declared.context_limit is not None:
+            profile["max_input_tokens"] = declared.context_limit
+        if declared.reasoning is not None:
+            profile["reasoning_output"] = declared.reasoning
+        # Only the keys this langchain-core declares: it warns about any other.
+        known = ModelProfile.__annotations__
+        return cast(ModelProfile, {k: v for k, v in profile.items() if k in known})
 
     @property
     def engine(self) -> Engine:
@@ -461,7 +478,8 @@ class ChatMLXBatch(BaseChatModel):
         return ChatResult(generations=[chat_generation(completion, request.model_name)])
 
     def _note_loaded(self, request: _Request) -> None:
-        # The context limit is known once the engine has loaded the model.
+        # A model whose files did not declare its context limit (a hub id not cached yet)
+        # has it once the engine has loaded the model.
         if not request.is_own_model:
             return
         limit = request.engine.stats().context_limit

@@ -72,3 +72,13 @@ def test_the_agent_calls_the_tool_then_answers_in_the_schema(strategy: str) -> N
     state = agent.invoke(QUESTION, {"recursion_limit": 8})
     assert ASKED and ASKED[0] == "Paris"
     assert isinstance(state["structured_response"], Weather)
+
+
+def test_a_fresh_default_model_has_a_complete_profile() -> None:
+    from langchain.agents.middleware import SummarizationMiddleware
+
+    model = ChatMLXBatch()
+    assert model.profile is not None
+    assert model.profile["max_input_tokens"] == 8192  # the GGUF header's context length
+    assert model.profile["reasoning_output"] is False
+    SummarizationMiddleware(model=model, trigger=("fraction", 0.5))
