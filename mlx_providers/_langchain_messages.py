@@ -44,6 +44,7 @@ from pydantic import BaseModel
 
 from engine import (
     Completion,
+    FinishReason,
     InvalidRequestError,
     JsonObject,
     JsonSchema,
@@ -267,10 +268,18 @@ def usage_metadata(usage: Usage) -> UsageMetadata:
     return metadata
 
 
+# langchain-core (1.8.4+) reads ``normalized_finish_reason`` beside the provider's raw one,
+# in its own vocabulary ("tool_call", singular; it corrects "stop" with calls itself).
+NORMALIZED = {FinishReason.STOP: "stop", FinishReason.TOOL_CALLS: "tool_call",
+              FinishReason.LENGTH: "length", FinishReason.CANCELLED: "cancelled",
+              FinishReason.ERROR: "error"}
+
+
 def response_metadata(completion: Completion, model_name: str) -> dict[str, Any]:
     """What LangChain callbacks and tracers read: model, provider, finish reason, timings."""
     meta: dict[str, Any] = {"model_name": model_name, "model_provider": PROVIDER,
-                            "finish_reason": completion.finish_reason.value}
+                            "finish_reason": completion.finish_reason.value,
+                            "normalized_finish_reason": NORMALIZED[completion.finish_reason]}
     if completion.truncated is not None:  # the engine's word: max_tokens cut what had to be whole
         meta["truncated"] = completion.truncated
     if completion.usage.time_to_first_token is not None:

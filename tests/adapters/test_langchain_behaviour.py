@@ -210,6 +210,14 @@ def test_reasoning_goes_to_reasoning_content(thinking_model_dir: Path) -> None:
         full = chunk if full is None else full + chunk
     assert full.content == "It is sunny."
     assert full.additional_kwargs["reasoning_content"] == "let me see"
+    # LangChain's conventions: the raw and the normalised finish reason, v1 content blocks.
+    for done in (message, full):
+        assert done.response_metadata["finish_reason"] == "stop"
+        assert done.response_metadata["normalized_finish_reason"] == "stop"
+    v1 = ChatMLXBatch(model=str(thinking_model_dir), max_tokens=30, output_version="v1")
+    blocks = v1.invoke("Weather?", constraint=grammar).content
+    assert [(b["type"], b.get("reasoning") or b.get("text")) for b in blocks] == [  # type: ignore[union-attr]
+        ("reasoning", "let me see"), ("text", "It is sunny.")]
 
 
 # ----- tools ------------------------------------------------------------------------------
@@ -220,6 +228,7 @@ def test_forced_tool_choice_gives_valid_calls(model_dir: str, tool_choice: Any) 
     model = chat(model_dir, max_tokens=60).bind_tools([WEATHER_TOOL], tool_choice=tool_choice,
                                                       parallel_tool_calls=False)
     message = model.invoke("Weather in Paris?")
+    assert message.response_metadata["normalized_finish_reason"] == "tool_call"
     assert len(message.tool_calls) == 1 and not message.invalid_tool_calls
     call = message.tool_calls[0]
     assert call["name"] == "get_weather" and call["id"]
