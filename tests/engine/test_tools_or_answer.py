@@ -124,3 +124,16 @@ def test_a_bad_tool_schema_beside_a_schema_is_refused_at_submit(tiny_engine: Eng
     with pytest.raises(InvalidConstraintError):
         tiny_engine.submit(ChatRequest.from_openai(
             ASK, greedy(8, constraint=JsonSchema(VERDICT)), tools=[bad]))
+
+
+def test_a_greedy_array_of_choices_ends_instead_of_repeating(tiny_engine: Engine) -> None:
+    # Closing the array made the unlikeliest move: unbounded, the items go on to max_tokens.
+    schema = {"type": "object", "properties": {"tools": {"type": "array", "items": {
+        "anyOf": [{"const": "translate"}, {"const": "search"}]}}}, "required": ["tools"]}
+    vocab = tiny_engine.tokenizer.get_vocab()
+    closing = mx.array([tid for text, tid in vocab.items() if "]" in text])
+    params = greedy(200, constraint=JsonSchema(schema), logits_processors=(
+        lambda tokens, logits: logits.at[..., closing].add(-1e4),))
+    result = tiny_engine.submit(ChatRequest.from_openai(ASK, params)).result()
+    assert result.finish_reason is FinishReason.STOP, result.text
+    assert len(json.loads(result.content)["tools"]) <= 2

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import InvalidConstraintError
+from engine.requests.constraints.choice_arrays import bound_choice_arrays
 from engine.requests.constraints.schemas import strict_schema
 from engine.requests.constraints.string_repeats import (
     DEFAULT_NGRAM,
@@ -49,10 +50,12 @@ def grammar_text(constraint: Constraint) -> str:
 
 def json_answer_schema(constraint: JsonSchema | JsonObject) -> dict[str, Any]:
     """The JSON schema a JSON constraint's output follows, as the grammar applies it:
-    closed at every level (undeclared keys refused) and written as compact JSON."""
+    closed at every level (undeclared keys refused), arrays of finite choices bounded to
+    one item per choice (``choice_arrays``), written as compact JSON."""
     if isinstance(constraint, JsonObject):
         return {"type": "object", "x-guidance": _JSON_OPTIONS}
     schema = strict_schema(constraint.schema_dict)
+    bound_choice_arrays(schema)
     schema.setdefault("x-guidance", _JSON_OPTIONS)
     return schema
 
