@@ -82,3 +82,34 @@ def test_a_fresh_default_model_has_a_complete_profile() -> None:
     assert model.profile["max_input_tokens"] == 8192  # the GGUF header's context length
     assert model.profile["reasoning_output"] is False
     SummarizationMiddleware(model=model, trigger=("fraction", 0.5))
+
+
+def test_llm_tool_selector_middleware_selects_and_the_agent_runs() -> None:
+    # Its selection schema is an array of tool-name choices: greedy SmolLM2 used to repeat
+    # one name until max_tokens; bounded to one item per choice, the selection ends.
+    from langchain.agents.middleware import LLMToolSelectorMiddleware
+
+    @tool
+    def translate(text: str) -> str:
+        """Translate a text to French."""
+        return text
+
+    @tool
+    def search(query: str) -> str:
+        """Search the web."""
+        return "nothing"
+
+    model = ChatMLXBatch(max_tokens=120)
+    selections: list[Any] = []
+
+    class Recorder(LLMToolSelectorMiddleware):
+        def wrap_model_call(self, request: Any, handler: Any) -> Any:
+            def seen(req: Any) -> Any:
+                selections.append([t.name for t in req.tools])
+                return handler(req)
+            return super().wrap_model_call(request, seen)
+
+    agent = create_agent(model=model, tools=[get_weather, translate, search],
+                         system_prompt=SYSTEM, middleware=[Recorder(max_tools=2)])
+    agent.invoke(QUESTION, {"recursion_limit": 4})  # a selection that failed to parse raises
+    assert selections and all(1 <= len(names) <= 2 for names in selections)
