@@ -253,7 +253,7 @@ def test_structured_output_rejects_unknown_methods_and_arguments() -> None:
     with pytest.raises(ValueError, match="method must be"):
         ChatMLXBatch().with_structured_output(Weather, method="xml")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unsupported arguments"):
-        ChatMLXBatch().with_structured_output(Weather, tools=[])
+        ChatMLXBatch().with_structured_output(Weather, fallback="text")
     with pytest.raises(ValueError, match="needs a schema"):
         ChatMLXBatch().with_structured_output(None, method="json_schema")
 
