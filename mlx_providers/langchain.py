@@ -62,7 +62,8 @@ _REMOTE_ONLY = frozenset({"api_key", "base_url", "max_retries"})
 _SAMPLING = tuple(name for name in SAMPLING_FIELDS if name != "stop")
 _REQUEST_KWARGS = frozenset({*_SAMPLING, "model", "timeout", "tools", "tool_choice",
                              "parallel_tool_calls", "response_format", "constraint",
-                             "reasoning", "chat_template_kwargs", "raise_on_truncated_call",
+                             "reasoning", "reasoning_budget", "chat_template_kwargs",
+                             "raise_on_truncated_call",
                              "stream"})
 StructuredMethod = Literal["function_calling", "json_schema", "json_mode"]
 
@@ -112,6 +113,9 @@ class ChatMLXBatch(BaseChatModel):
     """Route ``invoke`` through the streaming path (LangChain's standard flag)."""
     reasoning: bool | None = None
     """Thinking on/off for templates that support it (``enable_thinking``); None = default."""
+    reasoning_budget: int | None = Field(default=None, ge=0)
+    """At most this many reasoning tokens, then the reasoning block is closed by the grammar
+    and the answer (and its tools or schema) follows; None = unbounded."""
     chat_template_kwargs: dict[str, Any] | None = None
     engine_config: dict[str, Any] = Field(default_factory=dict)
     """``EngineConfig`` fields for the shared engine (empty = reuse it as configured)."""
@@ -440,7 +444,9 @@ class ChatMLXBatch(BaseChatModel):
         constraint = kwargs.get("constraint") or constraint_for(kwargs.get("response_format"))
         # As given: SamplingParams names a stop that is not text or a list of text.
         stops: Any = (stop if stop is not None else self.stop) or ()
-        params = SamplingParams(**sampling, stop=stops, constraint=constraint)
+        params = SamplingParams(**sampling, stop=stops, constraint=constraint,
+                                reasoning_budget=kwargs.get("reasoning_budget",
+                                                            self.reasoning_budget))
         # Bound tools were converted at bind time; tools passed per call (any LangChain
         # shape) are converted here, once.
         specs = tool_specs(kwargs["tools"]).specs if kwargs.get("tools") else ()

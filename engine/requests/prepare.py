@@ -17,6 +17,12 @@ from typing import Any, cast
 
 from engine.requests.constraints.forced_calls import forced_call_schema, forced_grammar
 from engine.requests.constraints.grammar import GrammarCompiler, validate_constraint
+from engine.requests.constraints.reasoning_budget import (
+    ReasoningPrefix,
+    budget_joins,
+    budgeted_answer,
+    reasoning_prefix,
+)
 from engine.requests.constraints.string_repeats import DEFAULT_NGRAM
 from engine.requests.constraints.tools_or_answer import joins_tools, tools_or_answer_grammar
 from engine.requests.dialects.dialect import TokenizerFacts
@@ -70,6 +76,10 @@ class Preparer:
             elif request.rendered_tools and joins_tools(params.constraint):
                 params = replace(params, constraint=self._tools_or_answer(
                     request, encoded.opens_reasoning))
+            elif (encoded.opens_reasoning and params.reasoning_budget is not None
+                  and self.dialect.reasoning_close and budget_joins(params.constraint)):
+                params = replace(params, constraint=budgeted_answer(
+                    params.constraint, self._reasoning_prefix(params.reasoning_budget)))
         if params.constraint is not None:
             self.compiler.compile(params.constraint)  # cached: the lane's matcher reuses it
         return PreparedRequest(encoded.ids, params, self.stop_ids(params), encoded.head_len,
@@ -105,7 +115,8 @@ class Preparer:
         opened the reasoning block has it closed first, so the call is never reasoning."""
         calls = self.dialect.forced_calls(request.tools, request.tool_choice,
                                           request.parallel_tool_calls, self.compiler.lark_text)
-        return forced_grammar(calls, self._reasoning_closed(opens_reasoning))
+        prefix = self._reasoning_closed(opens_reasoning, request.params.reasoning_budget)
+        return forced_grammar(calls + prefix.rules, prefix.start)
 
     def _tools_or_answer(self, request: ChatRequest, opens_reasoning: bool) -> Constraint:
         """Tools offered ("auto") beside a JSON constraint: a call to any tool, in this
@@ -113,15 +124,21 @@ class Preparer:
         calls = self.dialect.forced_calls(request.tools, "required",
                                           request.parallel_tool_calls, self.compiler.lark_text)
         answer = cast(JsonSchema | JsonObject, request.params.constraint)
-        return tools_or_answer_grammar(calls, answer, self._reasoning_closed(opens_reasoning))
+        prefix = self._reasoning_closed(opens_reasoning, request.params.reasoning_budget)
+        return tools_or_answer_grammar(calls + prefix.rules, answer, prefix.start)
 
-    def _reasoning_closed(self, opens_reasoning: bool) -> str:
-        """Lark that closes a reasoning block the prompt opened ("" when it opened none)."""
+    def _reasoning_closed(self, opens_reasoning: bool, budget: int | None) -> ReasoningPrefix:
+        """Lark that ends a reasoning block the prompt opened: at once, or after at most
+        ``budget`` reasoning tokens (empty when the prompt opened none)."""
+        if not (opens_reasoning and self.dialect.reasoning_close):
+            return ReasoningPrefix()
+        return self._reasoning_prefix(budget)
+
+    def _reasoning_prefix(self, budget: int | None) -> ReasoningPrefix:
         close = self.dialect.reasoning_close
-        if not (opens_reasoning and close):
-            return ""
+        assert close is not None
         literal = self.compiler.lark_text
-        return f"{literal(close)} {literal(self.dialect.after_reasoning)}"
+        return reasoning_prefix(literal(close), literal(self.dialect.after_reasoning), budget)
 
 
 def checked_request(request: Any) -> Request:
