@@ -79,7 +79,7 @@ __all__ = ["MLXBatchLLM"]
 dispatcher = get_dispatcher(__name__)
 
 # Per-call keyword arguments: sampling overrides, then what the engine's submit takes.
-_PER_CALL = (*SAMPLING_FIELDS, "constraint", "timeout", "tools", "tool_choice",
+_PER_CALL = (*SAMPLING_FIELDS, "constraint", "reasoning_budget", "timeout", "tools", "tool_choice",
              "parallel_tool_calls", "chat_template_kwargs")
 
 
@@ -159,6 +159,9 @@ class MLXBatchLLM(FunctionCallingLLM):
         description="Seconds before a request is cancelled with an error.")
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra chat-template variables (e.g. enable_thinking).")
+    reasoning_budget: int | None = Field(
+        default=None, ge=0, description="At most this many reasoning tokens when the chat "
+        "template opens the reasoning block; then it is closed and the answer follows.")
     output_cls: type[BaseModel] | None = Field(
         default=None, exclude=True,  # a class, not JSON: serialized LLMs leave it out
         description="Answers follow this pydantic class's JSON schema (a "
@@ -210,7 +213,9 @@ class MLXBatchLLM(FunctionCallingLLM):
         constraint = kwargs.get("constraint")
         if constraint is None and self.output_cls is not None:
             constraint = json_kwargs(self.output_cls, None)["constraint"]
-        return SamplingParams(**settings, constraint=constraint)
+        return SamplingParams(**settings, constraint=constraint,
+                              reasoning_budget=kwargs.get("reasoning_budget",
+                                                          self.reasoning_budget))
 
     def _request(self, prompt: str | tuple[Message, ...], kwargs: Mapping[str, Any]) -> _Request:
         """A submit-ready request; unknown per-call options raise instead of being dropped."""
