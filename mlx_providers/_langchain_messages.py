@@ -87,6 +87,9 @@ def message_dict(message: BaseMessage) -> dict[str, Any]:
             item["tool_calls"] = [{"id": call.get("id") or "", "type": "function",
                                    "function": {"name": call["name"], "arguments": call["args"]}}
                                   for call in message.tool_calls]
+        reasoning = past_reasoning(message)
+        if reasoning:  # templates that take it (Qwen3's) render it back; others ignore it
+            item[REASONING_KEY] = reasoning
     elif isinstance(message, ToolMessage):
         item.update(role="tool", tool_call_id=message.tool_call_id)
     elif isinstance(message, FunctionMessage):
@@ -98,6 +101,17 @@ def message_dict(message: BaseMessage) -> dict[str, Any]:
     if message.name:
         item["name"] = message.name
     return item
+
+
+def past_reasoning(message: AIMessage) -> str:
+    """An assistant turn's reasoning, to replay: ``reasoning_content`` (what this face
+    returns), else the text of its v1 ``reasoning`` content blocks."""
+    kept = message.additional_kwargs.get(REASONING_KEY)
+    if isinstance(kept, str):
+        return kept
+    blocks = message.content if isinstance(message.content, list) else []
+    return "".join(str(b.get("reasoning", "")) for b in blocks
+                   if isinstance(b, Mapping) and b.get("type") == "reasoning")
 
 
 def chat_messages(messages: Sequence[BaseMessage]) -> tuple[Message, ...]:
