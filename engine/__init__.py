@@ -34,6 +34,7 @@ from engine.errors import (
     UnsupportedModelError,
 )
 from engine.models import resolve_model
+from engine.models.declared import DeclaredModel, declared_model
 from engine.models.embedding_model import DEFAULT_EMBEDDING_NAME, embedding_model_name
 from engine.registry import get_embedding_engine, get_engine
 from engine.requests.inbound.chat import SAMPLING_FIELDS, ChatRequest, sampling_from_openai
@@ -65,6 +66,7 @@ __all__ = [
     "Completion",
     "Constraint",
     "ContextLengthError",
+    "DeclaredModel",
     "EmbeddingHandle",
     "Embeddings",
     "Engine",
@@ -110,6 +112,7 @@ __all__ = [
     "activate_fast_blas",
     "blas_info",
     "check_texts",
+    "declared_model",
     "distributed_rank",
     "embedding_model_name",
     "follow",

@@ -35,7 +35,7 @@ from langchain_core.output_parsers import (
     PydanticToolsParser,
 )
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, Generation
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.json import parse_partial_json
@@ -44,6 +44,7 @@ from pydantic import BaseModel
 
 from engine import (
     Completion,
+    FinishReason,
     InvalidRequestError,
     JsonObject,
     JsonSchema,
@@ -86,6 +87,9 @@ def message_dict(message: BaseMessage) -> dict[str, Any]:
             item["tool_calls"] = [{"id": call.get("id") or "", "type": "function",
                                    "function": {"name": call["name"], "arguments": call["args"]}}
                                   for call in message.tool_calls]
+        reasoning = past_reasoning(message)
+        if reasoning:  # templates that take it (Qwen3's) render it back; others ignore it
+            item[REASONING_KEY] = reasoning
     elif isinstance(message, ToolMessage):
         item.update(role="tool", tool_call_id=message.tool_call_id)
     elif isinstance(message, FunctionMessage):
@@ -97,6 +101,17 @@ def message_dict(message: BaseMessage) -> dict[str, Any]:
     if message.name:
         item["name"] = message.name
     return item
+
+
+def past_reasoning(message: AIMessage) -> str:
+    """An assistant turn's reasoning, to replay: ``reasoning_content`` (what this face
+    returns), else the text of its v1 ``reasoning`` content blocks."""
+    kept = message.additional_kwargs.get(REASONING_KEY)
+    if isinstance(kept, str):
+        return kept
+    blocks = message.content if isinstance(message.content, list) else []
+    return "".join(str(b.get("reasoning", "")) for b in blocks
+                   if isinstance(b, Mapping) and b.get("type") == "reasoning")
 
 
 def chat_messages(messages: Sequence[BaseMessage]) -> tuple[Message, ...]:
@@ -267,10 +282,18 @@ def usage_metadata(usage: Usage) -> UsageMetadata:
     return metadata
 
 
+# langchain-core (1.8.4+) reads ``normalized_finish_reason`` beside the provider's raw one,
+# in its own vocabulary ("tool_call", singular; it corrects "stop" with calls itself).
+NORMALIZED = {FinishReason.STOP: "stop", FinishReason.TOOL_CALLS: "tool_call",
+              FinishReason.LENGTH: "length", FinishReason.CANCELLED: "cancelled",
+              FinishReason.ERROR: "error"}
+
+
 def response_metadata(completion: Completion, model_name: str) -> dict[str, Any]:
     """What LangChain callbacks and tracers read: model, provider, finish reason, timings."""
     meta: dict[str, Any] = {"model_name": model_name, "model_provider": PROVIDER,
-                            "finish_reason": completion.finish_reason.value}
+                            "finish_reason": completion.finish_reason.value,
+                            "normalized_finish_reason": NORMALIZED[completion.finish_reason]}
     if completion.truncated is not None:  # the engine's word: max_tokens cut what had to be whole
         meta["truncated"] = completion.truncated
     if completion.usage.time_to_first_token is not None:
@@ -439,6 +462,18 @@ def structured_parser(schema: Mapping[str, Any] | type | None, *,
     else:
         inner = JsonOutputParser()
     return TruncationCheckedParser(inner=inner, tool_output=tool_output)
+
+
+def unless_called(parser: Runnable[Any, Any]) -> Runnable[Any, Any]:
+    """``parser`` for an answer; None for a reply that calls a tool instead (tools beside a
+    schema: the caller runs the calls and asks again)."""
+
+    def parse(message: BaseMessage) -> Any:
+        if isinstance(message, AIMessage) and message.tool_calls:
+            return None
+        return parser.invoke(message)
+
+    return RunnableLambda(parse)
 
 
 def with_raw(llm: Runnable[Any, Any], parser: Runnable[Any, Any]) -> Runnable[Any, Any]:

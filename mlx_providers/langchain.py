@@ -13,7 +13,7 @@ import os
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LangSmithParams, LanguageModelInput, ModelProfile
@@ -37,6 +37,7 @@ from engine import (
     RequestHandle,
     SamplingParams,
     StreamEvent,
+    declared_model,
     get_engine,
     messages_from_openai,
 )
@@ -50,6 +51,7 @@ from mlx_providers._langchain_messages import (
     structured_parser,
     tool_choice_name,
     tool_specs,
+    unless_called,
     with_raw,
 )
 
@@ -60,7 +62,8 @@ _REMOTE_ONLY = frozenset({"api_key", "base_url", "max_retries"})
 _SAMPLING = tuple(name for name in SAMPLING_FIELDS if name != "stop")
 _REQUEST_KWARGS = frozenset({*_SAMPLING, "model", "timeout", "tools", "tool_choice",
                              "parallel_tool_calls", "response_format", "constraint",
-                             "reasoning", "chat_template_kwargs", "raise_on_truncated_call",
+                             "reasoning", "reasoning_budget", "chat_template_kwargs",
+                             "raise_on_truncated_call",
                              "stream"})
 StructuredMethod = Literal["function_calling", "json_schema", "json_mode"]
 
@@ -110,6 +113,9 @@ class ChatMLXBatch(BaseChatModel):
     """Route ``invoke`` through the streaming path (LangChain's standard flag)."""
     reasoning: bool | None = None
     """Thinking on/off for templates that support it (``enable_thinking``); None = default."""
+    reasoning_budget: int | None = Field(default=None, ge=0)
+    """At most this many reasoning tokens, then the reasoning block is closed by the grammar
+    and the answer (and its tools or schema) follows; None = unbounded."""
     chat_template_kwargs: dict[str, Any] | None = None
     engine_config: dict[str, Any] = Field(default_factory=dict)
     """``EngineConfig`` fields for the shared engine (empty = reuse it as configured)."""
@@ -182,12 +188,28 @@ class ChatMLXBatch(BaseChatModel):
         return params
 
     def _resolve_model_profile(self) -> ModelProfile | None:
-        # Static capabilities; max_input_tokens is added once the model has loaded (the
-        # context limit is only known then and construction must stay cheap).
-        return ModelProfile(text_inputs=True, text_outputs=True, image_inputs=False,
-                            audio_inputs=False, video_inputs=False, pdf_inputs=False,
-                            tool_calling=True, tool_choice=True, tool_call_streaming=True,
-                            structured_output=True, temperature=True, open_weights=True)
+        # Complete from construction, so middleware built before the first request can read
+        # it (SummarizationMiddleware's fractional triggers need max_input_tokens): the
+        # context limit and reasoning markers the model declares, read from its files
+        # without loading, converting or downloading it (``engine.declared_model``).
+        declared = declared_model(self.model)
+        profile: dict[str, Any] = {
+            "name": self.model_name, "open_weights": True,
+            "text_inputs": True, "image_inputs": False, "image_url_inputs": False,
+            "pdf_inputs": False, "audio_inputs": False, "video_inputs": False,
+            "image_tool_message": False, "pdf_tool_message": False,
+            "text_outputs": True, "image_outputs": False, "audio_outputs": False,
+            "video_outputs": False, "tool_calling": True, "tool_choice": True,
+            "tool_call_streaming": True, "mid_conversation_tools": False,
+            "structured_output": True,  # with tools too: one grammar for a call or the answer
+            "attachment": False, "temperature": True}
+        if declared.context_limit is not None:
+            profile["max_input_tokens"] = declared.context_limit
+        if declared.reasoning is not None:
+            profile["reasoning_output"] = declared.reasoning
+        # Only the keys this langchain-core declares: it warns about any other.
+        known = ModelProfile.__annotations__
+        return cast(ModelProfile, {k: v for k, v in profile.items() if k in known})
 
     @property
     def engine(self) -> Engine:
@@ -370,11 +392,19 @@ class ChatMLXBatch(BaseChatModel):
         ``max_tokens`` raises ``engine.OutputTruncatedError`` (also an
         ``OutputParserException``) naming the limit. ``include_raw`` returns
         ``{"raw", "parsed", "parsing_error"}`` instead of raising on a parsing error.
+
+        ``tools`` (with ``json_schema`` or ``json_mode``, as langchain-openai takes them):
+        the model may call one of them instead of answering, in the same request; a reply
+        that calls a tool parses to None (``include_raw`` keeps its calls in ``raw``).
         """
+        tools = kwargs.pop("tools", None)
         if kwargs:
             raise ValueError(f"unsupported arguments {sorted(kwargs)}")
         if schema is None and method != "json_mode":
             raise ValueError(f"method={method!r} needs a schema")
+        if tools and method == "function_calling":
+            raise ValueError("tools go with method='json_schema' or 'json_mode' (the "
+                             "schema is then the answer's, the tools the model may call)")
         trace = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
         if method == "function_calling":
             assert schema is not None
@@ -386,11 +416,15 @@ class ChatMLXBatch(BaseChatModel):
         elif method in ("json_schema", "json_mode"):
             constraint = (JsonSchema(json_schema_of(schema)) if schema is not None
                           and method == "json_schema" else JsonObject())
-            llm = self.bind(response_format=constraint, ls_structured_output_format=trace)
+            llm = (self.bind_tools(tools, strict=strict, response_format=constraint,
+                                   ls_structured_output_format=trace) if tools
+                   else self.bind(response_format=constraint, ls_structured_output_format=trace))
         else:
             raise ValueError(f"method must be function_calling, json_schema or json_mode, "
                              f"got {method!r}")
         parser = structured_parser(schema, tool_output=method == "function_calling")
+        if tools:
+            parser = unless_called(parser)
         return with_raw(llm, parser) if include_raw else llm | parser
 
     # ----- requests -----------------------------------------------------------------------
@@ -410,7 +444,9 @@ class ChatMLXBatch(BaseChatModel):
         constraint = kwargs.get("constraint") or constraint_for(kwargs.get("response_format"))
         # As given: SamplingParams names a stop that is not text or a list of text.
         stops: Any = (stop if stop is not None else self.stop) or ()
-        params = SamplingParams(**sampling, stop=stops, constraint=constraint)
+        params = SamplingParams(**sampling, stop=stops, constraint=constraint,
+                                reasoning_budget=kwargs.get("reasoning_budget",
+                                                            self.reasoning_budget))
         # Bound tools were converted at bind time; tools passed per call (any LangChain
         # shape) are converted here, once.
         specs = tool_specs(kwargs["tools"]).specs if kwargs.get("tools") else ()
@@ -448,7 +484,8 @@ class ChatMLXBatch(BaseChatModel):
         return ChatResult(generations=[chat_generation(completion, request.model_name)])
 
     def _note_loaded(self, request: _Request) -> None:
-        # The context limit is known once the engine has loaded the model.
+        # A model whose files did not declare its context limit (a hub id not cached yet)
+        # has it once the engine has loaded the model.
         if not request.is_own_model:
             return
         limit = request.engine.stats().context_limit

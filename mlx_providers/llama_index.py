@@ -43,6 +43,7 @@ from llama_index.core.types import PydanticProgramMode
 
 # The defining module: llama_index.core.instrumentation re-exports it only implicitly.
 from llama_index_instrumentation import get_dispatcher
+from pydantic import BaseModel
 
 from engine import (
     SAMPLING_FIELDS,
@@ -59,6 +60,7 @@ from engine import (
     normalize_tool_choice,
     normalize_tools,
 )
+from mlx_providers._llama_index_agents import transcript_answer
 from mlx_providers._llama_index_messages import (
     StreamChunks,
     chat_response,
@@ -77,7 +79,7 @@ __all__ = ["MLXBatchLLM"]
 dispatcher = get_dispatcher(__name__)
 
 # Per-call keyword arguments: sampling overrides, then what the engine's submit takes.
-_PER_CALL = (*SAMPLING_FIELDS, "constraint", "timeout", "tools", "tool_choice",
+_PER_CALL = (*SAMPLING_FIELDS, "constraint", "reasoning_budget", "timeout", "tools", "tool_choice",
              "parallel_tool_calls", "chat_template_kwargs")
 
 
@@ -157,6 +159,14 @@ class MLXBatchLLM(FunctionCallingLLM):
         description="Seconds before a request is cancelled with an error.")
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra chat-template variables (e.g. enable_thinking).")
+    reasoning_budget: int | None = Field(
+        default=None, ge=0, description="At most this many reasoning tokens when the chat "
+        "template opens the reasoning block; then it is closed and the answer follows.")
+    output_cls: type[BaseModel] | None = Field(
+        default=None, exclude=True,  # a class, not JSON: serialized LLMs leave it out
+        description="Answers follow this pydantic class's JSON schema (a "
+        "grammar): with tools, each reply is a tool call or that JSON. Give an agent the "
+        "same class as its output_cls and its structured output costs no extra call.")
     engine_config: dict[str, Any] = Field(
         default_factory=dict,
         description="EngineConfig fields for the shared engine; empty reuses any existing one.")
@@ -200,7 +210,12 @@ class MLXBatchLLM(FunctionCallingLLM):
     def _sampling(self, kwargs: Mapping[str, Any]) -> SamplingParams:
         """The fields' sampling settings with this call's overrides (validated)."""
         settings = {name: kwargs.get(name, getattr(self, name)) for name in SAMPLING_FIELDS}
-        return SamplingParams(**settings, constraint=kwargs.get("constraint"))
+        constraint = kwargs.get("constraint")
+        if constraint is None and self.output_cls is not None:
+            constraint = json_kwargs(self.output_cls, None)["constraint"]
+        return SamplingParams(**settings, constraint=constraint,
+                              reasoning_budget=kwargs.get("reasoning_budget",
+                                                          self.reasoning_budget))
 
     def _request(self, prompt: str | tuple[Message, ...], kwargs: Mapping[str, Any]) -> _Request:
         """A submit-ready request; unknown per-call options raise instead of being dropped."""
@@ -374,8 +389,10 @@ class MLXBatchLLM(FunctionCallingLLM):
         dispatcher.event(LLMStructuredPredictStartEvent(
             output_cls=output_cls, template=prompt, template_args=prompt_args))
         messages = self._get_messages(prompt, **prompt_args)
-        response = self.chat(messages, **json_kwargs(output_cls, llm_kwargs))
-        result = parse_structured(output_cls, response)
+        result = self._answered(output_cls, messages)
+        if result is None:
+            response = self.chat(messages, **json_kwargs(output_cls, llm_kwargs))
+            result = parse_structured(output_cls, response)
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         return result
 
@@ -390,10 +407,19 @@ class MLXBatchLLM(FunctionCallingLLM):
         dispatcher.event(LLMStructuredPredictStartEvent(
             output_cls=output_cls, template=prompt, template_args=prompt_args))
         messages = self._get_messages(prompt, **prompt_args)
-        response = await self.achat(messages, **json_kwargs(output_cls, llm_kwargs))
-        result = parse_structured(output_cls, response)
+        result = self._answered(output_cls, messages)
+        if result is None:
+            response = await self.achat(messages, **json_kwargs(output_cls, llm_kwargs))
+            result = parse_structured(output_cls, response)
         dispatcher.event(LLMStructuredPredictEndEvent(output=result))
         return result
+
+    def _answered(self, output_cls: type[Any], messages: Sequence[ChatMessage]) -> Any:
+        """An agent's answer already in ``output_cls``'s JSON (``self.output_cls`` made its
+        replies so): the structured output, without asking the model again. None else."""
+        if self.output_cls is None or output_cls is not self.output_cls:
+            return None
+        return transcript_answer(output_cls, messages)
 
     def _structured_stream_call(self, output_cls: type[Any], prompt: Any,
                                 llm_kwargs: dict[str, Any] | None = None,

@@ -3,8 +3,9 @@
 Every door hands ``Engine.submit`` one request value (``ChatRequest`` or ``TextRequest``,
 checked when it was built); ``checked_request`` adds, on the caller's thread, what needs
 no tokenizer. ``Preparer`` turns it into a ``PreparedRequest`` for this model's
-tokenizer: the prompt rendered and encoded, the forced-call grammar built and compiled,
-the stop ids resolved. The loop only ever sees prepared requests. No mlx here.
+tokenizer: the prompt rendered and encoded, the forced-call grammar (or the union of calls
+and a JSON answer, for tools beside a schema) built and compiled, the stop ids resolved.
+The loop only ever sees prepared requests. No mlx here.
 """
 
 from __future__ import annotations
@@ -16,11 +17,18 @@ from typing import Any, cast
 
 from engine.requests.constraints.forced_calls import forced_call_schema, forced_grammar
 from engine.requests.constraints.grammar import GrammarCompiler, validate_constraint
+from engine.requests.constraints.reasoning_budget import (
+    ReasoningPrefix,
+    budget_joins,
+    budgeted_answer,
+    reasoning_prefix,
+)
 from engine.requests.constraints.string_repeats import DEFAULT_NGRAM
+from engine.requests.constraints.tools_or_answer import joins_tools, tools_or_answer_grammar
 from engine.requests.dialects.dialect import TokenizerFacts
 from engine.requests.dialects.registry import dialect_for
 from engine.requests.inbound.chat import ChatRequest
-from engine.requests.inbound.output_constraint import Constraint, JsonSchema
+from engine.requests.inbound.output_constraint import Constraint, JsonObject, JsonSchema
 from engine.requests.inbound.prompts import EncodedPrompt, PromptRenderer
 from engine.requests.inbound.sampling import SamplingParams
 from engine.requests.inbound.text_request import Request, TextRequest
@@ -62,9 +70,16 @@ class Preparer:
         else:
             encoded = self._encoded_chat(request)
             forces_call = request.forces_call
-            if forces_call:
+            if forces_call:  # a forced call wins over an output constraint: the reply is a call
                 params = replace(params, constraint=self._forced_call(request,
                                                                       encoded.opens_reasoning))
+            elif request.rendered_tools and joins_tools(params.constraint):
+                params = replace(params, constraint=self._tools_or_answer(
+                    request, encoded.opens_reasoning))
+            elif (encoded.opens_reasoning and params.reasoning_budget is not None
+                  and self.dialect.reasoning_close and budget_joins(params.constraint)):
+                params = replace(params, constraint=budgeted_answer(
+                    params.constraint, self._reasoning_prefix(params.reasoning_budget)))
         if params.constraint is not None:
             self.compiler.compile(params.constraint)  # cached: the lane's matcher reuses it
         return PreparedRequest(encoded.ids, params, self.stop_ids(params), encoded.head_len,
@@ -100,13 +115,32 @@ class Preparer:
     def _forced_call(self, request: ChatRequest, opens_reasoning: bool) -> Constraint:
         """The grammar that forces tool calls in this model's own syntax. A prompt that
         opened the reasoning block has it closed first, so the call is never reasoning."""
-        literal = self.compiler.lark_text
         calls = self.dialect.forced_calls(request.tools, request.tool_choice,
-                                          request.parallel_tool_calls, literal)
+                                          request.parallel_tool_calls, self.compiler.lark_text)
+        prefix = self._reasoning_closed(opens_reasoning, request.params.reasoning_budget)
+        return forced_grammar(calls + prefix.rules, prefix.start)
+
+    def _tools_or_answer(self, request: ChatRequest, opens_reasoning: bool) -> Constraint:
+        """Tools offered ("auto") beside a JSON constraint: a call to any tool, in this
+        model's syntax, or the answer the constraint describes (one grammar, either reply)."""
+        calls = self.dialect.forced_calls(request.tools, "required",
+                                          request.parallel_tool_calls, self.compiler.lark_text)
+        answer = cast(JsonSchema | JsonObject, request.params.constraint)
+        prefix = self._reasoning_closed(opens_reasoning, request.params.reasoning_budget)
+        return tools_or_answer_grammar(calls + prefix.rules, answer, prefix.start)
+
+    def _reasoning_closed(self, opens_reasoning: bool, budget: int | None) -> ReasoningPrefix:
+        """Lark that ends a reasoning block the prompt opened: at once, or after at most
+        ``budget`` reasoning tokens (empty when the prompt opened none)."""
+        if not (opens_reasoning and self.dialect.reasoning_close):
+            return ReasoningPrefix()
+        return self._reasoning_prefix(budget)
+
+    def _reasoning_prefix(self, budget: int | None) -> ReasoningPrefix:
         close = self.dialect.reasoning_close
-        prefix = (f"{literal(close)} {literal(self.dialect.after_reasoning)}"
-                  if opens_reasoning and close else "")
-        return forced_grammar(calls, prefix)
+        assert close is not None
+        literal = self.compiler.lark_text
+        return reasoning_prefix(literal(close), literal(self.dialect.after_reasoning), budget)
 
 
 def checked_request(request: Any) -> Request:
@@ -121,8 +155,12 @@ def checked_request(request: Any) -> Request:
     if isinstance(request, ChatRequest) and request.forces_call:
         # The call's schema now; its grammar is built when the request is prepared.
         _validated(JsonSchema(forced_call_schema(request.tools, request.tool_choice)))
-    elif request.params.constraint is not None:
+        return cast(Request, request)
+    if request.params.constraint is not None:
         _validated(request.params.constraint)
+        if isinstance(request, ChatRequest) and request.rendered_tools and joins_tools(
+                request.params.constraint):  # the union's call branch: any tool
+            _validated(JsonSchema(forced_call_schema(request.tools, "required")))
     return cast(Request, request)
 
 

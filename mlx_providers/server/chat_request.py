@@ -11,6 +11,7 @@ newer clients keep working.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -89,6 +90,10 @@ class ChatCompletionRequest(OpenModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's effort reaches templates that read it (gpt-oss's); the budget is this
+    # server's: at most this many reasoning tokens when the template opens the block.
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    reasoning_budget: Annotated[int, Field(ge=0)] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -125,8 +130,13 @@ def engine_request(request: ChatCompletionRequest, *, default_max_tokens: int,
         seed=request.seed, stop=request.stop, logprobs=request.logprobs,
         top_logprobs=request.top_logprobs, constraint=constraint,
         default_temperature=default_temperature)
+    if request.reasoning_budget is not None:
+        params = replace(params, reasoning_budget=request.reasoning_budget)
+    template = dict(request.chat_template_kwargs or {})
+    if request.reasoning_effort is not None:
+        template.setdefault("reasoning_effort", request.reasoning_effort)
     tools = engine_tools([t.function for t in request.tools or ()])
     return ChatRequest.from_openai(chat_messages(request.messages), params, tools=tools,
                                    tool_choice=tool_choice_name(request.tool_choice),
                                    parallel_tool_calls=request.parallel_tool_calls,
-                                   chat_template_kwargs=request.chat_template_kwargs)
+                                   chat_template_kwargs=template)

@@ -168,11 +168,24 @@ def test_token_counts_use_the_model_tokenizer(model_dir: str) -> None:
         answer.usage_metadata["input_tokens"]
 
 
-def test_profile_learns_the_context_limit_once_loaded(model_dir: str) -> None:
+def test_profile_is_complete_from_construction(model_dir: str,
+                                              thinking_model_dir: Path) -> None:
+    from langchain.agents.middleware import SummarizationMiddleware
+    from langchain_core.language_models import ModelProfile
+
     model = chat(model_dir, max_tokens=2)
-    assert model.profile is not None and "max_input_tokens" not in model.profile
+    assert model.profile is not None
+    assert model.profile["max_input_tokens"] == 2048  # config.json, nothing loaded
+    assert model.profile["reasoning_output"] is False
+    assert model.profile["tool_choice"] and model.profile["structured_output"]
+    assert set(model.profile) <= set(ModelProfile.__annotations__)  # no unknown keys
+    assert model.engine.stats().loaded is False
+    # Middleware that reads the profile builds on a fresh instance.
+    SummarizationMiddleware(model=model, trigger=("fraction", 0.5))
     model.invoke("Hello")
-    assert model.profile["max_input_tokens"] == 2048
+    assert model.profile["max_input_tokens"] == 2048  # the loaded engine agrees
+    thinking = ChatMLXBatch(model=str(thinking_model_dir))
+    assert thinking.profile is not None and thinking.profile["reasoning_output"] is True
 
 
 def test_same_model_shares_one_engine_and_model_override_uses_another(
@@ -197,6 +210,14 @@ def test_reasoning_goes_to_reasoning_content(thinking_model_dir: Path) -> None:
         full = chunk if full is None else full + chunk
     assert full.content == "It is sunny."
     assert full.additional_kwargs["reasoning_content"] == "let me see"
+    # LangChain's conventions: the raw and the normalised finish reason, v1 content blocks.
+    for done in (message, full):
+        assert done.response_metadata["finish_reason"] == "stop"
+        assert done.response_metadata["normalized_finish_reason"] == "stop"
+    v1 = ChatMLXBatch(model=str(thinking_model_dir), max_tokens=30, output_version="v1")
+    blocks = v1.invoke("Weather?", constraint=grammar).content
+    assert [(b["type"], b.get("reasoning") or b.get("text")) for b in blocks] == [  # type: ignore[union-attr]
+        ("reasoning", "let me see"), ("text", "It is sunny.")]
 
 
 # ----- tools ------------------------------------------------------------------------------
@@ -207,6 +228,7 @@ def test_forced_tool_choice_gives_valid_calls(model_dir: str, tool_choice: Any) 
     model = chat(model_dir, max_tokens=60).bind_tools([WEATHER_TOOL], tool_choice=tool_choice,
                                                       parallel_tool_calls=False)
     message = model.invoke("Weather in Paris?")
+    assert message.response_metadata["normalized_finish_reason"] == "tool_call"
     assert len(message.tool_calls) == 1 and not message.invalid_tool_calls
     call = message.tool_calls[0]
     assert call["name"] == "get_weather" and call["id"]

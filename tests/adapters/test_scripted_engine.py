@@ -156,3 +156,11 @@ def test_llama_index_metadata_calls_and_errors() -> None:
     failing = Reply(error=EngineError("the model step failed"))
     with scripted("li-failing", failing), pytest.raises(EngineError, match="model step failed"):
         MLXBatchLLM("li-failing").complete("Hi")
+
+
+def test_a_reasoning_budget_reaches_the_request_from_both_faces() -> None:
+    with scripted("budget-faces") as fake:
+        ChatMLXBatch(model="budget-faces", reasoning_budget=32).invoke("Hi")
+        ChatMLXBatch(model="budget-faces").invoke("Hi", reasoning_budget=8)
+        MLXBatchLLM("budget-faces", reasoning_budget=16).complete("Hi")
+    assert [c.params.reasoning_budget for c in fake.calls] == [32, 8, 16]

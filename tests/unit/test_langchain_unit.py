@@ -253,7 +253,7 @@ def test_structured_output_rejects_unknown_methods_and_arguments() -> None:
     with pytest.raises(ValueError, match="method must be"):
         ChatMLXBatch().with_structured_output(Weather, method="xml")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unsupported arguments"):
-        ChatMLXBatch().with_structured_output(Weather, tools=[])
+        ChatMLXBatch().with_structured_output(Weather, fallback="text")
     with pytest.raises(ValueError, match="needs a schema"):
         ChatMLXBatch().with_structured_output(None, method="json_schema")
 
@@ -425,3 +425,17 @@ def test_call_kwargs_override_fields_and_unknown_ones_raise(
     assert override.model_name == "/other" and not override.is_own_model
     with pytest.raises(TypeError, match="frequency_penalty"):
         chat._request([HumanMessage("hi")], None, {"frequency_penalty": 1.0})
+
+
+def test_past_reasoning_is_replayed_to_the_template() -> None:
+    from mlx_providers._langchain_messages import chat_messages
+
+    kept = AIMessage("It is sunny.", additional_kwargs={"reasoning_content": "look it up"})
+    v1 = AIMessage([{"type": "reasoning", "reasoning": "think"},
+                    {"type": "text", "text": "Hi"}])
+    converted = chat_messages([HumanMessage("Weather?"), kept, HumanMessage("And?"), v1])
+    assert converted[1].as_openai()["reasoning_content"] == "look it up"
+    assert converted[1].content == "It is sunny."
+    assert converted[3].as_openai()["reasoning_content"] == "think"
+    assert converted[3].content == "Hi"
+    assert "reasoning_content" not in chat_messages([AIMessage("plain")])[0].as_openai()

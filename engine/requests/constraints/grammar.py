@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import InvalidConstraintError
+from engine.requests.constraints.choice_arrays import bound_choice_arrays
 from engine.requests.constraints.schemas import strict_schema
 from engine.requests.constraints.string_repeats import (
     DEFAULT_NGRAM,
@@ -40,18 +41,25 @@ def grammar_text(constraint: Constraint) -> str:
     import llguidance
 
     matcher = llguidance.LLMatcher
-    if isinstance(constraint, JsonSchema):
-        schema = strict_schema(constraint.schema_dict)  # undeclared keys refused at every level
-        schema.setdefault("x-guidance", _JSON_OPTIONS)
-        return str(matcher.grammar_from_json_schema(json.dumps(schema)))
-    if isinstance(constraint, JsonObject):
-        return str(matcher.grammar_from_json_schema(
-            json.dumps({"type": "object", "x-guidance": _JSON_OPTIONS})))
+    if isinstance(constraint, JsonSchema | JsonObject):
+        return str(matcher.grammar_from_json_schema(json.dumps(json_answer_schema(constraint))))
     if isinstance(constraint, Regex):
         return str(matcher.grammar_from_regex(constraint.pattern))
     if isinstance(constraint, LarkGrammar):
         return str(matcher.grammar_from_lark(constraint.grammar))
     raise TypeError(f"not a constraint: {constraint!r}")
+
+
+def json_answer_schema(constraint: JsonSchema | JsonObject) -> dict[str, Any]:
+    """The JSON schema a JSON constraint's output follows, as the grammar applies it:
+    closed at every level (undeclared keys refused), arrays of finite choices bounded to
+    one item per choice (``choice_arrays``), written as compact JSON."""
+    if isinstance(constraint, JsonObject):
+        return {"type": "object", "x-guidance": _JSON_OPTIONS}
+    schema = strict_schema(constraint.schema_dict)
+    bound_choice_arrays(schema)
+    schema.setdefault("x-guidance", _JSON_OPTIONS)
+    return schema
 
 
 class GrammarCompiler:

@@ -48,7 +48,9 @@ class ChatRequest(ToolChoiceView):
     """One chat request, checked: build it with ``from_openai`` (or from typed parts).
 
     ``tool_choice`` is resolved: "auto", "none", "required" or the name of one of
-    ``tools``.
+    ``tools``. Tools and an output constraint may come together (an agent's tools and its
+    final schema): with "auto" the reply is a call or JSON the constraint accepts (one
+    grammar for either, when the constraint is JSON); a forced choice makes it a call.
     """
 
     messages: tuple[Message, ...]
@@ -76,9 +78,6 @@ class ChatRequest(ToolChoiceView):
                                       f"{sorted(names)}", "tool_choice")
         object.__setattr__(self, "template_kwargs", check_template_options(
             self.parallel_tool_calls, self.template_kwargs))
-        if self.forces_call and self.params.constraint is not None:
-            raise InvalidRequestError("tool_choice: a forced tool_choice cannot be combined "
-                                      "with a constraint (response_format)", "tool_choice")
 
     @classmethod
     def from_openai(

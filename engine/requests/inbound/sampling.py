@@ -93,6 +93,9 @@ class SamplingParams:
     top_logprobs: int = 0
     logits_processors: tuple[LogitsProcessor, ...] = field(default=(), compare=False)
     constraint: Constraint | None = None
+    # Reasoning tokens a prompt that opens a reasoning block may spend before the grammar
+    # closes it; then the constraint (if any) applies to the answer. None: unbounded.
+    reasoning_budget: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -120,6 +123,10 @@ class SamplingParams:
         # mlx's PRNG key takes an unsigned 64-bit seed; anything else killed the engine thread.
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64), "seed",
                f"must be None or an integer in [0, 2**64), got {self.seed!r}")
+        _check(self.reasoning_budget is None or (_is_int(self.reasoning_budget)
+                                                 and 0 <= self.reasoning_budget < _INT32),
+               "reasoning_budget",
+               f"must be None or an integer in [0, 2**31), got {self.reasoning_budget!r}")
         _check(all(self.stop), "stop", "must not contain empty strings")
         _check(all(0 <= t < _INT32 for t in self.stop_token_ids), "stop_token_ids",
                f"must be token ids in [0, 2**31), got {self.stop_token_ids!r:.60}")

@@ -1,0 +1,101 @@
+"""What a model declares about itself, read without loading, converting or downloading it.
+
+A face describes its model before the first request (LangChain reads a chat model's
+profile when middleware is built): the context limit the model declares and whether its
+tokenizer has reasoning markers. Both come from files already on this machine: a model
+directory's ``config.json`` and ``tokenizer.json``, a GGUF file's header (no tensors are
+read), the default model's GGUF where it is installed or cached, a hub id's cached config.
+Anything else is unknown (None), never a download; the loaded engine knows the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.models.gguf import read_header
+from engine.models.resolve import (
+    DEFAULT_MODEL_FILE,
+    DEFAULT_MODEL_PACKAGE,
+    cache_dir,
+    config_context_limit,
+    installed_package_file,
+    looks_like_path,
+)
+
+# Token pairs that open and close reasoning, as mlx-lm infers thinking models (single
+# tokens, or Gemma 4's channel tokens), and gpt-oss's harmony channels (its analysis
+# channel is its reasoning).
+_REASONING_PAIRS = (("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"),
+                    ("<|think:start|>", "<|think:end|>"), ("<|channel>", "<channel|>"),
+                    ("<|channel|>", "<|message|>"))
+
+
+@dataclass(frozen=True)
+class DeclaredModel:
+    """A model's own declarations; None where they cannot be read without loading it."""
+
+    context_limit: int | None = None
+    reasoning: bool | None = None  # its tokenizer marks reasoning (a thinking model)
+
+
+def declared_model(spec: str | os.PathLike[str] | None) -> DeclaredModel:
+    """What ``spec`` (a model directory, a ``.gguf``, a hub id, None for the default
+    model) declares, from local files only; never raises for a model it cannot read."""
+    try:
+        source = _local_source(spec)
+        if source is None:
+            return DeclaredModel()
+        if source.is_dir():
+            return DeclaredModel(config_context_limit(source), _dir_reasoning(source))
+        header = read_header(source)
+        limit = header.arch_value("context_length")
+        tokens = header.metadata.get("tokenizer.ggml.tokens")
+        return DeclaredModel(limit if isinstance(limit, int) and limit > 0 else None,
+                             _marks_reasoning(tokens) if isinstance(tokens, list) else None)
+    except (OSError, ValueError):  # unreadable here: loading it will name the problem
+        return DeclaredModel()
+
+
+def _local_source(spec: str | os.PathLike[str] | None) -> Path | None:
+    """The directory or GGUF file ``spec`` names that is already on this machine."""
+    if spec is None:
+        installed = installed_package_file(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE)
+        cached = cache_dir() / "downloads" / DEFAULT_MODEL_FILE
+        return installed or (cached if cached.is_file() else None)
+    text = os.fspath(spec)
+    path = Path(text).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
+        return path
+    if path.exists() or looks_like_path(text):
+        return None
+    return _hub_cache_dir(text)
+
+
+def _hub_cache_dir(repo_id: str) -> Path | None:
+    """A hub model's snapshot directory, when its config is already in the local cache."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def _dir_reasoning(path: Path) -> bool | None:
+    tokenizer = path / "tokenizer.json"
+    if not tokenizer.is_file():
+        return None
+    data: Any = json.loads(tokenizer.read_text(encoding="utf-8"))
+    vocab = data.get("model", {}).get("vocab", {}) if isinstance(data, dict) else {}
+    added = [t.get("content") for t in data.get("added_tokens", ()) if isinstance(t, dict)]
+    return _marks_reasoning({*(vocab if isinstance(vocab, dict) else ()), *added})
+
+
+def _marks_reasoning(tokens: Iterable[Any]) -> bool:
+    vocab: Collection[Any] = tokens if isinstance(tokens, set) else set(tokens)
+    return any(start in vocab and end in vocab for start, end in _REASONING_PAIRS)

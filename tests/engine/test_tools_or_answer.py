@@ -1,0 +1,139 @@
+"""Tools beside a JSON schema in one request: the reply is a call or the schema's answer.
+
+The union grammar (``engine.requests.constraints.tools_or_answer``) admits exactly those
+two replies; both are reachable on the tiny model, a call comes back as a parsed tool call
+and an answer as content valid for the schema.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import jsonschema
+import mlx.core as mx
+import pytest
+
+from engine import ChatRequest, Engine, FinishReason, JsonSchema
+from engine.errors import InvalidConstraintError
+from engine.requests.constraints.forced_calls import tagged_json_calls
+from engine.requests.constraints.grammar import GrammarCompiler
+from engine.requests.constraints.tools_or_answer import tools_or_answer_grammar
+from engine.requests.inbound.tool_specs import normalize_tools
+from tests.conftest import greedy
+from tests.unit.test_tools import WEATHER
+
+# An answer the tiny model cannot ramble in: every value bounded.
+VERDICT = {"type": "object", "properties": {
+    "answer": {"enum": ["sunny", "rainy"]}, "degrees": {"type": "integer", "maximum": 50}},
+    "required": ["answer", "degrees"]}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _biased(token: int) -> Callable[[Any, Any], Any]:
+    """A logits processor that makes ``token`` the greedy pick at the first step only: the
+    grammar then decides which branch that token may begin."""
+    seen = [False]
+
+    def process(tokens: Any, logits: Any) -> Any:
+        if seen[0]:
+            return logits
+        seen[0] = True
+        bump = mx.zeros(logits.shape[-1]).at[token].add(1e4)
+        return logits + bump
+
+    return process
+
+
+def _union_request(bias: int | None = None, **kw: Any) -> ChatRequest:
+    processors = (_biased(bias),) if bias is not None else ()
+    return ChatRequest.from_openai(ASK, greedy(96, constraint=JsonSchema(VERDICT),
+                                               logits_processors=processors),
+                                   tools=[WEATHER], parallel_tool_calls=False, **kw)
+
+
+def _token(eng: Engine, text: str) -> int:
+    ids = eng.tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) == 1, ids
+    return int(ids[0])
+
+
+def test_the_union_admits_a_call_or_the_answer_and_nothing_else(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    compiler = GrammarCompiler(hf, vocab)
+    calls = tagged_json_calls(normalize_tools([WEATHER]), "required", False,
+                              compiler.lark_text("<tool_call>"), compiler.lark_text("</tool_call>"))
+    grammar = tools_or_answer_grammar(calls, JsonSchema(VERDICT))
+
+    def accepts(text: str) -> bool:
+        matcher = compiler.compile(grammar).deep_copy()
+        ids = hf.encode(text, add_special_tokens=False)
+        return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+    assert accepts('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                   '\n</tool_call>')
+    assert accepts('{"answer": "sunny", "degrees": 21}')
+    assert not accepts('{"answer": "foggy", "degrees": 21}')  # not the schema's
+    assert not accepts('{"name": "get_weather", "arguments": {"city": "Paris"}}')  # no markers
+    assert not accepts('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    assert not accepts("It is sunny.")
+
+
+def test_a_call_comes_back_as_a_tool_call(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit(_union_request(_token(tiny_engine, "<tool_call>"))).result()
+    assert result.finish_reason is FinishReason.TOOL_CALLS, result.text
+    assert [c.name for c in result.tool_calls] == ["get_weather"]
+    jsonschema.validate(result.tool_calls[0].arguments, WEATHER["function"]["parameters"])
+    assert not result.invalid_tool_calls and result.content.strip() == ""
+
+
+def test_an_answer_comes_back_as_content_valid_for_the_schema(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit(_union_request(_token(tiny_engine, "{"))).result()
+    assert result.finish_reason is FinishReason.STOP, result.text
+    assert not result.tool_calls
+    jsonschema.validate(json.loads(result.content), VERDICT)
+
+
+def test_unbiased_greedy_replies_are_one_or_the_other(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit(_union_request()).result()
+    if result.tool_calls:
+        assert [c.name for c in result.tool_calls] == ["get_weather"]
+    else:
+        jsonschema.validate(json.loads(result.content), VERDICT)
+
+
+def test_a_forced_choice_beside_a_schema_is_a_call(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit(_union_request(tool_choice="required")).result()
+    assert [c.name for c in result.tool_calls] == ["get_weather"]
+
+
+def test_tool_choice_none_leaves_the_schema_alone(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit(_union_request(_token(tiny_engine, "<tool_call>"),
+                                               tool_choice="none")).result()
+    assert not result.tool_calls
+    jsonschema.validate(json.loads(result.content), VERDICT)
+
+
+def test_a_bad_tool_schema_beside_a_schema_is_refused_at_submit(tiny_engine: Engine) -> None:
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "nonsense"}}}}}
+    with pytest.raises(InvalidConstraintError):
+        tiny_engine.submit(ChatRequest.from_openai(
+            ASK, greedy(8, constraint=JsonSchema(VERDICT)), tools=[bad]))
+
+
+def test_a_greedy_array_of_choices_ends_instead_of_repeating(tiny_engine: Engine) -> None:
+    # Closing the array made the unlikeliest move: unbounded, the items go on to max_tokens.
+    schema = {"type": "object", "properties": {"tools": {"type": "array", "items": {
+        "anyOf": [{"const": "translate"}, {"const": "search"}]}}}, "required": ["tools"]}
+    vocab = tiny_engine.tokenizer.get_vocab()
+    closing = mx.array([tid for text, tid in vocab.items() if "]" in text])
+    params = greedy(200, constraint=JsonSchema(schema), logits_processors=(
+        lambda tokens, logits: logits.at[..., closing].add(-1e4),))
+    result = tiny_engine.submit(ChatRequest.from_openai(ASK, params)).result()
+    assert result.finish_reason is FinishReason.STOP, result.text
+    assert len(json.loads(result.content)["tools"]) <= 2
