@@ -41,11 +41,15 @@ def prompts_for(eng: Engine, n: int) -> list[list[int]]:
 
 
 def raw_batch_generator(eng: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
-    """Drive BatchGenerator on the engine's own weights, on the engine thread's model."""
+    """Drive BatchGenerator on the engine's own weights, in the form the engine runs them
+    (the same CPU weight policy: its kernels, or float32), so the ratio is the engine's own."""
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
+    from engine.device.weight_policy import apply_weight_policy
+
     model, _ = load(str(eng.model_path))
+    apply_weight_policy(model, eng.config.quantized)
     gen = BatchGenerator(model, max_tokens=tokens, completion_batch_size=len(prompts),
                          prefill_batch_size=len(prompts))
     gen.insert(prompts, max_tokens=[tokens] * len(prompts))
