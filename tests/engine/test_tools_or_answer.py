@@ -141,7 +141,7 @@ def test_a_greedy_array_of_choices_ends_instead_of_repeating(tiny_engine: Engine
 
 # ----- the repeat guard: a call the history answered is not admitted again -------------
 
-PARIS_ANSWERED = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+PARIS_ANSWERED: list[dict[str, Any]] = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
     {"id": "call_1", "type": "function",
      "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."}]
@@ -202,7 +202,8 @@ def test_a_call_with_other_arguments_is_still_admitted(tiny_engine: Engine) -> N
 @pytest.mark.parametrize("case", ["repeat_answered_calls", "required", "no history",
                                   "no result yet"])
 def test_the_guard_leaves_these_requests_alone(tiny_engine: Engine, case: str) -> None:
-    messages = {"no history": ASK, "no result yet": PARIS_ANSWERED[:-1]}.get(
+    messages: list[dict[str, Any]] = {"no history": ASK,
+                                      "no result yet": PARIS_ANSWERED[:-1]}.get(
         case, PARIS_ANSWERED)
     kw: dict[str, Any] = {"repeat": case == "repeat_answered_calls"}
     if case == "required":
