@@ -62,7 +62,8 @@ _REMOTE_ONLY = frozenset({"api_key", "base_url", "max_retries"})
 _SAMPLING = tuple(name for name in SAMPLING_FIELDS if name != "stop")
 _REQUEST_KWARGS = frozenset({*_SAMPLING, "model", "timeout", "tools", "tool_choice",
                              "parallel_tool_calls", "response_format", "constraint",
-                             "reasoning", "reasoning_budget", "chat_template_kwargs",
+                             "reasoning", "reasoning_budget", "repeat_answered_calls",
+                             "chat_template_kwargs",
                              "raise_on_truncated_call",
                              "stream"})
 StructuredMethod = Literal["function_calling", "json_schema", "json_mode"]
@@ -116,6 +117,10 @@ class ChatMLXBatch(BaseChatModel):
     reasoning_budget: int | None = Field(default=None, ge=0)
     """At most this many reasoning tokens, then the reasoning block is closed by the grammar
     and the answer (and its tools or schema) follows; None = unbounded."""
+    repeat_answered_calls: bool = False
+    """With tools beside a response format, the grammar refuses a call that repeats one the
+    history already answered (same tool and arguments, a ToolMessage for it): the model
+    calls something else or answers. True admits such repeats."""
     chat_template_kwargs: dict[str, Any] | None = None
     engine_config: dict[str, Any] = Field(default_factory=dict)
     """``EngineConfig`` fields for the shared engine (empty = reuse it as configured)."""
@@ -446,7 +451,9 @@ class ChatMLXBatch(BaseChatModel):
         stops: Any = (stop if stop is not None else self.stop) or ()
         params = SamplingParams(**sampling, stop=stops, constraint=constraint,
                                 reasoning_budget=kwargs.get("reasoning_budget",
-                                                            self.reasoning_budget))
+                                                            self.reasoning_budget),
+                                repeat_answered_calls=kwargs.get(
+                                    "repeat_answered_calls", self.repeat_answered_calls))
         # Bound tools were converted at bind time; tools passed per call (any LangChain
         # shape) are converted here, once.
         specs = tool_specs(kwargs["tools"]).specs if kwargs.get("tools") else ()

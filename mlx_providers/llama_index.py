@@ -79,8 +79,8 @@ __all__ = ["MLXBatchLLM"]
 dispatcher = get_dispatcher(__name__)
 
 # Per-call keyword arguments: sampling overrides, then what the engine's submit takes.
-_PER_CALL = (*SAMPLING_FIELDS, "constraint", "reasoning_budget", "timeout", "tools", "tool_choice",
-             "parallel_tool_calls", "chat_template_kwargs")
+_PER_CALL = (*SAMPLING_FIELDS, "constraint", "reasoning_budget", "repeat_answered_calls",
+             "timeout", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,10 @@ class MLXBatchLLM(FunctionCallingLLM):
     reasoning_budget: int | None = Field(
         default=None, ge=0, description="At most this many reasoning tokens when the chat "
         "template opens the reasoning block; then it is closed and the answer follows.")
+    repeat_answered_calls: bool = Field(
+        default=False, description="With tools beside output_cls, the grammar refuses a "
+        "call that repeats one the history already answered (same tool and arguments, a "
+        "tool result for it), so the model calls something else or answers; True admits it.")
     output_cls: type[BaseModel] | None = Field(
         default=None, exclude=True,  # a class, not JSON: serialized LLMs leave it out
         description="Answers follow this pydantic class's JSON schema (a "
@@ -215,7 +219,9 @@ class MLXBatchLLM(FunctionCallingLLM):
             constraint = json_kwargs(self.output_cls, None)["constraint"]
         return SamplingParams(**settings, constraint=constraint,
                               reasoning_budget=kwargs.get("reasoning_budget",
-                                                          self.reasoning_budget))
+                                                          self.reasoning_budget),
+                              repeat_answered_calls=kwargs.get(
+                                  "repeat_answered_calls", self.repeat_answered_calls))
 
     def _request(self, prompt: str | tuple[Message, ...], kwargs: Mapping[str, Any]) -> _Request:
         """A submit-ready request; unknown per-call options raise instead of being dropped."""

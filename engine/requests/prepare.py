@@ -15,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
+from engine.requests.constraints.answered_calls import answered_arguments, unanswered_tools
 from engine.requests.constraints.forced_calls import forced_call_schema, forced_grammar
 from engine.requests.constraints.grammar import GrammarCompiler, validate_constraint
 from engine.requests.constraints.reasoning_budget import (
@@ -122,12 +123,28 @@ class Preparer:
 
     def _tools_or_answer(self, request: ChatRequest, opens_reasoning: bool) -> Constraint:
         """Tools offered ("auto") beside a JSON constraint: a call to any tool, in this
-        model's syntax, or the answer the constraint describes (one grammar, either reply)."""
-        calls = self.dialect.forced_calls(request.tools, "required",
-                                          request.parallel_tool_calls, self.compiler.lark_text)
-        answer = cast(JsonSchema | JsonObject, request.params.constraint)
-        prefix = self._reasoning_closed(opens_reasoning, request.params.reasoning_budget)
+        model's syntax, or the answer the constraint describes (one grammar, either reply).
+        Unless the request says ``repeat_answered_calls``, a call that repeats one the
+        history answered is refused (``answered_calls``); with no call left, the answer."""
+        params = request.params
+        answer = cast(JsonSchema | JsonObject, params.constraint)
+        tools = request.tools
+        if not params.repeat_answered_calls:
+            tools = unanswered_tools(tools, answered_arguments(request.messages),
+                                     self.dialect.json_arguments)
+        if not tools:
+            return self._answer_alone(answer, opens_reasoning, params.reasoning_budget)
+        calls = self.dialect.forced_calls(tools, "required", request.parallel_tool_calls,
+                                          self.compiler.lark_text)
+        prefix = self._reasoning_closed(opens_reasoning, params.reasoning_budget)
         return tools_or_answer_grammar(calls + prefix.rules, answer, prefix.start)
+
+    def _answer_alone(self, answer: JsonSchema | JsonObject, opens_reasoning: bool,
+                      budget: int | None) -> Constraint:
+        """The JSON answer with no call beside it, as a request without tools gets it."""
+        if opens_reasoning and budget is not None and self.dialect.reasoning_close:
+            return budgeted_answer(answer, self._reasoning_prefix(budget))
+        return answer
 
     def _reasoning_closed(self, opens_reasoning: bool, budget: int | None) -> ReasoningPrefix:
         """Lark that ends a reasoning block the prompt opened: at once, or after at most

@@ -94,6 +94,9 @@ class ChatCompletionRequest(OpenModel):
     # server's: at most this many reasoning tokens when the template opens the block.
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     reasoning_budget: Annotated[int, Field(ge=0)] | None = None
+    # This server's: tools beside response_format refuse a call that repeats an answered
+    # one (same tool and arguments, a tool message for it); true admits it.
+    repeat_answered_calls: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -132,6 +135,7 @@ def engine_request(request: ChatCompletionRequest, *, default_max_tokens: int,
         default_temperature=default_temperature)
     if request.reasoning_budget is not None:
         params = replace(params, reasoning_budget=request.reasoning_budget)
+    params = replace(params, repeat_answered_calls=request.repeat_answered_calls)
     template = dict(request.chat_template_kwargs or {})
     if request.reasoning_effort is not None:
         template.setdefault("reasoning_effort", request.reasoning_effort)

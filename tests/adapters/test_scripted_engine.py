@@ -164,3 +164,14 @@ def test_a_reasoning_budget_reaches_the_request_from_both_faces() -> None:
         ChatMLXBatch(model="budget-faces").invoke("Hi", reasoning_budget=8)
         MLXBatchLLM("budget-faces", reasoning_budget=16).complete("Hi")
     assert [c.params.reasoning_budget for c in fake.calls] == [32, 8, 16]
+
+
+def test_repeat_answered_calls_reaches_the_request_from_both_faces() -> None:
+    with scripted("repeat-faces") as fake:
+        ChatMLXBatch(model="repeat-faces").invoke("Hi")
+        ChatMLXBatch(model="repeat-faces", repeat_answered_calls=True).invoke("Hi")
+        ChatMLXBatch(model="repeat-faces").invoke("Hi", repeat_answered_calls=True)
+        MLXBatchLLM("repeat-faces").complete("Hi")
+        MLXBatchLLM("repeat-faces", repeat_answered_calls=True).complete("Hi")
+    assert [c.params.repeat_answered_calls for c in fake.calls] == [
+        False, True, True, False, True]

@@ -137,3 +137,79 @@ def test_a_greedy_array_of_choices_ends_instead_of_repeating(tiny_engine: Engine
     result = tiny_engine.submit(ChatRequest.from_openai(ASK, params)).result()
     assert result.finish_reason is FinishReason.STOP, result.text
     assert len(json.loads(result.content)["tools"]) <= 2
+
+
+# ----- the repeat guard: a call the history answered is not admitted again -------------
+
+PARIS_ANSWERED: list[dict[str, Any]] = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."}]
+
+
+def _steered(eng: Engine, text: str) -> Callable[[Any, Any], Any]:
+    """A logits processor that makes greedy write ``text``, as far as the grammar lets it:
+    each step favours the token that continues ``text`` from what was written (read from
+    the tokens, as the grammar may write some itself); once the row leaves ``text``
+    (where the grammar refused its next token), it writes freely."""
+    tokenizer = eng.tokenizer
+    prompt_len: list[int] = []
+
+    def process(tokens: Any, logits: Any) -> Any:
+        ids = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        if not prompt_len:
+            prompt_len.append(len(ids))
+        written = tokenizer.decode(ids[prompt_len[0]:])
+        if not text.startswith(written) or written == text:
+            return logits
+        following = tokenizer.encode(text[len(written):], add_special_tokens=False)[0]
+        return logits + mx.zeros(logits.shape[-1]).at[following].add(1e4)
+
+    return process
+
+
+def _call(city: str) -> str:
+    return ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + city
+            + '"}}\n</tool_call>')
+
+
+def _steered_request(eng: Engine, messages: list[dict[str, Any]], text: str,
+                     **kw: Any) -> ChatRequest:
+    params = greedy(96, constraint=JsonSchema(VERDICT), logits_processors=(
+        _steered(eng, text),), repeat_answered_calls=kw.pop("repeat", False))
+    return ChatRequest.from_openai(messages, params, tools=[WEATHER],
+                                   parallel_tool_calls=False, **kw)
+
+
+def _cities(result: Any) -> list[str]:
+    return [c.arguments.get("city") for c in result.tool_calls]
+
+
+def test_an_answered_call_is_not_admitted_again(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit(_steered_request(tiny_engine, PARIS_ANSWERED,
+                                                 _call("Paris"))).result()
+    assert "Paris" not in _cities(result), result.text
+    if not result.tool_calls:  # the row answered instead: the schema's JSON
+        jsonschema.validate(json.loads(result.content), VERDICT)
+
+
+def test_a_call_with_other_arguments_is_still_admitted(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit(_steered_request(tiny_engine, PARIS_ANSWERED,
+                                                 _call("Lyon"))).result()
+    assert _cities(result) == ["Lyon"], result.text
+
+
+@pytest.mark.parametrize("case", ["repeat_answered_calls", "required", "no history",
+                                  "no result yet"])
+def test_the_guard_leaves_these_requests_alone(tiny_engine: Engine, case: str) -> None:
+    messages: list[dict[str, Any]] = {"no history": ASK,
+                                      "no result yet": PARIS_ANSWERED[:-1]}.get(
+        case, PARIS_ANSWERED)
+    kw: dict[str, Any] = {"repeat": case == "repeat_answered_calls"}
+    if case == "required":
+        kw["tool_choice"] = "required"
+    if case == "no result yet":  # a call waiting for its result: not answered
+        messages = [*messages, {"role": "tool", "tool_call_id": "other", "content": "?"}]
+    result = tiny_engine.submit(_steered_request(tiny_engine, messages, _call("Paris"),
+                                                 **kw)).result()
+    assert _cities(result) == ["Paris"], result.text

@@ -27,3 +27,11 @@ def test_a_template_variable_the_client_set_wins_over_the_effort() -> None:
                                    chat_template_kwargs={"reasoning_effort": "low"}),
                           default_max_tokens=32, default_temperature=0.0)
     assert chat.template_kwargs["reasoning_effort"] == "low"
+
+
+def test_repeat_answered_calls_reaches_the_engine_request() -> None:
+    on = engine_request(_request(repeat_answered_calls=True), default_max_tokens=32,
+                        default_temperature=0.0)
+    plain = engine_request(_request(), default_max_tokens=32, default_temperature=0.0)
+    assert (on.params.repeat_answered_calls, plain.params.repeat_answered_calls) == (
+        True, False)

@@ -109,6 +109,12 @@ class Dialect:
 
     # ----- constraints ---------------------------------------------------------------
 
+    # Whether a call's arguments are one JSON object the grammar reads with the tool's
+    # argument schema as a whole (so a rewritten schema, e.g. one that refuses answered
+    # calls, applies as written); families that write values in their own syntax from the
+    # schema's properties say False.
+    json_arguments = True
+
     def forced_calls(self, tools: Sequence[ToolSpec], choice: str, parallel: bool,
                      literal: Literal) -> str:
         """Lark defining ``calls``: one call (several when ``parallel``) to the chosen tools,

@@ -38,6 +38,7 @@ class Gemma4(Dialect):
     """Gemma 4 (mlx-lm's ``gemma4`` parser)."""
 
     name = "gemma4"
+    json_arguments = False  # its values are written in Gemma's literal syntax, by property
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:

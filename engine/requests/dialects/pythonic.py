@@ -33,6 +33,7 @@ class Pythonic(Dialect):
     """LFM2 (mlx-lm's ``pythonic`` parser)."""
 
     name = "pythonic"
+    json_arguments = False  # its keyword arguments are written property by property
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:

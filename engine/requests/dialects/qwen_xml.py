@@ -45,6 +45,7 @@ class QwenXml(Dialect):
     """Qwen3.5, Qwen3-Coder (mlx-lm's ``qwen3_coder`` parser)."""
 
     name = "qwen-xml"
+    json_arguments = False  # its parameters are XML elements, property by property
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:

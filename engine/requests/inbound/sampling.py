@@ -96,6 +96,10 @@ class SamplingParams:
     # Reasoning tokens a prompt that opens a reasoning block may spend before the grammar
     # closes it; then the constraint (if any) applies to the answer. None: unbounded.
     reasoning_budget: int | None = None
+    # With tools ("auto") beside a JSON answer, the grammar refuses a call that repeats one
+    # the history already answered (same tool, equal arguments, a tool result for it), so
+    # the model calls something else or answers. True admits such repeats again.
+    repeat_answered_calls: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -127,6 +131,8 @@ class SamplingParams:
                                                  and 0 <= self.reasoning_budget < _INT32),
                "reasoning_budget",
                f"must be None or an integer in [0, 2**31), got {self.reasoning_budget!r}")
+        _check(isinstance(self.repeat_answered_calls, bool), "repeat_answered_calls",
+               f"must be a bool, got {self.repeat_answered_calls!r}")
         _check(all(self.stop), "stop", "must not contain empty strings")
         _check(all(0 <= t < _INT32 for t in self.stop_token_ids), "stop_token_ids",
                f"must be token ids in [0, 2**31), got {self.stop_token_ids!r:.60}")
