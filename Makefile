@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test check test-real fuzz lint bench clean
+.PHONY: demo test check test-fitted test-real fuzz lint bench clean
 
 # Test files run whole on parallel workers (pytest-xdist): most tests wait on a model thread,
 # a subprocess or a socket, so three workers overlap them on two cores.
@@ -23,12 +23,17 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -ra $(XDIST)
+	$(BIN)/python -m pytest -ra $(XDIST) -m 'not real and not fitted'
+
+# CI runs these too: family models fitted to write their own calls and reasoning, and every
+# family through ChatMLXBatch, MLXBatchLLM and the server (~6 min on two cores).
+test-fitted: $(STAMP)
+	$(BIN)/python -m pytest -ra $(XDIST) -m fitted tests/families
 
 # The edit loop: lint, then everything but the slow and multi-process cases (a few minutes).
 check: $(STAMP)
 	$(BIN)/ruff check engine mlx_providers tests testkit bench examples
-	$(BIN)/python -m pytest -ra $(XDIST) -m 'not slow and not distributed and not real'
+	$(BIN)/python -m pytest -ra $(XDIST) -m 'not slow and not distributed and not real and not fitted'
 
 test-real: $(STAMP)
 	$(BIN)/python -m pytest -ra -m real tests/real

@@ -240,9 +240,19 @@ SLOW_FILES = frozenset({
 })
 
 
+# Files whose models are fitted for seconds first, and every family through every door: CI
+# runs them (make test-fitted); make test keeps the family matrix itself.
+FITTED_FILES = frozenset({
+    "tests/families/test_doors.py", "tests/families/test_fitting.py",
+    "tests/families/test_fitted_own_syntax.py",
+})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(str(config.rootpath))
     for item in items:
         where = Path(str(item.path)).relative_to(root).as_posix()
+        if where in FITTED_FILES:
+            item.add_marker(pytest.mark.fitted)
         if where in SLOW_FILES or where.startswith("tests/families/"):
             item.add_marker(pytest.mark.slow)

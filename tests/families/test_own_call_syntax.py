@@ -126,6 +126,7 @@ NATIVE: dict[str, tuple[str, str]] = {
 }
 
 
+@pytest.mark.fitted
 @pytest.mark.parametrize("family", sorted(NATIVE))
 def test_a_fitted_models_own_call_is_parsed_with_no_markup_left(
         family: str, family_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
