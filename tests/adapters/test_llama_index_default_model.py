@@ -13,7 +13,8 @@ from pydantic import BaseModel
 
 from mlx_providers import MLXBatchLLM
 
-pytestmark = pytest.mark.slow
+# The real default model decoding at length: make test-real (CI) runs it.
+pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 FRANCE = [ChatMessage(role=MessageRole.USER,
                       content="What is the capital of France? Answer in one word.")]

@@ -126,6 +126,7 @@ def test_without_the_kernels_the_policy_falls_back_to_mlx_ops(
 
 
 @pytest.mark.slow
+@pytest.mark.real  # the real default model, twice: make test-real (CI)
 @needs_kernels
 def test_the_default_model_gives_mlx_ops_tokens_and_logits() -> None:
     """SmolLM2-135M Q4_1 on the kernels against the same weights dequantized to float32 on

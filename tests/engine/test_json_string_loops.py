@@ -12,7 +12,8 @@ from engine import Engine, EngineConfig, FinishReason, SamplingParams
 from engine.requests.inbound.output_constraint import JsonSchema
 from tests.conftest import request_for
 
-pytestmark = pytest.mark.slow
+# The real default model decoding at length: make test-real (CI) runs it.
+pytestmark = [pytest.mark.slow, pytest.mark.real]
 
 JOKE = JsonSchema({"type": "object",
                    "properties": {"setup": {"type": "string"}, "punchline": {"type": "string"}},
