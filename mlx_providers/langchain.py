@@ -63,6 +63,7 @@ _SAMPLING = tuple(name for name in SAMPLING_FIELDS if name != "stop")
 _REQUEST_KWARGS = frozenset({*_SAMPLING, "model", "timeout", "tools", "tool_choice",
                              "parallel_tool_calls", "response_format", "constraint",
                              "reasoning", "reasoning_budget", "repeat_answered_calls",
+                             "tool_call_limit",
                              "chat_template_kwargs",
                              "raise_on_truncated_call",
                              "stream"})
@@ -121,6 +122,12 @@ class ChatMLXBatch(BaseChatModel):
     """With tools beside a response format, the grammar refuses a call that repeats one the
     history already answered (same tool and arguments, a ToolMessage for it): the model
     calls something else or answers. True admits such repeats."""
+    tool_call_limit: int | None = Field(default=None, ge=1)
+    """Calls to each tool the conversation may hold answered before the tool is no longer
+    offered to a grammar-decided reply (tools beside a response format, or a required
+    call, as ``create_agent``'s two strategies send): a small model that keeps calling
+    then answers. None = no limit. It does not apply to a free-text reply (``auto``
+    without a response format), where no grammar decides."""
     chat_template_kwargs: dict[str, Any] | None = None
     engine_config: dict[str, Any] = Field(default_factory=dict)
     """``EngineConfig`` fields for the shared engine (empty = reuse it as configured)."""
@@ -453,7 +460,9 @@ class ChatMLXBatch(BaseChatModel):
                                 reasoning_budget=kwargs.get("reasoning_budget",
                                                             self.reasoning_budget),
                                 repeat_answered_calls=kwargs.get(
-                                    "repeat_answered_calls", self.repeat_answered_calls))
+                                    "repeat_answered_calls", self.repeat_answered_calls),
+                                tool_call_limit=kwargs.get("tool_call_limit",
+                                                           self.tool_call_limit))
         # Bound tools were converted at bind time; tools passed per call (any LangChain
         # shape) are converted here, once.
         specs = tool_specs(kwargs["tools"]).specs if kwargs.get("tools") else ()

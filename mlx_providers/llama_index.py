@@ -80,6 +80,7 @@ dispatcher = get_dispatcher(__name__)
 
 # Per-call keyword arguments: sampling overrides, then what the engine's submit takes.
 _PER_CALL = (*SAMPLING_FIELDS, "constraint", "reasoning_budget", "repeat_answered_calls",
+             "tool_call_limit",
              "timeout", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
 
 
@@ -166,6 +167,10 @@ class MLXBatchLLM(FunctionCallingLLM):
         default=False, description="With tools beside output_cls, the grammar refuses a "
         "call that repeats one the history already answered (same tool and arguments, a "
         "tool result for it), so the model calls something else or answers; True admits it.")
+    tool_call_limit: int | None = Field(
+        default=None, ge=1, description="Calls to each tool the conversation may hold "
+        "answered before the tool is no longer offered where a grammar decides the reply "
+        "(tools beside output_cls, or a required call); None = no limit.")
     output_cls: type[BaseModel] | None = Field(
         default=None, exclude=True,  # a class, not JSON: serialized LLMs leave it out
         description="Answers follow this pydantic class's JSON schema (a "
@@ -221,7 +226,9 @@ class MLXBatchLLM(FunctionCallingLLM):
                               reasoning_budget=kwargs.get("reasoning_budget",
                                                           self.reasoning_budget),
                               repeat_answered_calls=kwargs.get(
-                                  "repeat_answered_calls", self.repeat_answered_calls))
+                                  "repeat_answered_calls", self.repeat_answered_calls),
+                              tool_call_limit=kwargs.get("tool_call_limit",
+                                                         self.tool_call_limit))
 
     def _request(self, prompt: str | tuple[Message, ...], kwargs: Mapping[str, Any]) -> _Request:
         """A submit-ready request; unknown per-call options raise instead of being dropped."""

@@ -15,7 +15,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
-from engine.requests.constraints.answered_calls import answered_arguments, unanswered_tools
+from engine.errors import InvalidRequestError
+from engine.requests.constraints.answered_calls import (
+    answered_arguments,
+    unanswered_tools,
+    within_limit,
+)
 from engine.requests.constraints.forced_calls import forced_call_schema, forced_grammar
 from engine.requests.constraints.grammar import GrammarCompiler, validate_constraint
 from engine.requests.constraints.reasoning_budget import (
@@ -33,6 +38,7 @@ from engine.requests.inbound.output_constraint import Constraint, JsonObject, Js
 from engine.requests.inbound.prompts import EncodedPrompt, PromptRenderer
 from engine.requests.inbound.sampling import SamplingParams
 from engine.requests.inbound.text_request import Request, TextRequest
+from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.channels import CONTENT, REASONING
 from engine.requests.outbound.row_channels import RowChannels
 from engine.requests.outbound.text import RowText
@@ -116,7 +122,7 @@ class Preparer:
     def _forced_call(self, request: ChatRequest, opens_reasoning: bool) -> Constraint:
         """The grammar that forces tool calls in this model's own syntax. A prompt that
         opened the reasoning block has it closed first, so the call is never reasoning."""
-        calls = self.dialect.forced_calls(request.tools, request.tool_choice,
+        calls = self.dialect.forced_calls(limited_tools(request), request.tool_choice,
                                           request.parallel_tool_calls, self.compiler.lark_text)
         prefix = self._reasoning_closed(opens_reasoning, request.params.reasoning_budget)
         return forced_grammar(calls + prefix.rules, prefix.start)
@@ -125,13 +131,14 @@ class Preparer:
         """Tools offered ("auto") beside a JSON constraint: a call to any tool, in this
         model's syntax, or the answer the constraint describes (one grammar, either reply).
         Unless the request says ``repeat_answered_calls``, a call that repeats one the
-        history answered is refused (``answered_calls``); with no call left, the answer."""
+        history answered is refused (``answered_calls``), and a tool called
+        ``tool_call_limit`` times is no longer offered; with no call left, the answer."""
         params = request.params
         answer = cast(JsonSchema | JsonObject, params.constraint)
-        tools = request.tools
+        answered = answered_arguments(request.messages)
+        tools = within_limit(request.tools, answered, params.tool_call_limit)
         if not params.repeat_answered_calls:
-            tools = unanswered_tools(tools, answered_arguments(request.messages),
-                                     self.dialect.json_arguments)
+            tools = unanswered_tools(tools, answered, self.dialect.json_arguments)
         if not tools:
             return self._answer_alone(answer, opens_reasoning, params.reasoning_budget)
         calls = self.dialect.forced_calls(tools, "required", request.parallel_tool_calls,
@@ -170,6 +177,11 @@ def checked_request(request: Any) -> Request:
         raise TypeError(f"submit takes a ChatRequest or a TextRequest, got "
                         f"{type(request).__name__}{hint}")
     if isinstance(request, ChatRequest) and request.forces_call:
+        if not limited_tools(request):
+            raise InvalidRequestError(
+                f"tool_call_limit={request.params.tool_call_limit}: every tool was already "
+                "called that many times and tool_choice requires a call; raise the limit, "
+                "name a tool, or let the model answer (tool_choice 'auto')", "tool_call_limit")
         # The call's schema now; its grammar is built when the request is prepared.
         _validated(JsonSchema(forced_call_schema(request.tools, request.tool_choice)))
         return cast(Request, request)
@@ -179,6 +191,16 @@ def checked_request(request: Any) -> Request:
                 request.params.constraint):  # the union's call branch: any tool
             _validated(JsonSchema(forced_call_schema(request.tools, "required")))
     return cast(Request, request)
+
+
+def limited_tools(request: ChatRequest) -> tuple[ToolSpec, ...]:
+    """The tools a forced call may go to: with ``tool_call_limit``, a required call is
+    never to a tool the history already called and answered that many times (a tool the
+    choice names is the caller's explicit wish and stays)."""
+    if request.tool_choice != "required":
+        return request.tools
+    return within_limit(request.tools, answered_arguments(request.messages),
+                        request.params.tool_call_limit)
 
 
 @lru_cache(maxsize=256)

@@ -97,6 +97,9 @@ class ChatCompletionRequest(OpenModel):
     # This server's: tools beside response_format refuse a call that repeats an answered
     # one (same tool and arguments, a tool message for it); true admits it.
     repeat_answered_calls: bool = False
+    # This server's: calls to each tool the conversation may hold answered before the tool
+    # is no longer offered to a grammar-decided reply (beside response_format, or required).
+    tool_call_limit: Annotated[int, Field(ge=1)] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -135,7 +138,8 @@ def engine_request(request: ChatCompletionRequest, *, default_max_tokens: int,
         default_temperature=default_temperature)
     if request.reasoning_budget is not None:
         params = replace(params, reasoning_budget=request.reasoning_budget)
-    params = replace(params, repeat_answered_calls=request.repeat_answered_calls)
+    params = replace(params, repeat_answered_calls=request.repeat_answered_calls,
+                     tool_call_limit=request.tool_call_limit)
     template = dict(request.chat_template_kwargs or {})
     if request.reasoning_effort is not None:
         template.setdefault("reasoning_effort", request.reasoning_effort)

@@ -175,3 +175,14 @@ def test_repeat_answered_calls_reaches_the_request_from_both_faces() -> None:
         MLXBatchLLM("repeat-faces", repeat_answered_calls=True).complete("Hi")
     assert [c.params.repeat_answered_calls for c in fake.calls] == [
         False, True, True, False, True]
+
+
+def test_tool_call_limit_reaches_the_request_from_both_faces() -> None:
+    with scripted("limit-faces") as fake:
+        ChatMLXBatch(model="limit-faces").invoke("Hi")
+        ChatMLXBatch(model="limit-faces", tool_call_limit=2).invoke("Hi")
+        ChatMLXBatch(model="limit-faces", tool_call_limit=2).invoke("Hi", tool_call_limit=1)
+        MLXBatchLLM("limit-faces").complete("Hi")
+        MLXBatchLLM("limit-faces", tool_call_limit=3).complete("Hi")
+        MLXBatchLLM("limit-faces").complete("Hi", tool_call_limit=1)
+    assert [c.params.tool_call_limit for c in fake.calls] == [None, 2, 1, None, 3, 1]

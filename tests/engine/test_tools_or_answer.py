@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 
 from engine import ChatRequest, Engine, FinishReason, JsonSchema
-from engine.errors import InvalidConstraintError
+from engine.errors import InvalidConstraintError, InvalidRequestError
 from engine.requests.constraints.forced_calls import tagged_json_calls
 from engine.requests.constraints.grammar import GrammarCompiler
 from engine.requests.constraints.tools_or_answer import tools_or_answer_grammar
@@ -213,3 +213,58 @@ def test_the_guard_leaves_these_requests_alone(tiny_engine: Engine, case: str) -
     result = tiny_engine.submit(_steered_request(tiny_engine, messages, _call("Paris"),
                                                  **kw)).result()
     assert _cities(result) == ["Paris"], result.text
+
+
+# ----- the per-tool call limit: a tool called that many times is no longer offered -----
+
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+# Every value bounded both ways: steered off its call, the row's answer must end.
+SHORT_VERDICT = {**VERDICT, "properties": {**VERDICT["properties"], "degrees": {
+    "type": "integer", "minimum": -50, "maximum": 50}}}
+
+
+def _limited(eng: Engine, text: str, limit: int | None, **kw: Any) -> ChatRequest:
+    params = greedy(96, constraint=kw.pop("constraint", JsonSchema(SHORT_VERDICT)),
+                    logits_processors=(_steered(eng, text),), tool_call_limit=limit)
+    return ChatRequest.from_openai(kw.pop("messages", PARIS_ANSWERED), params,
+                                   tools=kw.pop("tools", [WEATHER]),
+                                   parallel_tool_calls=False, **kw)
+
+
+def test_a_tool_at_its_call_limit_leaves_the_union(tiny_engine: Engine) -> None:
+    # Steered to call get_weather for another city (which the repeat guard admits), the
+    # row can only answer: the tool was called once and the limit is one.
+    result = tiny_engine.submit(_limited(tiny_engine, _call("Lyon"), 1)).result()
+    assert (result.tool_calls, result.finish_reason) == ((), FinishReason.STOP), result.text
+    jsonschema.validate(json.loads(result.content), SHORT_VERDICT)
+
+
+def test_below_its_call_limit_a_tool_is_still_offered(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit(_limited(tiny_engine, _call("Lyon"), 2)).result()
+    assert _cities(result) == ["Lyon"], result.text
+
+
+def test_a_required_call_goes_to_a_tool_below_its_limit(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit(_limited(tiny_engine, _call("Lyon"), 1, constraint=None,
+                                         tools=[WEATHER, TIME],
+                                         tool_choice="required")).result()
+    assert [c.name for c in result.tool_calls] == ["get_time"], result.text
+
+
+def test_a_named_tool_is_called_whatever_its_limit(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit(_limited(tiny_engine, _call("Lyon"), 1, constraint=None,
+                                         tool_choice="get_weather")).result()
+    assert _cities(result) == ["Lyon"], result.text
+
+
+def test_a_required_call_with_every_tool_at_its_limit_is_refused_at_submit(
+        tiny_engine: Engine) -> None:
+    with pytest.raises(InvalidRequestError, match="tool_call_limit=1") as refused:
+        tiny_engine.submit(_limited(tiny_engine, _call("Lyon"), 1, constraint=None,
+                                    tool_choice="required"))
+    assert refused.value.field == "tool_call_limit"

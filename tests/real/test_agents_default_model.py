@@ -10,7 +10,9 @@ an answered call under ProviderStrategy ("auto" beside the schema): the model th
 other arguments rather than answering ("Paris", "Paris},", "Paris}}, {", then a call cut
 at max_tokens: 3 calls, no structured response). ToolStrategy forces a call
 (``tool_choice="any"``), which the guard leaves alone: 4 calls of "Paris" as before. The
-full run is therefore still ``xfail``.
+run never ends in a structured response on its own. With ``tool_call_limit=1`` (a tool
+called and answered once is no longer offered where a grammar decides the reply) both
+strategies call the tool on the first turn and answer in the schema on the second.
 Run with ``make test-real``.
 """
 
@@ -73,18 +75,20 @@ def test_the_agents_first_turn_calls_the_tool(strategy: str) -> None:
         ("get_weather", {"city": "Paris"})]
 
 
-@pytest.mark.xfail(reason="measured: greedy SmolLM2-135M does not answer from the tool's "
-                          "result; under the repeat guard (provider) it varies the city "
-                          "('Paris},', ...) instead, under ToolStrategy's forced choice it "
-                          "repeats get_weather(city='Paris') every turn", strict=False)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_agent_calls_the_tool_then_answers_in_the_schema(strategy: str) -> None:
+    # Two model calls: get_weather("Paris"), then (the tool at its limit) the answer, as
+    # JSON under ProviderStrategy or as the Weather tool's call under ToolStrategy.
     ASKED.clear()
-    agent = create_agent(model=ChatMLXBatch(max_tokens=120), tools=[get_weather],
-                         system_prompt=SYSTEM, response_format=STRATEGIES[strategy])
+    model = ChatMLXBatch(max_tokens=120, tool_call_limit=1)
+    agent = create_agent(model=model, tools=[get_weather], system_prompt=SYSTEM,
+                         response_format=STRATEGIES[strategy])
+    before = model.engine.stats().completed
     state = agent.invoke(QUESTION, {"recursion_limit": 8})
-    assert ASKED and ASKED[0] == "Paris"
+    assert ASKED == ["Paris"]
     assert isinstance(state["structured_response"], Weather)
+    assert state["structured_response"].city == "Paris"
+    assert model.engine.stats().completed - before == 2
 
 
 def test_under_provider_strategy_no_answered_call_is_made_again() -> None:
@@ -147,11 +151,7 @@ class Sky(BaseModel):
     sky: Literal["sunny", "cloudy", "rainy"]
 
 
-@pytest.mark.parametrize("with_tool", [
-    False, pytest.param(True, marks=pytest.mark.xfail(
-        reason="measured: offered the tool, greedy SmolLM2-135M calls it on every turn "
-               "(max_iterations reached); under the repeat guard with other cities "
-               "('Paris', 'Paris,', 'Paris, France,')", strict=False))])
+@pytest.mark.parametrize("with_tool", [False, True])
 async def test_function_agent_structured_output_costs_no_extra_request(with_tool: bool) -> None:
     # LlamaIndex's FunctionAgent(output_cls=...) asks the LLM once more to format the
     # conversation; with MLXBatchLLM(output_cls=...) every turn is a call or the schema's
@@ -165,7 +165,9 @@ async def test_function_agent_structured_output_costs_no_extra_request(with_tool
         """Get the current weather in a city."""
         return f"It is sunny and 21 degrees in {city}."
 
-    llm = MLXBatchLLM(max_tokens=120, output_cls=Sky)
+    # Offered the tool with no limit, greedy SmolLM2-135M calls it on every turn (under
+    # the repeat guard with other cities: 'Paris', 'Paris,', 'Paris, France,').
+    llm = MLXBatchLLM(max_tokens=120, output_cls=Sky, tool_call_limit=1)
     tools = [FunctionTool.from_defaults(weather)] if with_tool else []
     agent = FunctionAgent(llm=llm, tools=tools, output_cls=Sky, system_prompt=SYSTEM)
     before = llm.engine.stats().completed
@@ -173,3 +175,28 @@ async def test_function_agent_structured_output_costs_no_extra_request(with_tool
     turns = llm.engine.stats().completed - before
     Sky.model_validate(output.structured_response)
     assert turns == 1 + len(output.tool_calls)  # one request per turn, none to re-format
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_same_agent_over_the_server_with_langchain_openai(strategy: str) -> None:
+    # The real client: ChatOpenAI sends tools beside response_format (ProviderStrategy) or
+    # a required choice (ToolStrategy) to the OpenAI-compatible server on loopback.
+    from langchain_openai import ChatOpenAI
+
+    from mlx_providers.server import create_app
+    from tests.server.conftest import LiveServer
+
+    engine = ChatMLXBatch().engine  # the process's default-model engine
+    server = LiveServer(create_app({"smol": engine})).start()
+    try:
+        ASKED.clear()
+        model = ChatOpenAI(model="smol", base_url=server.base_url, api_key="x",  # type: ignore[arg-type]
+                           max_retries=0, timeout=120, temperature=0, max_tokens=120,
+                           extra_body={"tool_call_limit": 1})
+        agent = create_agent(model=model, tools=[get_weather], system_prompt=SYSTEM,
+                             response_format=STRATEGIES[strategy])
+        state = agent.invoke(QUESTION, {"recursion_limit": 8})
+    finally:
+        server.stop()
+    assert ASKED == ["Paris"]
+    assert isinstance(state["structured_response"], Weather)

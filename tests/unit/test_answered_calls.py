@@ -12,6 +12,7 @@ from engine.requests.constraints.answered_calls import (
     answered_arguments,
     excluding,
     unanswered_tools,
+    within_limit,
 )
 from engine.requests.inbound.messages import messages_from_openai
 from engine.requests.inbound.tool_specs import normalize_tools
@@ -115,3 +116,15 @@ def test_values_the_guard_cannot_state_leave_the_tool_as_it_was() -> None:
     (tool,) = normalize_tools([{"type": "function", "function": {
         "name": "tag", "parameters": tags}}])
     assert unanswered_tools([tool], {"tag": [{"tags": ["a"]}]}) == (tool,)
+
+
+def test_a_tool_called_as_often_as_the_limit_is_left_out() -> None:
+    clock, weather = normalize_tools([
+        {"type": "function", "function": {"name": "now", "parameters": {}}},
+        {"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}])
+    answered = {"get_weather": [{"city": "Paris"}, {"city": "Lyon"}], "now": [{}]}
+    assert within_limit([clock, weather], answered, None) == (clock, weather)
+    assert within_limit([clock, weather], answered, 3) == (clock, weather)
+    assert within_limit([clock, weather], answered, 2) == (clock,)
+    assert within_limit([clock, weather], answered, 1) == ()
+    assert within_limit([clock, weather], {}, 1) == (clock, weather)

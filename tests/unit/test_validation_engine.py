@@ -249,7 +249,8 @@ def test_good_callbacks_and_timeouts_pass() -> None:
     ("logits_processors", "abc"), ("temperature", math.inf), ("temperature", "hot"),
     ("top_p", math.nan), ("min_p", -0.1), ("repetition_penalty", math.inf),
     ("temperature", 10**400), ("ignore_eos", 1), ("constraint", "x"),
-    ("constraint", {"type": "object"}),
+    ("constraint", {"type": "object"}), ("tool_call_limit", 0), ("tool_call_limit", 1.0),
+    ("tool_call_limit", True),
 ])
 def test_bad_sampling_values_name_the_field(field: str, value: Any) -> None:
     with raises(ValueError, f"SamplingParams.{field}"):

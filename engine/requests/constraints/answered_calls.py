@@ -56,6 +56,16 @@ def answered_arguments(messages: Sequence[Message]) -> dict[str, list[Mapping[st
     return answered
 
 
+def within_limit(tools: Iterable[ToolSpec],
+                 answered: Mapping[str, Sequence[Mapping[str, Any]]],
+                 limit: int | None) -> tuple[ToolSpec, ...]:
+    """``tools`` less those the history already called and answered ``limit`` times (a
+    per-tool call limit the request set; None keeps them all)."""
+    if limit is None:
+        return tuple(tools)
+    return tuple(t for t in tools if len(answered.get(t.name, ())) < limit)
+
+
 def _answers(result: Message, call_id: str, name: str) -> bool:
     if call_id:
         return result.tool_call_id == call_id

@@ -100,6 +100,10 @@ class SamplingParams:
     # the history already answered (same tool, equal arguments, a tool result for it), so
     # the model calls something else or answers. True admits such repeats again.
     repeat_answered_calls: bool = False
+    # Calls to each tool the history may hold answered before that tool is no longer
+    # offered where a grammar decides the reply (tools beside a JSON answer, or a required
+    # call): an agent on a small model that keeps calling then answers. None: no limit.
+    tool_call_limit: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -133,6 +137,10 @@ class SamplingParams:
                f"must be None or an integer in [0, 2**31), got {self.reasoning_budget!r}")
         _check(isinstance(self.repeat_answered_calls, bool), "repeat_answered_calls",
                f"must be a bool, got {self.repeat_answered_calls!r}")
+        _check(self.tool_call_limit is None or (_is_int(self.tool_call_limit)
+                                                and 1 <= self.tool_call_limit < _INT32),
+               "tool_call_limit",
+               f"must be None or an integer in [1, 2**31), got {self.tool_call_limit!r}")
         _check(all(self.stop), "stop", "must not contain empty strings")
         _check(all(0 <= t < _INT32 for t in self.stop_token_ids), "stop_token_ids",
                f"must be token ids in [0, 2**31), got {self.stop_token_ids!r:.60}")
