@@ -71,7 +71,6 @@ class ReasoningItem(OpenModel):
     content: list[ReasoningText] | None = None
 
 
-
 class ReasoningOptions(OpenModel):
     effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
