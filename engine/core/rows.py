@@ -58,6 +58,7 @@ class Row:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, inside the reasoning block
     first_token_at: float | None = None
     last_token_at: float | None = None
     cancel_error: BaseException | None = None  # why a cancel happened (a timeout)
@@ -81,6 +82,11 @@ class Row:
     @property
     def has_calls(self) -> bool:
         return bool(self.channels is not None and self.channels.calls)
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the row's output is inside its reasoning block now."""
+        return self.channels is not None and self.channels.in_reasoning
 
     def take_text(self, delta: str) -> None:
         """Sort new text into the row's channels (``engine.core.update`` feeds every delta)."""
@@ -155,4 +161,5 @@ class Row:
             if self.completion_tokens > 1 and span > 0:
                 rate = (self.completion_tokens - 1) / span
         prompt_tokens = len(self.prepared.prompt_ids) if self.prepared is not None else 0
-        return Usage(prompt_tokens, self.completion_tokens, self.cached_tokens, ttft, rate)
+        return Usage(prompt_tokens, self.completion_tokens, self.cached_tokens, ttft, rate,
+                     self.reasoning_tokens)

@@ -98,7 +98,10 @@ def take_token(row: Row, out: RowToken, now: float) -> Ending | StreamEvent | No
         elif out.grammar_done:
             reason = FinishReason.STOP  # the grammar is complete: nothing may follow
     repeats = row.repeated_calls
+    thinking = row.thinking
     row.take_text(delta)  # calls are parsed as their closing markers arrive
+    if ids and thinking and row.thinking:  # inside the block, not a marker that left it
+        row.reasoning_tokens += 1
     if reason is None and row.repeated_calls > repeats:
         reason = FinishReason.STOP  # the call just closed repeats an earlier one
     if row.on_token is not None:

@@ -1,7 +1,10 @@
 """Chat-completions output: a whole ``chat.completion``, or its ``chat.completion.chunk``s.
 
-Content and reasoning stream as they are generated (reasoning as ``reasoning_content``
-deltas, as vLLM and mlx-lm servers do); tool calls stream as the engine's
+Content and reasoning stream as they are generated. Reasoning goes out under two keys
+with the same text, ``reasoning_content`` (vLLM's and mlx-lm's servers' name) and
+``reasoning`` (OpenRouter's and newer vLLM's; LlamaIndex's OpenAI clients read either), in
+the whole message and in every delta; usage counts it in
+``completion_tokens_details.reasoning_tokens``. Tool calls stream as the engine's
 ``tool_call_deltas`` (index, id and name on a call's first delta, then ``arguments``
 fragments as the model writes them); the engine holds back a call it may still drop, so a
 client's accumulated kept calls equal the non-streamed ones (a call cut by max_tokens was
@@ -47,7 +50,13 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": counts["prompt_tokens"],
             "completion_tokens": counts["completion_tokens"],
             "total_tokens": counts["total_tokens"],
-            "prompt_tokens_details": {"cached_tokens": counts["cached_tokens"]}}
+            "prompt_tokens_details": {"cached_tokens": counts["cached_tokens"]},
+            "completion_tokens_details": {"reasoning_tokens": counts["reasoning_tokens"]}}
+
+
+def reasoning_fields(text: str) -> dict[str, str]:
+    """Reasoning text under both keys clients read it from."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 def tool_call_dicts(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
@@ -105,7 +114,7 @@ class ChatCompletionShaper:
         elif message["content"] is None:
             message["content"] = ""
         if completion.reasoning:
-            message["reasoning_content"] = completion.reasoning
+            message.update(reasoning_fields(completion.reasoning))
         choice = {"index": 0, "message": message,
                   "logprobs": logprobs_dict(completion.logprobs, self._token_text)
                   if self._logprobs else None,
@@ -134,7 +143,7 @@ class ChatCompletionShaper:
         logprobs = (logprobs_dict(event.logprobs, self._token_text)
                     if self._logprobs and event.logprobs else None)
         if event.reasoning:
-            chunks.append(self.chunk({"reasoning_content": event.reasoning}))
+            chunks.append(self.chunk(reasoning_fields(event.reasoning)))
         if event.content or logprobs:
             chunks.append(self.chunk({"content": event.content}, logprobs=logprobs))
         for delta in event.tool_call_deltas:  # call pieces written at this step

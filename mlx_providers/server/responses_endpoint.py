@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -30,7 +31,9 @@ def _echo(req: ResponsesRequest, max_output_tokens: int, temperature: float) -> 
     return {"instructions": req.instructions, "max_output_tokens": max_output_tokens,
             "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": req.store,
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
+                          "summary": req.reasoning.summary if req.reasoning else None},
+            "store": req.store,
             "temperature": temperature, "text": {"format": fmt},
             "tool_choice": choice.model_dump() if choice is not None and not isinstance(
                 choice, str) else (choice or "auto"),
@@ -96,10 +99,13 @@ async def create_response(request: Request) -> Response:
     try:
         params = sampling_from_openai(max_tokens=max_tokens, temperature=temperature,
                                       top_p=req.top_p, constraint=req.constraint())
+        if req.reasoning_budget is not None:
+            params = replace(params, reasoning_budget=req.reasoning_budget)
         spec = ChatRequest.from_openai(messages_of(items, req.instructions), params,
                                        tools=req.engine_tools(),
                                        tool_choice=req.engine_tool_choice(),
-                                       parallel_tool_calls=req.parallel_tool_calls)
+                                       parallel_tool_calls=req.parallel_tool_calls,
+                                       chat_template_kwargs=req.template_kwargs())
     except ValueError as exc:  # the rulebook's refusals (a bad tool, SamplingParams' checks)
         raise from_engine(exc, **_PARAMS) from exc
     endpoint = Endpoint(ENDPOINT, ctx.metrics, {

@@ -27,7 +27,7 @@ def usage_of(usage: Usage) -> dict[str, Any]:
     return {"input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
             "total_tokens": usage.total_tokens}
 
 
@@ -118,7 +118,8 @@ class ResponseTranslator:
             item = {"id": new_id("msg_"), "type": "message", "status": "in_progress",
                     "role": "assistant", "content": []}
         else:
-            item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": []}
+            item = {"id": new_id("rs_"), "type": "reasoning", "status": "in_progress",
+                    "summary": [], "content": []}
         self.output.append(item)
         self._open = {"type": kind, "id": item["id"], "_text": ""}
         index = len(self.output) - 1
@@ -151,7 +152,8 @@ class ResponseTranslator:
                 self._event("response.content_part.done", item_id=item["id"],
                             output_index=index, content_index=0, part=part)]
         else:
-            item.update(content=[{"type": "reasoning_text", "text": text}])
+            status = "incomplete" if item["status"] == "incomplete" else "completed"
+            item.update(status=status, content=[{"type": "reasoning_text", "text": text}])
             events = [self._event("response.reasoning_text.done", item_id=item["id"],
                                   output_index=index, content_index=0, text=text)]
         events.append(self._event("response.output_item.done", output_index=index,
@@ -185,6 +187,9 @@ class ResponseTranslator:
         if self._open is not None and self._open["type"] == "function_call" and (
                 self.output[-1]["call_id"] in cut):
             self.output[-1]["status"] = "incomplete"  # cut by the row's end: sent as written
+        if (self._open is not None and self._open["type"] == "reasoning"
+                and finish is FinishReason.LENGTH):
+            self.output[-1]["status"] = "incomplete"  # max_output_tokens cut the thinking
         events = self._close_open()
         self.usage = usage_of(usage)
         if finish is FinishReason.LENGTH:

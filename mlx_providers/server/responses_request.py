@@ -1,9 +1,16 @@
 """``POST /v1/responses`` requests: validation, input items -> chat messages.
 
 Input is a string or a list of items: messages (``role`` + text or text parts),
-``function_call`` and ``function_call_output``; ``reasoning`` items are accepted and not
-fed back (the chat templates here drop past thinking too). Items are kept as plain dicts
-in the store, so a continuation replays exactly what was said.
+``function_call``, ``function_call_output`` and ``reasoning``. A reasoning item (its
+``content`` of ``reasoning_text`` parts, else its ``summary``) is the past reasoning of the
+assistant turn that follows it: that turn's ``reasoning_content``, which templates that
+render past thinking (Qwen3's) show and others ignore; one followed by no assistant turn
+is dropped. Items are kept as plain dicts in the store, so a continuation
+(``previous_response_id``) replays exactly what was said, reasoning included.
+
+``reasoning.effort`` reaches the chat template as ``reasoning_effort``, as chat
+completions' ``reasoning_effort`` does; ``reasoning_budget`` (this server's, as on chat
+completions) caps the reasoning tokens when the template opens the block.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from engine import (
     Message,
     messages_from_openai,
 )
-from mlx_providers.server.chat_request import OpenModel
+from mlx_providers.server.chat_request import OpenModel, ReasoningEffort
 from mlx_providers.server.errors import APIError
 from mlx_providers.server.tool_options import output_constraint, tool_choice_name
 
@@ -48,8 +55,25 @@ class FunctionCallOutputItem(OpenModel):
     output: str | list[InputText]
 
 
+class ReasoningText(OpenModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class SummaryText(OpenModel):
+    type: Literal["summary_text"]
+    text: str
+
+
 class ReasoningItem(OpenModel):
     type: Literal["reasoning"]
+    summary: list[SummaryText] = []
+    content: list[ReasoningText] | None = None
+
+
+class ReasoningOptions(OpenModel):
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 def _item_kind(value: Any) -> str:
@@ -112,6 +136,10 @@ class ResponsesRequest(OpenModel):
     previous_response_id: str | None = None
     stream: bool = False
     metadata: dict[str, str] | None = None
+    reasoning: ReasoningOptions | None = None
+    # This server's, as on chat completions: at most this many reasoning tokens when the
+    # template opens the block.
+    reasoning_budget: Annotated[int, Field(ge=0)] | None = None
 
     def input_items(self) -> list[dict[str, Any]]:
         """The new input as plain item dicts (a string is one user message)."""
@@ -131,6 +159,11 @@ class ResponsesRequest(OpenModel):
     def engine_tool_choice(self) -> str | None:
         return tool_choice_name(self.tool_choice)
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """Chat-template variables: the reasoning effort, when one was asked."""
+        effort = self.reasoning.effort if self.reasoning else None
+        return {"reasoning_effort": effort} if effort is not None else {}
+
     def constraint(self) -> Constraint | None:
         fmt = self.text.format if self.text else None
         return output_constraint(fmt.type if fmt else None, fmt.schema_ if fmt else None,
@@ -147,8 +180,14 @@ def messages_of(items: list[dict[str, Any]], instructions: str | None) -> tuple[
         messages.append({"role": "system", "content": instructions})
         origins.append("instructions")
     names: dict[str, str] = {}
+    reasoning: list[str] = []  # reasoning items waiting for the assistant turn they precede
     for i, item in enumerate(items):
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            text = _reasoning_text(item)
+            if text:
+                reasoning.append(text)
+            continue
         if kind == "message":
             messages.append({"role": item["role"], "content": _text(item["content"])})
             origins.append(f"input[{i}]")
@@ -170,6 +209,13 @@ def messages_of(items: list[dict[str, Any]], instructions: str | None) -> tuple[
                              "name": names.get(item["call_id"], ""),
                              "content": _text(item["output"])})
             origins.append(f"input[{i}]")
+        else:
+            continue
+        turn = messages[-1]
+        if reasoning and turn["role"] == "assistant":  # after any thinking it already had
+            past = turn.get("reasoning_content")
+            turn["reasoning_content"] = "\n\n".join([past, *reasoning] if past else reasoning)
+        reasoning = []  # taken by this assistant turn, or no assistant's thinking at all
     try:
         return messages_from_openai(messages)
     except InvalidRequestError as exc:
@@ -191,6 +237,14 @@ def _item_field(field: str, origins: list[str], calls: dict[int, list[str]]) -> 
     if call is not None:
         return calls[index][int(call)] + rest
     return origins[index] + _ITEM_NAMES.get(rest, rest)
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """The reasoning an item carries: its content's text, else its summaries'."""
+    content = item.get("content")
+    if content:
+        return "".join(str(part.get("text", "")) for part in content)
+    return "\n\n".join(str(part.get("text", "")) for part in item.get("summary") or ())
 
 
 def _text(content: Any) -> str:

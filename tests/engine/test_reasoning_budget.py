@@ -70,3 +70,21 @@ def test_a_budget_before_tools_or_a_schema(opening_engine: Engine) -> None:
         assert [c.name for c in result.tool_calls] == ["get_weather"]
     else:
         jsonschema.validate(json.loads(result.content), VERDICT)
+
+
+@pytest.mark.parametrize("budget", [0, 4])
+def test_usage_counts_the_reasoning_tokens(opening_engine: Engine, budget: int) -> None:
+    """``usage.reasoning_tokens``: the tokens before the block's close, its marker aside."""
+    params = SamplingParams(max_tokens=30, reasoning_budget=budget,
+                            logits_processors=_no_close(opening_engine))
+    result = opening_engine.submit(ChatRequest.from_openai(ASK, params)).result()
+    close = opening_engine.tokenizer.encode("</think>", add_special_tokens=False)
+    assert len(close) == 1 and close[0] in result.token_ids
+    assert result.usage.reasoning_tokens == result.token_ids.index(close[0]) == budget
+    assert result.usage.as_dict()["reasoning_tokens"] == budget
+
+
+def test_a_row_that_never_reasons_counts_none(tiny_engine: Engine) -> None:
+    result = tiny_engine.submit(ChatRequest.from_openai(
+        ASK, SamplingParams(max_tokens=8))).result()
+    assert result.usage.completion_tokens > 0 and result.usage.reasoning_tokens == 0

@@ -54,7 +54,8 @@ def test_reasoning_streams_as_reasoning_content_deltas() -> None:
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
         "prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
-        "prompt_tokens_details": {"cached_tokens": 4}}
+        "prompt_tokens_details": {"cached_tokens": 4},
+        "completion_tokens_details": {"reasoning_tokens": 0}}
     assert all(c["usage"] is None for c in chunks[:-1])
     assert len({c["id"] for c in chunks}) == 1
 

@@ -47,6 +47,9 @@ class Usage:
     cached_tokens: int = 0
     time_to_first_token: float | None = None
     decode_tokens_per_second: float | None = None
+    # Of ``completion_tokens``, those generated inside the reasoning block (its markers
+    # aside): tokens whose text the row's channels sorted into reasoning.
+    reasoning_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -59,7 +62,8 @@ class Usage:
                 "total_tokens": self.total_tokens,
                 "cached_tokens": self.cached_tokens,
                 "time_to_first_token": self.time_to_first_token,
-                "decode_tokens_per_second": self.decode_tokens_per_second}
+                "decode_tokens_per_second": self.decode_tokens_per_second,
+                "reasoning_tokens": self.reasoning_tokens}
 
 
 @dataclass(frozen=True)

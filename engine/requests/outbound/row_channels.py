@@ -82,6 +82,11 @@ class RowChannels:
         self._deltas: list[ToolCallDelta] = []  # call pieces not yet taken by an event
         self._next_index = 0  # calls sent so far (each delta's index)
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the next text belongs to the reasoning block."""
+        return self._splitter.channel == REASONING
+
     def feed(self, text: str) -> tuple[str, str]:
         """New text -> (content delta, reasoning delta); tool markup is collected apart."""
         return self._route(self._splitter.feed(text) if text else [])
