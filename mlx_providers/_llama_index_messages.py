@@ -65,8 +65,9 @@ def _blocks_text(blocks: Iterable[Any]) -> str:
             parts.append(_blocks_text(block.content))
         elif isinstance(block, CitationBlock):
             parts.append(_blocks_text([block.cited_content]))
-        # Thinking, tool-call and cache-point blocks carry no prompt text: calls are
-        # rendered from tool_calls, and past reasoning is not fed back to the model.
+        # Thinking, tool-call and cache-point blocks carry no content text: calls are
+        # rendered from tool_calls, and past reasoning from reasoning_content
+        # (``past_reasoning``), where the template puts it.
     return "\n".join(parts)
 
 
@@ -123,6 +124,27 @@ def _legacy_call(raw: Any) -> dict[str, Any] | None:
     return tool_call_dict(getattr(raw, "id", None), str(name), getattr(fn, "arguments", None))
 
 
+# Where a history may keep an assistant turn's reasoning in additional_kwargs: the two
+# names OpenAI-compatible servers send it under (``reasoning_content``, and vLLM's
+# ``reasoning``, which this LLM's completions carry too). llama-index-llms-openai(-like)
+# itself returns a ThinkingBlock.
+_REASONING_KEYS = ("reasoning_content", "reasoning")
+
+
+def past_reasoning(message: ChatMessage) -> str:
+    """An assistant turn's reasoning, to replay: the text of its ``ThinkingBlock``s (what
+    this LLM returns; several are joined by newlines), else a ``reasoning_content`` /
+    ``reasoning`` str in its additional_kwargs; "" when it has none."""
+    thinking = [b.content for b in message.blocks if isinstance(b, ThinkingBlock) and b.content]
+    if thinking:
+        return "\n".join(thinking)
+    for key in _REASONING_KEYS:
+        kept = message.additional_kwargs.get(key)
+        if isinstance(kept, str) and kept:
+            return kept
+    return ""
+
+
 def to_engine_messages(messages: Sequence[ChatMessage]) -> tuple[Message, ...]:
     """LlamaIndex chat history as the engine's messages, converted once by its rulebook
     (``engine.messages_from_openai``); a failed tool result says so in its text."""
@@ -147,6 +169,9 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> tuple[Message, ...]:
             if calls:
                 item["tool_calls"] = calls
                 names.update({c["id"]: c["function"]["name"] for c in calls if c["id"]})
+            reasoning = past_reasoning(message)
+            if reasoning:  # templates that take it (Qwen3's) render it back; others ignore it
+                item["reasoning_content"] = reasoning
         elif role in (MessageRole.TOOL.value, MessageRole.FUNCTION.value):
             call_id = extra.get("tool_call_id")
             if call_id:

@@ -30,6 +30,7 @@ from typing_extensions import TypedDict
 
 from engine import LarkGrammar, OutputTruncatedError, RequestTimeoutError
 from mlx_providers import ChatMLXBatch
+from mlx_providers._langchain_messages import chat_messages
 from tests.conftest import wait_until
 
 # Prompts whose greedy continuations on the tiny model do not stop before 48 tokens.
@@ -215,9 +216,19 @@ def test_reasoning_goes_to_reasoning_content(thinking_model_dir: Path) -> None:
         assert done.response_metadata["finish_reason"] == "stop"
         assert done.response_metadata["normalized_finish_reason"] == "stop"
     v1 = ChatMLXBatch(model=str(thinking_model_dir), max_tokens=30, output_version="v1")
-    blocks = v1.invoke("Weather?", constraint=grammar).content
+    v1_message = v1.invoke("Weather?", constraint=grammar)
+    blocks = v1_message.content
     assert [(b["type"], b.get("reasoning") or b.get("text")) for b in blocks] == [  # type: ignore[union-attr]
         ("reasoning", "let me see"), ("text", "It is sunny.")]
+    v1_full: Any = None
+    for chunk in v1.stream("Weather?", constraint=grammar):
+        v1_full = chunk if v1_full is None else v1_full + chunk
+    # Kept in a history, each reply replays its reasoning for the template (a v1 reply from
+    # its reasoning blocks alone too), and only the answer as content.
+    only_blocks = v1_full.model_copy(update={"additional_kwargs": {}})
+    for reply in (message, full, v1_message, v1_full, only_blocks):
+        turn = chat_messages([HumanMessage("Weather?"), reply])[1]
+        assert (turn.extra, turn.content) == ({"reasoning_content": "let me see"}, "It is sunny.")
 
 
 # ----- tools ------------------------------------------------------------------------------

@@ -33,10 +33,20 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
 from pydantic import BaseModel, Field
 
-from engine import LarkGrammar, OutputTruncatedError, SamplingParams, messages_from_openai
+from engine import (
+    ChatRequest,
+    LarkGrammar,
+    OutputTruncatedError,
+    SamplingParams,
+    messages_from_openai,
+)
+from engine.requests.dialects.dialect import TokenizerFacts
+from engine.requests.dialects.registry import dialect_for
 from engine.requests.inbound.messages import template_messages
 from mlx_providers import MLXBatchLLM
-from tests.conftest import own_copy, request_for
+from mlx_providers._llama_index_messages import to_engine_messages
+from testkit.families import FAMILIES, AssetUnavailable, built_family_model
+from tests.conftest import _cache_root, own_copy, prompt_renderer, request_for
 from tests.fake_engine import scripted
 
 ASK = [ChatMessage(role=MessageRole.USER, content="What is the weather in Paris?")]
@@ -442,6 +452,79 @@ async def test_reasoning_comes_back_as_thinking_blocks(
         assert plain.text == "It is sunny." and plain.additional_kwargs["reasoning"] == "let me see"
     finally:
         llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def qwen3_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MLXBatchLLM]:
+    """MLXBatchLLM on a tiny model with Qwen3's real tokenizer and template (which renders
+    the reasoning of the assistant turns after the last user turn). Fast-forward is off:
+    a row that ends inside a forced span (as the fully forced turns here do) stores only
+    the KV of the tokens it sampled, so its next turn would hit only its prompt."""
+    try:
+        model = built_family_model(FAMILIES["qwen3"], _cache_root(tmp_path_factory))
+    except AssetUnavailable as exc:
+        pytest.skip(f"Qwen3's tokenizer or template is missing: {exc}")
+    llm = MLXBatchLLM(own_copy(model, tmp_path_factory.mktemp("li-qwen3") / "qwen3"),
+                      max_tokens=64, engine_config={"fast_forward": False})
+    yield llm
+    llm.engine.close()
+
+
+def _reasoned_call(llm: MLXBatchLLM, thought: str, a: int, b: int) -> LarkGrammar:
+    """Reasoning, then one add call, in Qwen3's syntax, as the exact tokens the template
+    renders them with: a real model writes those, while a random one held only to the text
+    may spell it in any tokens (and no turn would find its own tokens again)."""
+    call = json.dumps({"name": "add", "arguments": {"a": a, "b": b}})
+    text = f"<think>\n{thought}\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
+    ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+    return LarkGrammar("start: " + " ".join(f"<[{i}]>" for i in ids))
+
+
+def _prompt_text(llm: MLXBatchLLM, history: list[ChatMessage], tools: list[Any]) -> str:
+    """The prompt the engine renders for a LlamaIndex history, as its thread renders it."""
+    request = ChatRequest.from_openai(to_engine_messages(history),
+                                      tools=[t.metadata.to_openai_tool() for t in tools])
+    tokenizer = llm.engine.tokenizer
+    encoded = prompt_renderer(llm.engine).encode_request(
+        request.messages, request.rendered_tools, {},
+        history=dialect_for(TokenizerFacts.of(tokenizer)).history)
+    return str(tokenizer.decode(encoded.ids))
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["chat", "astream_chat"])
+async def test_an_agent_turn_replays_its_reasoning_and_reuses_the_prefix(
+        qwen3_llm: MLXBatchLLM, streamed: bool) -> None:
+    # What FunctionAgent does: call with tools, keep response.message (the last chunk's,
+    # when streaming) in the history, add the tool result, call again.
+    tools = [FunctionTool.from_defaults(add)]
+    a = 2 if streamed else 1  # each case its own conversation (no reuse across them)
+    history = [ChatMessage(role=MessageRole.USER, content=f"Add {a} and 5.")]
+    grammar = _reasoned_call(qwen3_llm, f"the user wants {a} + 5", a, 5)
+    if streamed:
+        stream = await qwen3_llm.astream_chat_with_tools(tools, chat_history=history,
+                                                         constraint=grammar)
+        first = [chunk async for chunk in stream][-1]
+    else:
+        first = qwen3_llm.chat_with_tools(tools, chat_history=history, constraint=grammar)
+    thinking = [b.content for b in first.message.blocks if isinstance(b, ThinkingBlock)]
+    assert [(t or "").strip() for t in thinking] == [f"the user wants {a} + 5"]
+    [call] = qwen3_llm.get_tool_calls_from_response(first)
+    history += [first.message, ChatMessage(role=MessageRole.TOOL, content=str(a + 5),
+                                           additional_kwargs={"tool_call_id": call.tool_id})]
+
+    prompt = _prompt_text(qwen3_llm, history, tools)
+    assert f"<think>\nthe user wants {a} + 5\n</think>\n\n<tool_call>" in prompt
+    used = first.raw["usage"]
+    whole_turn = used["prompt_tokens"] + used["completion_tokens"]
+    # Without the reasoning the history diverges from the cache where it was written.
+    unreasoned = first.message.model_copy(update={"blocks": [
+        b for b in first.message.blocks if not isinstance(b, ThinkingBlock)]})
+    dropped = qwen3_llm.chat_with_tools(tools, chat_history=[history[0], unreasoned,
+                                                             history[2]], max_tokens=1)
+    assert dropped.raw["usage"]["cached_tokens"] <= used["prompt_tokens"] + 1
+    # Replayed, the second turn starts from the whole first one (prompt, reasoning, call).
+    second = qwen3_llm.chat_with_tools(tools, chat_history=history, max_tokens=1)
+    assert second.raw["usage"]["cached_tokens"] >= whole_turn
 
 
 # ----- retrieval-augmented generation -------------------------------------------------

@@ -16,9 +16,10 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.tools import FunctionTool
 
-from engine import Completion, FinishReason, ToolCall, Usage
+from engine import Completion, FinishReason, StreamEvent, ToolCall, Usage
 from engine.requests.inbound.messages import template_messages
 from mlx_providers._llama_index_messages import (
+    StreamChunks,
     chat_response,
     keep_first_call,
     openai_tool,
@@ -51,12 +52,71 @@ def test_history_with_calls_results_and_late_system_text_is_template_safe() -> N
     assert rendered(history) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Add 1 and 2."},
-        {"role": "assistant", "content": "Calling.", "tool_calls": [
-            {"id": "c1", "type": "function",
-             "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+        {"role": "assistant", "content": "Calling.", "reasoning_content": "the user wants a sum",
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
         {"role": "tool", "content": "3", "tool_call_id": "c1", "name": "add"},
         {"role": "user", "content": "[system] Now answer."},
     ]
+
+
+def test_past_reasoning_is_replayed_as_reasoning_content_not_as_text() -> None:
+    user = ChatMessage(role=MessageRole.USER, content="Weather?")
+    blocks = ChatMessage(role=MessageRole.ASSISTANT, blocks=[
+        ThinkingBlock(content="look it up"), TextBlock(text="It is sunny."),
+        ThinkingBlock(content="then be brief")])
+    kept = ChatMessage(role=MessageRole.ASSISTANT, content="Hi",
+                       additional_kwargs={"reasoning_content": "greet back"})
+    vllm = ChatMessage(role=MessageRole.ASSISTANT, content="Hi",
+                       additional_kwargs={"reasoning": "say hi"})
+    chatbot = ChatMessage(role=MessageRole.CHATBOT, blocks=[
+        ThinkingBlock(content="other integration"), TextBlock(text="Yes.")])
+    for message, reasoning, text in [
+            (blocks, "look it up\nthen be brief", "It is sunny."), (kept, "greet back", "Hi"),
+            (vllm, "say hi", "Hi"), (chatbot, "other integration", "Yes.")]:
+        [_, turn] = rendered([user, message])
+        assert turn == {"role": "assistant", "content": text, "reasoning_content": reasoning}
+    # A ThinkingBlock wins over additional_kwargs (it is what the response carried).
+    both = blocks.model_copy(update={"additional_kwargs": {"reasoning_content": "stale"}})
+    assert rendered([user, both])[1]["reasoning_content"] == "look it up\nthen be brief"
+
+
+def test_empty_or_foreign_reasoning_adds_nothing() -> None:
+    user = ChatMessage(role=MessageRole.USER, content="Weather?")
+    for message in [
+            ChatMessage(role=MessageRole.ASSISTANT, content="plain"),
+            ChatMessage(role=MessageRole.ASSISTANT, blocks=[
+                ThinkingBlock(content=""), ThinkingBlock(), TextBlock(text="plain")]),
+            ChatMessage(role=MessageRole.ASSISTANT, content="plain",
+                        additional_kwargs={"reasoning_content": "", "reasoning": None}),
+            ChatMessage(role=MessageRole.ASSISTANT, content="plain",
+                        additional_kwargs={"reasoning": {"effort": "low"}})]:
+        assert rendered([user, message])[1] == {"role": "assistant", "content": "plain"}
+    # Only assistant turns replay reasoning: a user's stray key is not a template field.
+    odd = ChatMessage(role=MessageRole.USER, content="Hi",
+                      additional_kwargs={"reasoning_content": "not mine"})
+    assert rendered([odd]) == [{"role": "user", "content": "Hi"}]
+
+
+def test_a_response_appended_to_the_history_replays_its_reasoning() -> None:
+    completion = Completion(
+        text="<think>sum it</think>", token_ids=(1, 2), finish_reason=FinishReason.TOOL_CALLS,
+        usage=Usage(prompt_tokens=7, completion_tokens=2), content="", reasoning="sum it",
+        tool_calls=(ToolCall("c1", "add", {"a": 1, "b": 2}),))
+    user = ChatMessage(role=MessageRole.USER, content="Add 1 and 2.")
+    result = ChatMessage(role=MessageRole.TOOL, content="3",
+                         additional_kwargs={"tool_call_id": "c1"})
+    whole = chat_response(completion, "tiny").message
+    # A streamed turn: an agent keeps the last chunk's message, which must carry it too.
+    chunks = StreamChunks("tiny")
+    events = [StreamEvent("sum ", reasoning="sum "), StreamEvent("it", reasoning="it"),
+              StreamEvent("", completion=completion)]
+    last = [c for c in map(chunks.chat, events) if c is not None][-1]
+    for message in (whole, last.message):
+        assert rendered([user, message, result])[1] == {
+            "role": "assistant", "content": "", "reasoning_content": "sum it",
+            "tool_calls": [{"id": "c1", "type": "function",
+                            "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}
 
 
 def test_openai_style_calls_in_additional_kwargs_are_read_once() -> None:
