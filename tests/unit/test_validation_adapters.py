@@ -73,12 +73,25 @@ def test_content_keeps_text_drops_silent_assistant_parts_and_refuses_media() -> 
              {"type": "output_text", "text": "c"}]
     [message] = messages_from_openai([{"role": "assistant", "content": parts}])
     assert message.content == "abc"
+    assert message.extra["reasoning_content"] == "r"  # replayed as the turn's reasoning
     [empty] = messages_from_openai([{"role": "assistant", "content": None}])
     assert empty.content == ""
     image = {"type": "image_url", "image_url": {"url": "data:"}}
     with pytest.raises(InvalidRequestError, match="'image_url' parts are refused") as caught:
         messages_from_openai([{"role": "user", "content": ["a", image]}])
     assert caught.value.field == "messages[0].content[1].type"
+
+
+def test_reasoning_parts_replay_unless_the_turn_says_its_reasoning() -> None:
+    parts = [{"type": "thinking", "thinking": "one, "}, {"type": "reasoning", "text": "two"},
+             {"type": "text", "text": "answer"}]
+    [turn] = messages_from_openai([{"role": "assistant", "content": parts}])
+    assert (turn.content, turn.extra["reasoning_content"]) == ("answer", "one, two")
+    [said] = messages_from_openai([{"role": "assistant", "content": parts,
+                                    "reasoning_content": "kept"}])
+    assert said.extra["reasoning_content"] == "kept"
+    [plain] = messages_from_openai([{"role": "assistant", "content": "answer"}])
+    assert "reasoning_content" not in plain.extra
 
 
 # ----- LlamaIndex ---------------------------------------------------------------------------

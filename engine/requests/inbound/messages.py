@@ -34,8 +34,9 @@ ROLES = {"system": "system", "developer": "system", "user": "user",
          "assistant": "assistant", "tool": "tool", "function": "tool"}
 # Content parts whose text is the prompt's.
 TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
-# Parts of an assistant turn that carry no prompt text: past thinking is not fed back
-# (templates drop it too) and calls are rendered from ``tool_calls``.
+# Parts of an assistant turn that carry no content text: past thinking goes to the turn's
+# ``reasoning_content`` (templates that take it render it), calls are rendered from
+# ``tool_calls``.
 SILENT_ASSISTANT_PARTS = frozenset({"reasoning", "thinking", "redacted_thinking", "refusal",
                                     "tool_use", "tool_call", "function_call"})
 # Keys a message carries that the rulebook reads; any other key passes to the template.
@@ -126,7 +127,26 @@ def message_from_openai(message: Any, at: str) -> Message:
         raise InvalidRequestError(f"{at}.name is required on a function message: it names "
                                   "the function this is the result of", f"{at}.name")
     extra = {k: v for k, v in message.items() if k not in _KNOWN_KEYS}
+    if role == "assistant" and "reasoning_content" not in extra:
+        thought = _parts_reasoning(message.get("content"))
+        if thought:
+            extra["reasoning_content"] = thought
     return Message(role, content, name, tool_calls, call_id or None, extra)
+
+
+def _parts_reasoning(content: Any) -> str:
+    """The text of an assistant turn's reasoning parts (``reasoning``, ``thinking``: their
+    ``reasoning``, ``thinking`` or ``text`` string), to replay as its reasoning."""
+    if isinstance(content, str | bytes | bytearray | Mapping) or not isinstance(
+            content, Iterable):
+        return ""
+    texts = []
+    for part in content:
+        if isinstance(part, Mapping) and part.get("type") in ("reasoning", "thinking"):
+            text = next((part[k] for k in ("reasoning", "thinking", "text")
+                         if isinstance(part.get(k), str)), "")
+            texts.append(text)
+    return "".join(texts)
 
 
 def _text_field(message: Mapping[str, Any], key: str, at: str) -> str | None:
