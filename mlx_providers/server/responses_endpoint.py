@@ -101,6 +101,8 @@ async def create_response(request: Request) -> Response:
                                       top_p=req.top_p, constraint=req.constraint())
         if req.reasoning_budget is not None:
             params = replace(params, reasoning_budget=req.reasoning_budget)
+        params = replace(params, repeat_answered_calls=req.repeat_answered_calls,
+                         tool_call_limit=req.tool_call_limit)
         spec = ChatRequest.from_openai(messages_of(items, req.instructions), params,
                                        tools=req.engine_tools(),
                                        tool_choice=req.engine_tool_choice(),

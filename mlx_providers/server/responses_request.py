@@ -140,6 +140,11 @@ class ResponsesRequest(OpenModel):
     # This server's, as on chat completions: at most this many reasoning tokens when the
     # template opens the block.
     reasoning_budget: Annotated[int, Field(ge=0)] | None = None
+    # This server's, as on chat completions: tools beside text.format refuse a call that
+    # repeats an answered one unless this is true; a tool called and answered
+    # ``tool_call_limit`` times is no longer offered to a grammar-decided reply.
+    repeat_answered_calls: bool = False
+    tool_call_limit: Annotated[int, Field(ge=1)] | None = None
 
     def input_items(self) -> list[dict[str, Any]]:
         """The new input as plain item dicts (a string is one user message)."""

@@ -78,3 +78,37 @@ def test_responses_take_tools_and_a_text_format_together(client: openai.OpenAI,
     else:
         assert item.type == "message"
         jsonschema.validate(json.loads(r.output_text), VERDICT)
+
+
+TIME = {"type": "function", "name": "get_time", "description": "Local time in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                 "maxLength": 8}},
+                       "required": ["city"]}}
+# A history whose get_weather call was answered (Responses input items).
+ANSWERED: list[Any] = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+     "arguments": '{"city": "Paris"}'},
+    {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 degrees."}]
+
+
+def _respond(client: openai.OpenAI, tools: list[Any], limit: int) -> Any:
+    return client.responses.create(
+        model="tiny", input=ANSWERED, max_output_tokens=80, temperature=0.0,
+        parallel_tool_calls=False, tool_choice="required", tools=tools,
+        extra_body={"tool_call_limit": limit})
+
+
+def test_responses_tool_call_limit_sends_a_required_call_to_another_tool(
+        client: openai.OpenAI) -> None:
+    weather = {"type": "function", **WEATHER["function"]}
+    [item] = _respond(client, [weather, TIME], 1).output
+    assert item.type == "function_call" and item.name == "get_time"
+    [again] = _respond(client, [weather], 2).output  # below its limit: still offered
+    assert again.type == "function_call" and again.name == "get_weather"
+
+
+def test_a_required_call_with_every_tool_at_its_limit_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="tool_call_limit") as refused:
+        _respond(client, [{"type": "function", **WEATHER["function"]}], 1)
+    assert refused.value.body["param"] == "tool_call_limit"  # type: ignore[index]
