@@ -25,7 +25,7 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
-from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from langchain_core.messages.ai import InputTokenDetails, OutputTokenDetails, UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.output_parsers import (
     BaseCumulativeTransformOutputParser,
@@ -267,7 +267,8 @@ def constraint_for(response_format: Any) -> JsonSchema | JsonObject | None:
 
 
 def usage_metadata(usage: Usage) -> UsageMetadata:
-    """Engine usage, renamed for LangChain (cache hits as ``input_token_details.cache_read``)."""
+    """Engine usage, renamed for LangChain (cache hits as ``input_token_details.cache_read``,
+    tokens spent reasoning as ``output_token_details.reasoning``)."""
     counts = usage.as_dict()
     # ``output_token_details`` is ``NotRequired`` upstream, but langchain-core 1.x spells it
     # ``typing.NotRequired`` (3.11+), which mypy cannot resolve at python_version = 3.10 and so
@@ -278,6 +279,7 @@ def usage_metadata(usage: Usage) -> UsageMetadata:
         "output_tokens": counts["completion_tokens"],
         "total_tokens": counts["total_tokens"],
         "input_token_details": InputTokenDetails(cache_read=counts["cached_tokens"]),
+        "output_token_details": OutputTokenDetails(reasoning=counts["reasoning_tokens"]),
     }
     return metadata
 

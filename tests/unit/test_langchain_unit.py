@@ -262,7 +262,7 @@ def test_structured_output_rejects_unknown_methods_and_arguments() -> None:
 
 
 USAGE = Usage(prompt_tokens=12, completion_tokens=5, cached_tokens=4,
-              time_to_first_token=0.5, decode_tokens_per_second=20.0)
+              time_to_first_token=0.5, decode_tokens_per_second=20.0, reasoning_tokens=3)
 
 
 def completion(**kw: Any) -> Completion:
@@ -283,7 +283,8 @@ def test_ai_message_carries_calls_usage_reasoning_and_metadata() -> None:
     assert message.invalid_tool_calls[0]["error"] == "JSONDecodeError"
     assert message.usage_metadata == {"input_tokens": 12, "output_tokens": 5,
                                       "total_tokens": 17,
-                                      "input_token_details": {"cache_read": 4}}
+                                      "input_token_details": {"cache_read": 4},
+                                      "output_token_details": {"reasoning": 3}}
     assert message.response_metadata["model_name"] == "m"
     assert message.response_metadata["model_provider"] == "mlx"
     assert message.response_metadata["finish_reason"] == "stop"
