@@ -158,9 +158,14 @@ class Preparer:
         answer = cast(JsonSchema | JsonObject | None, answer)
         head = self._answer_head()
         if budget is None or not self._has_reasoning(opens_reasoning):
-            return answer if answer is None or not head else budgeted_answer(
-                answer, ReasoningPrefix(), head)
-        return budgeted_answer(answer, self._reasoning(opens_reasoning, budget), head)
+            if answer is None:
+                return None  # free text, no budget: nothing to constrain
+            prefix = ReasoningPrefix()
+        else:
+            prefix = self._reasoning(opens_reasoning, budget)
+        if answer is not None and not head and not prefix.start:
+            return answer  # the JSON constraint as it is (budget 0 on a model-opened block)
+        return budgeted_answer(answer, prefix, head)
 
     def _has_reasoning(self, opens_reasoning: bool) -> bool:
         """Whether the family has a reasoning block a budget can shape here: one the prompt
