@@ -244,7 +244,7 @@ SLOW_FILES = frozenset({
 # runs them (make test-fitted); make test keeps the family matrix itself.
 FITTED_FILES = frozenset({
     "tests/families/test_doors.py", "tests/families/test_fitting.py",
-    "tests/families/test_fitted_own_syntax.py",
+    "tests/families/test_fitted_own_syntax.py", "tests/families/test_fitted_harmony_answers.py",
 })
 
 

@@ -27,6 +27,7 @@ from engine.requests.constraints.reasoning_budget import (
     ReasoningPrefix,
     budget_joins,
     budgeted_answer,
+    optional_reasoning,
     reasoning_prefix,
 )
 from engine.requests.constraints.string_repeats import DEFAULT_NGRAM
@@ -77,16 +78,8 @@ class Preparer:
         else:
             encoded = self._encoded_chat(request)
             forces_call = request.forces_call
-            if forces_call:  # a forced call wins over an output constraint: the reply is a call
-                params = replace(params, constraint=self._forced_call(request,
-                                                                      encoded.opens_reasoning))
-            elif request.rendered_tools and joins_tools(params.constraint):
-                params = replace(params, constraint=self._tools_or_answer(
-                    request, encoded.opens_reasoning))
-            elif (encoded.opens_reasoning and params.reasoning_budget is not None
-                  and self.dialect.reasoning_close and budget_joins(params.constraint)):
-                params = replace(params, constraint=budgeted_answer(
-                    params.constraint, self._reasoning_prefix(params.reasoning_budget)))
+            params = replace(params, constraint=self._chat_constraint(
+                request, encoded.opens_reasoning))
         if params.constraint is not None:
             self.compiler.compile(params.constraint)  # cached: the lane's matcher reuses it
         return PreparedRequest(encoded.ids, params, self.stop_ids(params), encoded.head_len,
@@ -119,22 +112,37 @@ class Preparer:
                                            dict(request.template_kwargs),
                                            history=self.dialect.history)
 
+    def _chat_constraint(self, request: ChatRequest,
+                         opens_reasoning: bool) -> Constraint | None:
+        """The row's constraint: a forced call (it wins over an output constraint: the
+        reply is a call), the union of calls and an answer (tools offered beside a JSON
+        constraint, or beside free text when a reasoning budget shapes the turn), or the
+        answer alone; each after the reasoning prefix and in the family's answer frame."""
+        params = request.params
+        if request.forces_call:
+            return self._forced_call(request, opens_reasoning)
+        budgeted_text = (params.constraint is None and params.reasoning_budget is not None
+                         and self._has_reasoning(opens_reasoning))
+        if request.rendered_tools and (joins_tools(params.constraint) or budgeted_text):
+            return self._tools_or_answer(request, opens_reasoning)
+        return self._answer_alone(params.constraint, opens_reasoning, params.reasoning_budget)
+
     def _forced_call(self, request: ChatRequest, opens_reasoning: bool) -> Constraint:
         """The grammar that forces tool calls in this model's own syntax. A prompt that
         opened the reasoning block has it closed first, so the call is never reasoning."""
         calls = self.dialect.forced_calls(limited_tools(request), request.tool_choice,
                                           request.parallel_tool_calls, self.compiler.lark_text)
-        prefix = self._reasoning_closed(opens_reasoning, request.params.reasoning_budget)
+        prefix = self._reasoning(opens_reasoning, request.params.reasoning_budget)
         return forced_grammar(calls + prefix.rules, prefix.start)
 
-    def _tools_or_answer(self, request: ChatRequest, opens_reasoning: bool) -> Constraint:
+    def _tools_or_answer(self, request: ChatRequest, opens_reasoning: bool) -> Constraint | None:
         """Tools offered ("auto") beside a JSON constraint: a call to any tool, in this
         model's syntax, or the answer the constraint describes (one grammar, either reply).
         Unless the request says ``repeat_answered_calls``, a call that repeats one the
         history answered is refused (``answered_calls``), and a tool called
         ``tool_call_limit`` times is no longer offered; with no call left, the answer."""
         params = request.params
-        answer = cast(JsonSchema | JsonObject, params.constraint)
+        answer = cast(JsonSchema | JsonObject | None, params.constraint)
         answered = answered_arguments(request.messages)
         tools = within_limit(request.tools, answered, params.tool_call_limit)
         if not params.repeat_answered_calls:
@@ -143,28 +151,56 @@ class Preparer:
             return self._answer_alone(answer, opens_reasoning, params.reasoning_budget)
         calls = self.dialect.forced_calls(tools, "required", request.parallel_tool_calls,
                                           self.compiler.lark_text)
-        prefix = self._reasoning_closed(opens_reasoning, params.reasoning_budget)
-        return tools_or_answer_grammar(calls + prefix.rules, answer, prefix.start)
+        prefix = self._reasoning(opens_reasoning, params.reasoning_budget)
+        return tools_or_answer_grammar(calls + prefix.rules, answer, prefix.start,
+                                       self._answer_head())
 
-    def _answer_alone(self, answer: JsonSchema | JsonObject, opens_reasoning: bool,
-                      budget: int | None) -> Constraint:
-        """The JSON answer with no call beside it, as a request without tools gets it."""
-        if opens_reasoning and budget is not None and self.dialect.reasoning_close:
-            return budgeted_answer(answer, self._reasoning_prefix(budget))
-        return answer
+    def _answer_alone(self, answer: Constraint | None, opens_reasoning: bool,
+                      budget: int | None) -> Constraint | None:
+        """The answer with no call beside it: a JSON answer in the family's answer frame,
+        after the reasoning prefix when a budget applies; free text gets a grammar only
+        from a budget. A regex or Lark grammar of the caller's is taken as written."""
+        if not budget_joins(answer):
+            return answer
+        answer = cast(JsonSchema | JsonObject | None, answer)
+        head = self._answer_head()
+        if budget is None or not self._has_reasoning(opens_reasoning):
+            if answer is None:
+                return None  # free text, no budget: nothing to constrain
+            prefix = ReasoningPrefix()
+        else:
+            prefix = self._reasoning(opens_reasoning, budget)
+        if answer is not None and not head and not prefix.start:
+            return answer  # the JSON constraint as it is (budget 0 on a model-opened block)
+        return budgeted_answer(answer, prefix, head)
 
-    def _reasoning_closed(self, opens_reasoning: bool, budget: int | None) -> ReasoningPrefix:
-        """Lark that ends a reasoning block the prompt opened: at once, or after at most
-        ``budget`` reasoning tokens (empty when the prompt opened none)."""
-        if not (opens_reasoning and self.dialect.reasoning_close):
-            return ReasoningPrefix()
-        return self._reasoning_prefix(budget)
+    def _has_reasoning(self, opens_reasoning: bool) -> bool:
+        """Whether the family has a reasoning block a budget can shape here: one the prompt
+        opened, or one the model may open itself (without markers a budget does nothing)."""
+        if opens_reasoning:
+            return self.dialect.reasoning_close is not None
+        return self.dialect.model_reasoning is not None
 
-    def _reasoning_prefix(self, budget: int | None) -> ReasoningPrefix:
-        close = self.dialect.reasoning_close
-        assert close is not None
+    def _reasoning(self, opens_reasoning: bool, budget: int | None) -> ReasoningPrefix:
+        """Lark for the reasoning before the answer or call. A block the prompt opened is
+        closed at once, or after at most ``budget`` tokens; one the model may open is
+        optional and holds at most ``budget`` tokens (none without a budget, or at 0)."""
         literal = self.compiler.lark_text
-        return reasoning_prefix(literal(close), literal(self.dialect.after_reasoning), budget)
+        close = self.dialect.reasoning_close
+        if opens_reasoning:
+            if close is None:
+                return ReasoningPrefix()
+            return reasoning_prefix(literal(close), literal(self.dialect.after_reasoning),
+                                    budget)
+        marks = self.dialect.model_reasoning
+        if marks is None:
+            return ReasoningPrefix()
+        return optional_reasoning(literal(marks.open), literal(marks.close),
+                                  literal(marks.after), budget)
+
+    def _answer_head(self) -> str:
+        head = self.dialect.answer_head
+        return self.compiler.lark_text(head) if head else ""
 
 
 def checked_request(request: Any) -> Request:

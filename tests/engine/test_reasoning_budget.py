@@ -51,6 +51,7 @@ def test_reasoning_ends_at_the_budget_then_the_schema_holds(opening_engine: Engi
     reasoning_ids = opening_engine.tokenizer.encode(result.reasoning or "",
                                                     add_special_tokens=False)
     assert 0 < len(reasoning_ids) <= budget + 1  # re-encoding may split one token in two
+    assert result.usage.reasoning_tokens == budget  # as generated: the markers aside
     jsonschema.validate(json.loads(result.content), VERDICT)
 
 
@@ -88,3 +89,59 @@ def test_a_row_that_never_reasons_counts_none(tiny_engine: Engine) -> None:
     result = tiny_engine.submit(ChatRequest.from_openai(
         ASK, SamplingParams(max_tokens=8))).result()
     assert result.usage.completion_tokens > 0 and result.usage.reasoning_tokens == 0
+
+
+# ----- a template that leaves opening the block to the model -------------------------
+
+@pytest.fixture(scope="module")
+def model_opening_engine(thinking_model_dir: Path) -> Iterator[Engine]:
+    """The tiny thinking model as built: its generation prompt opens no block."""
+    with Engine(thinking_model_dir) as eng:
+        yield eng
+
+
+def _opens_never_closes(eng: Engine) -> tuple:  # type: ignore[type-arg]
+    """A logits processor that makes the model open ``<think>`` whenever the grammar lets
+    it, and never close the block by itself."""
+    [open_] = eng.tokenizer.encode("<think>", add_special_tokens=False)
+    [close] = eng.tokenizer.encode("</think>", add_special_tokens=False)
+    return (lambda tokens, logits: logits.at[..., open_].add(1e4).at[..., close].add(-1e4),)
+
+
+def test_the_prompt_opens_no_block_here(model_opening_engine: Engine) -> None:
+    prompt = model_opening_engine.tokenizer.apply_chat_template(ASK, tokenize=False,
+                                                                add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("budget", [3, 10])
+def test_a_model_opened_block_ends_at_the_budget_then_the_schema_holds(
+        model_opening_engine: Engine, budget: int) -> None:
+    eng = model_opening_engine
+    params = SamplingParams(max_tokens=120, constraint=JsonSchema(VERDICT),
+                            reasoning_budget=budget, logits_processors=_opens_never_closes(eng))
+    result = eng.submit(ChatRequest.from_openai(ASK, params)).result()
+    reasoning_ids = eng.tokenizer.encode(result.reasoning or "", add_special_tokens=False)
+    assert 0 < len(reasoning_ids) <= budget + 1  # re-encoding may split one token in two
+    assert result.usage.reasoning_tokens == budget  # as generated: the markers aside
+    jsonschema.validate(json.loads(result.content), VERDICT)
+
+
+def test_without_a_budget_the_model_opened_block_runs_to_max_tokens(
+        model_opening_engine: Engine) -> None:
+    eng = model_opening_engine
+    params = SamplingParams(max_tokens=40, logits_processors=_opens_never_closes(eng))
+    result = eng.submit(ChatRequest.from_openai(ASK, params)).result()
+    assert result.content == "" and result.reasoning
+
+
+@pytest.mark.parametrize("constraint", [None, JsonSchema(VERDICT)])
+def test_budget_zero_lets_the_model_open_no_block(model_opening_engine: Engine,
+                                                   constraint: JsonSchema | None) -> None:
+    eng = model_opening_engine
+    params = SamplingParams(max_tokens=40, constraint=constraint, reasoning_budget=0,
+                            logits_processors=_opens_never_closes(eng))
+    result = eng.submit(ChatRequest.from_openai(ASK, params)).result()
+    assert not result.reasoning and "<think>" not in result.content
+    if constraint is not None:
+        jsonschema.validate(json.loads(result.content), VERDICT)

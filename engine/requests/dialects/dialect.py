@@ -27,6 +27,17 @@ from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.channels import CONTENT, REASONING, TOOL, ChannelSplitter, Splitter
 from engine.requests.outbound.tool_calls import ToolParser, new_call_id
 
+
+@dataclass(frozen=True)
+class ReasoningMarks:
+    """A reasoning block as the model writes it: the text that opens it, the text that
+    closes it, and what the family writes between the close and the answer."""
+
+    open: str
+    close: str
+    after: str
+
+
 # Lark for a text: its special tokens as tokens, the rest as quoted strings (the
 # tokenizer's; ``GrammarCompiler.lark_text``).
 Literal = Callable[[str], str]
@@ -131,4 +142,19 @@ class Dialect:
 
     # What the chat template writes between the end of the reasoning and the answer.
     after_reasoning = "\n\n"
+
+    @property
+    def model_reasoning(self) -> ReasoningMarks | None:
+        """The reasoning block as the model opens it itself, where the prompt left it
+        closed (a reasoning budget then makes it optional and bounded); None when the
+        family has no reasoning markers."""
+        pair = self.markers.get(REASONING)
+        close = self.reasoning_close
+        if pair is None or close is None:
+            return None
+        return ReasoningMarks(pair[0], close, self.after_reasoning)
+
+    # What the family writes before an answer (a header the model writes itself); a
+    # constrained answer's grammar starts with it. Empty: the answer is the text itself.
+    answer_head = ""
 

@@ -24,7 +24,7 @@ import re
 from collections.abc import Sequence
 
 from engine.requests.constraints.forced_calls import arguments_schema, chosen_tools
-from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
+from engine.requests.dialects.dialect import Dialect, Literal, ReasoningMarks, TokenizerFacts
 from engine.requests.dialects.scanning import first_marker, partial_suffix
 from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.channels import CONTENT, REASONING, TOOL, Splitter
@@ -53,6 +53,14 @@ class Harmony(Dialect):
     @property
     def reasoning_close(self) -> None:
         return None  # the prompt never opens a message: the model writes every header
+
+    @property
+    def model_reasoning(self) -> ReasoningMarks:
+        """An analysis message, then the next message's start (its channel follows)."""
+        return ReasoningMarks(f"{CHANNEL}analysis{MESSAGE}", END, f"{START}assistant")
+
+    # The answer is a message on the final channel; <|return|> (end of sequence) ends it.
+    answer_head = f"{CHANNEL}final{MESSAGE}"
 
     def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return HarmonySplitter()
