@@ -233,8 +233,8 @@ def limited_tools(request: ChatRequest) -> tuple[ToolSpec, ...]:
     """The tools a forced call may go to: with ``tool_call_limit``, a required call is
     never to a tool the history already called and answered that many times (a tool the
     choice names is the caller's explicit wish and stays)."""
-    if request.tool_choice != "required":
-        return request.tools
+    if request.tool_choice != "required" or request.params.tool_call_limit is None:
+        return request.tools  # no history to read
     return within_limit(request.tools, answered_arguments(request.messages),
                         request.params.tool_call_limit)
 

@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine import (
     ChatRequest,
     Constraint,
-    InvalidRequestError,
     Message,
     messages_from_openai,
     sampling_from_openai,
@@ -123,36 +122,19 @@ def constraint_of(fmt: ResponseFormat | None) -> Constraint | None:
         "response_format.json_schema.schema")
 
 
-REASONING_KEYS = ("reasoning_content", "reasoning")
-
-
 def chat_messages(messages: list[dict[str, Any]]) -> tuple[Message, ...]:
     """The request's messages, converted once by the engine's rulebook.
 
     A null field is one the client did not set (OpenAI's SDKs send ``"name": null``). An
     assistant turn's past reasoning, as ``reasoning_content`` or ``reasoning`` (the two
-    keys this server answers with), reaches the template as ``reasoning_content``, the
-    name templates that render past thinking (Qwen3's) read.
+    keys this server answers with), reaches the template as ``reasoning_content``: the
+    rulebook reads both.
     """
-    return messages_from_openai([_past_reasoning(_set_fields(m), f"messages[{i}]")
-                                 for i, m in enumerate(messages)])
+    return messages_from_openai([_set_fields(m) for m in messages])
 
 
 def _set_fields(message: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in message.items() if v is not None or k == "content"}
-
-
-def _past_reasoning(message: dict[str, Any], at: str) -> dict[str, Any]:
-    """``reasoning`` read as ``reasoning_content`` (which wins when both are set)."""
-    for key in REASONING_KEYS:
-        if key in message and not isinstance(message[key], str):
-            raise InvalidRequestError(
-                f"{at}.{key} must be the turn's reasoning text (a str), got "
-                f"{type(message[key]).__name__}", f"{at}.{key}")
-    if "reasoning" in message and message.get("role") == "assistant":
-        reasoning = message.pop("reasoning")
-        message.setdefault("reasoning_content", reasoning)
-    return message
 
 
 def engine_request(request: ChatCompletionRequest, *, default_max_tokens: int,

@@ -39,6 +39,8 @@ TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 # ``tool_calls``.
 SILENT_ASSISTANT_PARTS = frozenset({"reasoning", "thinking", "redacted_thinking", "refusal",
                                     "tool_use", "tool_call", "function_call"})
+# The keys an assistant turn's past reasoning comes under (``reasoning_content`` wins).
+REASONING_KEYS = ("reasoning_content", "reasoning")
 # Keys a message carries that the rulebook reads; any other key passes to the template.
 _KNOWN_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 
@@ -127,11 +129,28 @@ def message_from_openai(message: Any, at: str) -> Message:
         raise InvalidRequestError(f"{at}.name is required on a function message: it names "
                                   "the function this is the result of", f"{at}.name")
     extra = {k: v for k, v in message.items() if k not in _KNOWN_KEYS}
-    if role == "assistant" and "reasoning_content" not in extra:
-        thought = _parts_reasoning(message.get("content"))
+    _past_reasoning(extra, message.get("content"), at, role)
+    return Message(role, content, name, tool_calls, call_id or None, extra)
+
+
+def _past_reasoning(extra: dict[str, Any], content: Any, at: str, role: str) -> None:
+    """An assistant turn's past reasoning as ``reasoning_content`` (the name templates that
+    render it, Qwen3's, read): that key, else ``reasoning`` (the other name servers answer
+    with), else the text of its reasoning parts. Under either key, on any turn, it is
+    text."""
+    for key in REASONING_KEYS:
+        if key in extra and not isinstance(extra[key], str):
+            raise InvalidRequestError(
+                f"{at}.{key} must be the turn's reasoning text (a str), got "
+                f"{type(extra[key]).__name__}", f"{at}.{key}")
+    if role != "assistant":
+        return
+    if "reasoning" in extra:
+        extra.setdefault("reasoning_content", extra.pop("reasoning"))
+    if "reasoning_content" not in extra:
+        thought = _parts_reasoning(content)
         if thought:
             extra["reasoning_content"] = thought
-    return Message(role, content, name, tool_calls, call_id or None, extra)
 
 
 def _parts_reasoning(content: Any) -> str:
