@@ -128,3 +128,39 @@ def test_a_tool_called_as_often_as_the_limit_is_left_out() -> None:
     assert within_limit([clock, weather], answered, 2) == (clock,)
     assert within_limit([clock, weather], answered, 1) == ()
     assert within_limit([clock, weather], {}, 1) == (clock, weather)
+
+
+
+CITY_ONLY = {"type": "object", "properties": {"city": {"type": "string"}},
+             "required": ["city"], "additionalProperties": False}
+
+
+def test_long_answered_texts_stay_refused_in_a_pattern_llguidance_compiles() -> None:
+    """The agent of issue 37 grew its argument every turn; past ~60 characters the guard's
+    pattern nested deeper than llguidance's regex parser allows and the request failed.
+    Runs of shared characters are now written flat: texts of hundreds of characters still
+    compile, and every one stays refused while its neighbours are admitted."""
+    import json
+
+    import llguidance
+
+    grown = ["Paris", "Paris, France, 21 C, sunny,: 21C, sunny: 22C, sunny:: 21.2C, 22.2C",
+             "x" * 400, ("Paris, France, 21 C, sunny " * 12).strip()]
+    schema = excluding(CITY_ONLY, [{"city": text} for text in grown])
+    assert schema is not None
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+    for text in grown:
+        assert not _valid(schema, {"city": text})
+        for near in (text[:-1], text + " ", "a" + text, text[:3] + "?" + text[4:]):
+            assert _valid(schema, {"city": near}), near
+
+
+def test_answered_texts_too_long_for_any_pattern_leave_the_tool_unguarded() -> None:
+    """Beyond what a pattern can hold the guard stays out (the tool is offered as it was):
+    it never makes a request fail."""
+    import random
+
+    rng = random.Random(1)
+    text = "".join(rng.choice("abc, ") for _ in range(800))
+    assert excluding(CITY_ONLY, [{"city": text}]) is None

@@ -260,19 +260,55 @@ def _bounded(schema: Mapping[str, Any], low: Any, high: Any) -> dict[str, Any]:
             **({"maximum": high} if high is not None else {})}
 
 
-def _texts_except(texts: Sequence[str]) -> str:
+# llguidance parses a pattern with regex-syntax, which refuses more than 250 nested
+# groups, alternations and concatenations; each trie level below costs 4 of them.
+_MAX_NESTING = 200
+# Characters of an unbranched run written flat, one alternative per place to leave it:
+# fewer levels, at a quadratic cost in the run's length.
+_RUN = 16
+
+
+def _texts_except(texts: Sequence[str], nesting: int = 0) -> str:
     """A regex (no look-around: llguidance has none) for every string except ``texts``:
-    by their trie, a string leaves it at some character, stops short, or runs on."""
+    by their trie, a string leaves it at some character, stops short, or runs on.
+
+    Raises ``Inexpressible`` when the trie is too deep for llguidance's regex parser
+    (very long answered texts); the guard then stays out rather than fail the request.
+    """
     if not texts:
         return r"[\s\S]*"
+    if nesting > _MAX_NESTING:
+        raise Inexpressible("answered texts too long to exclude by a pattern")
+    run = _shared_run(texts)
+    if run:  # a stretch where every text goes on alike: leave it at any place, or stop short
+        exits = [_literal(run[:j]) + "([^" + _char(c) + r"][\s\S]*)?"
+                 for j, c in enumerate(run)]
+        rest = _texts_except([t[len(run):] for t in texts], nesting + 4)
+        return "(" + "|".join([*exits, _literal(run) + rest]) + ")"
     alternatives = [] if "" in texts else [""]
     firsts = sorted({t[0] for t in texts if t})
     leave = "[^" + "".join(_char(c) for c in firsts) + "]" if firsts else r"[\s\S]"
     alternatives.append(leave + r"[\s\S]*")
     for c in firsts:
-        alternatives.append(_char(c) + "(" + _texts_except([t[1:] for t in texts
-                                                           if t and t[0] == c]) + ")")
+        alternatives.append(_char(c) + _texts_except([t[1:] for t in texts
+                                                      if t and t[0] == c], nesting + 4))
     return "(" + "|".join(alternatives) + ")"
+
+
+def _shared_run(texts: Sequence[str]) -> str:
+    """The characters (at most ``_RUN``, none if fewer than 2) every text starts with, no
+    text ending inside them (an answered text that ends there must stay refused)."""
+    shortest = min(len(t) for t in texts)
+    run = ""
+    for i in range(min(shortest - 1, _RUN)):
+        if any(t[i] != texts[0][i] for t in texts):
+            break
+        run += texts[0][i]
+    return run if len(run) >= 2 else ""
+
+
+def _literal(text: str) -> str:
+    return "".join(_char(c) for c in text)
 
 
 def _char(c: str) -> str:
