@@ -106,7 +106,9 @@ class Dialect:
     def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         """A new row's splitter; ``start`` is the channel its output begins in, ``tools``
         the request's (a family whose calls are not JSON reads values by their schema)."""
-        return ChannelSplitter(self.markers, start)
+        # Blocks of JSON calls end at a close marker outside the JSON's strings.
+        json_blocks = frozenset({TOOL}) if self.parser is None else frozenset()
+        return ChannelSplitter(self.markers, start, json_blocks)
 
     def new_call_id(self) -> str:
         return new_call_id()
