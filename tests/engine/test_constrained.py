@@ -154,3 +154,24 @@ def test_compiled_grammars_are_cached_and_bounded(tiny_model_dir: Path) -> None:
     compiler.compile(Regex("one more"))  # past the bound: the least recent goes
     assert compiler.compile(Regex("x0")) is others[0]
     assert compiler.compile(JsonSchema(TRIP)) is not first
+
+
+def test_a_dead_grammar_fails_its_row_naming_the_constraint(tiny_model_dir: Path) -> None:
+    """A matcher no token can continue (llguidance then allows only end-of-sequence, which
+    would end the row looking complete) raises, naming the constraint: the row fails
+    alone, never ends quietly or goes on unconstrained."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    compiler = GrammarCompiler(tokenizer, vocab)
+    grammar = compiler.row(JsonSchema(TRIP))
+    bitmask = np.zeros((1, compiler.words), dtype=np.int32)
+    grammar.fill(bitmask, 0)  # a live matcher: its allowed tokens
+    assert bitmask.any()
+    with pytest.raises(InvalidConstraintError, match="JSON schema"):
+        grammar.consume(tokenizer.encode("hello")[0])  # not JSON: refused
+    with pytest.raises(InvalidConstraintError, match=r"JSON schema .*no token can continue"):
+        grammar.fill(bitmask, 0)
+    grammar.close()

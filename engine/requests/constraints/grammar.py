@@ -50,6 +50,15 @@ def grammar_text(constraint: Constraint) -> str:
     raise TypeError(f"not a constraint: {constraint!r}")
 
 
+def embedded_lark(constraint: Regex | LarkGrammar) -> str:
+    """The caller's regex or Lark grammar as Lark text, to nest whole in an engine grammar
+    (after the close of a reasoning block the prompt opened, say)."""
+    if isinstance(constraint, LarkGrammar):
+        return constraint.grammar
+    top = json.loads(grammar_text(constraint))  # llguidance writes a regex as a Lark rule
+    return str(top["grammars"][0]["lark_grammar"])
+
+
 def json_answer_schema(constraint: JsonSchema | JsonObject) -> dict[str, Any]:
     """The JSON schema a JSON constraint's output follows, as the grammar applies it:
     closed at every level (undeclared keys refused), arrays of finite choices bounded to
@@ -136,7 +145,7 @@ class GrammarCompiler:
         matcher = self.compile(constraint).deep_copy()
         repeats = (StringRepeats(self.token_bytes(), self.string_ngram)
                    if self.string_ngram and writes_json(constraint) else None)
-        return RowGrammar(self, matcher, repeats)
+        return RowGrammar(self, matcher, repeats, describe(constraint))
 
     def token_bytes(self) -> list[bytes]:
         """Every token id's bytes (built once per tokenizer, ~0.1 s)."""
@@ -159,9 +168,10 @@ class RowGrammar:
     """One row's matcher: consume sampled tokens, fill the next-token mask."""
 
     def __init__(self, compiler: GrammarCompiler, matcher: Any,
-                 repeats: StringRepeats | None = None) -> None:
+                 repeats: StringRepeats | None = None, name: str = "constraint") -> None:
         self._compiler = compiler
         self._matcher: Any = matcher
+        self.name = name  # what the row's errors call its constraint
         self.repeats = repeats  # refuses loops inside JSON strings, None for other grammars
         self.started = False  # the first sampler call sees the prompt's last token
         self._consumed = 0  # tokens consumed so far (what ``rollback`` counts back to)
@@ -170,7 +180,7 @@ class RowGrammar:
     def consume(self, token: int) -> None:
         if not self._matcher.consume_token(token):
             raise InvalidConstraintError(
-                f"token {token} violates the constraint: {self._matcher.get_error()}"
+                f"token {token} violates the {self.name}: {self._matcher.get_error()}"
             )
         self._consumed += 1
         if self.repeats is not None:
@@ -207,9 +217,16 @@ class RowGrammar:
         return tokens[:limit]
 
     def fill(self, bitmask: np.ndarray[Any, Any], row: int) -> None:
+        """The row's allowed next tokens. A matcher that allows none (a dead state, or an
+        error, which llguidance turns into "end of sequence only") fails the row, naming
+        its constraint: it must never end looking complete, or go on unconstrained."""
         import llguidance.numpy
 
         llguidance.numpy.fill_next_token_bitmask(self._matcher, bitmask, row)
+        if self._matcher.is_error() or not bitmask[row].any():
+            raise InvalidConstraintError(
+                f"the {self.name} reached a state no token can continue: "
+                f"{self._matcher.get_error() or 'no token is allowed'}")
         if self.repeats is not None:
             refused = self.repeats.refused()
             if refused:
@@ -239,6 +256,20 @@ def writes_json(constraint: Constraint) -> bool:
 def _kind(constraint: Constraint) -> str:
     return {JsonSchema: "JSON schema", JsonObject: "JSON object", Regex: "regex",
             LarkGrammar: "Lark grammar"}[type(constraint)]
+
+
+def describe(constraint: Constraint) -> str:
+    """The constraint as a row's error names it: its kind and the start of its text."""
+    if isinstance(constraint, JsonSchema):
+        text = json.dumps(constraint.schema_dict)
+    elif isinstance(constraint, Regex):
+        text = constraint.pattern
+    elif isinstance(constraint, LarkGrammar):
+        text = constraint.grammar
+    else:
+        text = ""
+    shown = " ".join(text.split())
+    return f"{_kind(constraint)} {shown[:60]!r}" if shown else _kind(constraint)
 
 
 def validate_constraint(constraint: Constraint) -> None:
