@@ -25,7 +25,6 @@ from engine.requests.constraints.forced_calls import forced_call_schema, forced_
 from engine.requests.constraints.grammar import GrammarCompiler, validate_constraint
 from engine.requests.constraints.reasoning_budget import (
     ReasoningPrefix,
-    budget_joins,
     budgeted_answer,
     optional_reasoning,
     reasoning_prefix,
@@ -157,21 +156,16 @@ class Preparer:
 
     def _answer_alone(self, answer: Constraint | None, opens_reasoning: bool,
                       budget: int | None) -> Constraint | None:
-        """The answer with no call beside it: a JSON answer in the family's answer frame,
-        after the reasoning prefix when a budget applies; free text gets a grammar only
-        from a budget. A regex or Lark grammar of the caller's is taken as written."""
-        if not budget_joins(answer):
-            return answer
-        answer = cast(JsonSchema | JsonObject | None, answer)
+        """The answer with no call beside it, in the family's answer frame: after the
+        close of a block the prompt opened (at once, or within a budget), or after an
+        optional bounded block the model may open. Free text gets a grammar only from a
+        budget; a constraint nothing precedes is taken as it is."""
+        if answer is None and (budget is None or not self._has_reasoning(opens_reasoning)):
+            return None  # free text, no budget: nothing to constrain
+        prefix = self._reasoning(opens_reasoning, budget)
         head = self._answer_head()
-        if budget is None or not self._has_reasoning(opens_reasoning):
-            if answer is None:
-                return None  # free text, no budget: nothing to constrain
-            prefix = ReasoningPrefix()
-        else:
-            prefix = self._reasoning(opens_reasoning, budget)
         if answer is not None and not head and not prefix.start:
-            return answer  # the JSON constraint as it is (budget 0 on a model-opened block)
+            return answer
         return budgeted_answer(answer, prefix, head)
 
     def _has_reasoning(self, opens_reasoning: bool) -> bool:

@@ -30,6 +30,7 @@ from engine.requests.outbound.channels import REASONING
 from engine.requests.prepare import Preparer
 from testkit.families import FAMILIES
 from testkit.families.transcripts import CALL_ID, QUESTION, WEATHER_TOOL, tool_call_message
+from testkit.forcing import forcing
 from tests.conftest import greedy
 
 # Each family's dialect, and one get_weather(city="Paris") call as the family writes it.
@@ -179,7 +180,8 @@ def test_a_second_turn_renders_the_tool_result(name: str, engine: Engine,
 
 
 # A turn that reasons then answers, as each family writes it after its prompt (with the
-# template switch that turns thinking on), forced by a grammar so the tiny model writes it.
+# template switch that turns thinking on), forced token by token so the tiny model writes
+# it (a constraint describes the answer alone).
 REASONED: dict[str, tuple[dict[str, Any], str]] = {
     "qwen3_5": ({}, "Hmm.\n</think>\n\nHi."),  # the prompt opened <think>
     "gemma4": ({"enable_thinking": True}, "<|channel>thought\nHmm.<channel|>Hi."),
@@ -194,9 +196,10 @@ def test_reasoning_goes_to_its_channel_and_the_answer_to_content(
     if name not in REASONED:
         pytest.skip(f"{name} has no reasoning syntax")
     switches, text = REASONED[name]
-    grammar = LarkGrammar(f"start: {preparer.compiler.lark_text(text)}")
-    request = ChatRequest.from_openai(ASK, greedy(48, constraint=grammar),
-                                      chat_template_kwargs=switches)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    request = ChatRequest.from_openai(
+        ASK, greedy(len(ids), logits_processors=(forcing(ids),)),
+        chat_template_kwargs=switches)
     result = engine.submit(request).result(timeout=60)
     assert (result.reasoning or "").strip() == "Hmm."
     assert result.content == "Hi."  # the template's "\n\n" after </think> is not content

@@ -14,10 +14,9 @@ no budget under a constraint) admits no block. The markers are single tokens tha
 llguidance treats as special (added tokens), so free text can never write them: the
 answer cannot open a block the grammar did not count.
 
-``answer`` is the request's own constraint (JSON, a forced call, tools or a schema) or free
-text, after the family's answer header where it has one (gpt-oss: its final channel). A
-regex or a Lark grammar of the caller's is taken alone, as written (it cannot be
-embedded). No mlx.
+``answer`` is the request's own constraint (JSON, a forced call, tools or a schema, or the
+caller's regex or Lark grammar embedded whole as a nested ``%lark`` grammar) or free text,
+after the family's answer header where it has one (gpt-oss: its final channel). No mlx.
 """
 
 from __future__ import annotations
@@ -25,12 +24,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine.requests.constraints.grammar import json_answer_schema
+from engine.requests.constraints.grammar import embedded_lark, json_answer_schema
 from engine.requests.inbound.output_constraint import (
     Constraint,
     JsonObject,
     JsonSchema,
     LarkGrammar,
+    Regex,
 )
 
 FREE_TEXT = "/(?s:.*)/"
@@ -68,16 +68,14 @@ def _thinking(budget: int) -> str:
     return f"thinking[max_tokens={budget}]: {FREE_TEXT}\n"
 
 
-def budget_joins(constraint: Constraint | None) -> bool:
-    """Whether a budget can go before this constraint's answer (None, JSON)."""
-    return constraint is None or isinstance(constraint, JsonSchema | JsonObject)
-
-
-def answer_rule(constraint: JsonSchema | JsonObject | None, head: str = "") -> str:
+def answer_rule(constraint: Constraint | None, head: str = "") -> str:
     """Lark defining ``answer``: ``head`` (Lark, the family's answer header, may be empty),
-    then JSON for the constraint, or any text when there is none."""
+    then JSON for a JSON constraint, the caller's regex or Lark grammar as a nested
+    grammar, or any text when there is none."""
     if isinstance(constraint, JsonSchema | JsonObject):
         body = f"%json {json.dumps(json_answer_schema(constraint))}"
+    elif isinstance(constraint, Regex | LarkGrammar):
+        body = f"%lark {{\n{embedded_lark(constraint)}\n}}"
     else:
         body = FREE_TEXT
     if not head:
@@ -85,7 +83,7 @@ def answer_rule(constraint: JsonSchema | JsonObject | None, head: str = "") -> s
     return f"answer: {head} answer_body\nanswer_body: {body}\n"
 
 
-def budgeted_answer(constraint: JsonSchema | JsonObject | None, prefix: ReasoningPrefix,
+def budgeted_answer(constraint: Constraint | None, prefix: ReasoningPrefix,
                     head: str = "") -> LarkGrammar:
     """The whole grammar: the reasoning prefix, then the answer (``answer_rule``)."""
     lead = f"{prefix.start} " if prefix.start else ""

@@ -78,7 +78,9 @@ class RowChannels:
         self._keys: set[str] = set()
         self._loose = True  # no answer text yet since the start or the last call
         self._spaces = ""  # whitespace content held back while loose
-        self._after_reasoning = False  # line breaks right after reasoning are dropped
+        # Line breaks right after reasoning are dropped (a block the prompt opened counts,
+        # even when the model closes it at once).
+        self._after_reasoning = self.saw_reasoning
         self._deltas: list[ToolCallDelta] = []  # call pieces not yet taken by an event
         self._next_index = 0  # calls sent so far (each delta's index)
 
