@@ -229,3 +229,12 @@ def test_llama_index_stream_checks_the_final_completion() -> None:
     last = chunks.chat(StreamEvent("", (), finish_reason=FinishReason.TOOL_CALLS,
                                    completion=done))
     assert last is not None and last.raw["finish_reason"] == "tool_calls"
+
+
+def test_tools_beside_json_that_took_the_call_branch_are_cut_by_an_open_call() -> None:
+    """Issue 37's reply: one call closed, a second cut by max_tokens. What was cut is a
+    call, not the JSON answer the request also allowed."""
+    assert truncation(FinishReason.LENGTH, False, JsonObject(), "", 1, 1) == "a tool call"
+    assert truncation(FinishReason.LENGTH, False, JsonObject(), "", 0, 1) == "a tool call"
+    assert truncation(FinishReason.LENGTH, False, JsonObject(), "", 2, 0) is None
+    assert truncation(FinishReason.TOOL_CALLS, False, JsonObject(), "", 1, 0) is None

@@ -122,6 +122,7 @@ class Completion:
 
 FORCED_CALL = "the forced tool call"
 STRUCTURED_JSON = "the structured output (JSON)"
+TOOL_CALL = "a tool call"
 
 
 def truncation(finish_reason: FinishReason, forces_call: bool, constraint: Constraint | None,
@@ -129,13 +130,18 @@ def truncation(finish_reason: FinishReason, forces_call: bool, constraint: Const
     """What a row's ending cut, if it matters (see ``Completion.truncated``).
 
     A forced call's grammar makes every closed call valid, so an invalid call of a forced
-    answer is one that was cut; strict JSON is cut when the text is not one whole value.
+    answer is one that was cut; a reply of tools beside a JSON answer that took the call
+    branch is cut when a call was left open; strict JSON is cut when the text is not one
+    whole value.
     """
     if finish_reason != FinishReason.LENGTH:
         return None
     if forces_call:
         return FORCED_CALL if invalid_calls or not calls else None
-    if isinstance(constraint, JsonSchema | JsonObject) and not _whole_json(content):
+    json_answer = isinstance(constraint, JsonSchema | JsonObject)
+    if json_answer and (calls or invalid_calls):
+        return TOOL_CALL if invalid_calls else None
+    if json_answer and not _whole_json(content):
         return STRUCTURED_JSON
     return None
 
