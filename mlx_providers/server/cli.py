@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 
 from engine import EngineConfig, follow, get_engine
+from mlx_providers.server.keep_alive import keep_alive_option
 
 _NO_CAP = "none"  # what `--kv-budget-bytes none` parses to until the config is built
 
@@ -39,6 +40,7 @@ _ENGINE_OPTIONS: dict[str, Callable[[str], Any]] = {
     "buffer_cache_bytes": _byte_count("auto"), "prefix_cache_ttl": float,
     "shard": str, "distributed_timeout": float, "admission_window": float,
     "prefix_cache_dir": str, "prefix_cache_disk_bytes": _byte_count(),
+    "keep_alive": keep_alive_option,
 }
 # Where the server's default differs from the engine's: HTTP requests sent together reach
 # the engine spread over tens of ms (16 concurrent SDK streams here: ~20 ms), so an idle
