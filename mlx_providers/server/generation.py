@@ -31,8 +31,8 @@ from engine import (
     RequestHandle,
     StreamEvent,
 )
+from mlx_providers._keep_alive import submit_options
 from mlx_providers.server.errors import from_engine
-from mlx_providers.server.keep_alive import submit_options
 from mlx_providers.server.metrics import ServerMetrics
 from mlx_providers.server.served import ServedModel, Slot
 

@@ -59,13 +59,6 @@ def _checked(value: Any) -> float | None:
 KeepAliveField = Annotated[float | None, BeforeValidator(_checked)]
 
 
-def submit_options(keep_alive: float | None) -> dict[str, Any]:
-    """``Engine.submit``'s keyword for a request's keep_alive (none sent: the engine's)."""
-    if keep_alive is None:
-        return {}
-    return {"keep_alive": None if keep_alive < 0 else keep_alive}
-
-
 def keep_alive_option(text: str) -> float | None:
     """``--keep-alive``: seconds, a duration, or a negative value (None: forever)."""
     try:
