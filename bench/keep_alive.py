@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import engine  # noqa: F401 - loads the fast BLAS before mlx
@@ -48,12 +49,13 @@ def point(name: str, stats: EngineStats) -> Point:
     return Point(name, vm_rss(), stats.mlx_active_bytes, stats.mlx_cache_bytes)
 
 
-def wait_for(engine: Engine, done: object, timeout: float = 120.0) -> EngineStats:
+def wait_for(eng: Engine, done: Callable[[EngineStats], bool],
+             timeout: float = 120.0) -> EngineStats:
     """Poll ``stats()`` until ``done(stats)``; the stats then."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        stats = engine.stats()
-        if done(stats):  # type: ignore[operator]
+        stats = eng.stats()
+        if done(stats):
             return stats
         time.sleep(0.01)
     raise TimeoutError("the engine did not get there in time")
@@ -71,8 +73,8 @@ class Prompts:
         return f"Request {self._next}. " + "Describe the weather in detail. " * (self._words // 5)
 
 
-def ask(engine: Engine, prompt: str, tokens: int, keep_alive: float | None) -> Completion:
-    return engine.submit(TextRequest(prompt, SamplingParams(max_tokens=tokens)),
+def ask(eng: Engine, prompt: str, tokens: int, keep_alive: float | None) -> Completion:
+    return eng.submit(TextRequest(prompt, SamplingParams(max_tokens=tokens)),
                          keep_alive=keep_alive).result(timeout=600)
 
 
@@ -106,7 +108,7 @@ def main() -> None:
                                 wait_for(eng, lambda s: s.running == 0 and s.loaded)))
         unloads = eng.stats().unloads
         ask(eng, prompts(), args.tokens, 0)  # keep_alive 0: unloaded once this one ends
-        idle = wait_for(eng, lambda s: s.unloads > unloads and not s.loaded)
+        idle = wait_for(eng, lambda s, before=unloads: s.unloads > before and not s.loaded)
         if cycle == 0:
             points.append(point("idle after the unload", idle))
         started = time.perf_counter()

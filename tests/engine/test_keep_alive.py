@@ -7,13 +7,15 @@ test can submit or cancel while it is under way.
 
 from __future__ import annotations
 
+import asyncio
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, FinishReason, StepProbe, TextRequest
+from engine import Engine, EngineConfig, FinishReason, Regex, StepProbe, TextRequest
 from tests.conftest import Turns, greedy, request_for, wait_until
 
 PROMPTS = [f"question {i}: " + "tell me more " * (3 + i) for i in range(8)]
@@ -130,6 +132,18 @@ def test_requests_arriving_while_unloaded_share_one_reload(
     assert stats.peak_running == len(PROMPTS)  # they ran as one batch after the reload
 
 
+async def test_concurrent_callers_after_an_unload_share_one_reload(
+        make_engine: Callable[..., Engine]) -> None:
+    eng = make_engine(max_batch=8)
+    run(eng, PROMPTS[0], keep_alive=0)
+    unloaded(eng)
+    handles = await asyncio.gather(*(asyncio.to_thread(
+        eng.submit, request_for(prompt, greedy(12))) for prompt in PROMPTS))
+    results = await asyncio.gather(*(handle.aresult() for handle in handles))
+    assert [r.usage.completion_tokens for r in results] == [12] * len(PROMPTS)
+    assert (eng.stats().loads, eng.stats().failed) == (2, 0)
+
+
 def test_cancel_while_waiting_for_the_reload(make_engine: Callable[..., Engine]) -> None:
     held = HeldStage()
     eng = make_engine(probe=StepProbe(on_model=held))
@@ -148,6 +162,16 @@ def test_cancel_while_waiting_for_the_reload(make_engine: Callable[..., Engine])
     assert (stats.cancelled, stats.completed, stats.loads) == (1, 2, 2)
     # Cancelled before the plan that followed the load: it was never prefilled.
     assert stats.prompt_tokens - prompt_tokens == kept.result().usage.prompt_tokens
+
+
+def test_constraints_compile_again_after_a_reload(make_engine: Callable[..., Engine]) -> None:
+    eng = make_engine()
+    code = TextRequest("code:", greedy(20, constraint=Regex(r"[A-Z]{3}-[0-9]{4}")))
+    before = eng.submit(code, keep_alive=0).result(timeout=60)
+    unloaded(eng)  # its compiled grammar went with the model
+    after = eng.submit(code).result(timeout=60)
+    assert after.text == before.text and re.fullmatch(r"[A-Z]{3}-[0-9]{4}", after.text)
+    assert eng.stats().live_matchers == 0
 
 
 def test_the_tokenizer_stays_and_start_reloads(make_engine: Callable[..., Engine]) -> None:
