@@ -68,7 +68,8 @@ class Engine:
         return self._runtime.preparer().tokenizer
 
     def start(self, timeout: float | None = None) -> Engine:
-        """Start the engine thread and wait until the model is loaded.
+        """Start the engine thread and wait until the model is loaded (loaded again, if
+        ``keep_alive`` had unloaded it).
 
         A model that cannot load raises ``ModelLoadError`` naming it and the cause: a
         ``ModelUnavailableError`` (an ``OSError``: a missing path, the hub, an unreadable

@@ -46,6 +46,9 @@ _ENGINE_OPTIONS: dict[str, Callable[[str], Any]] = {
 # the engine spread over tens of ms (16 concurrent SDK streams here: ~20 ms), so an idle
 # server waits that long for a burst to start as one prefill group.
 SERVER_DEFAULTS: dict[str, Any] = {"admission_window": 0.025}
+# How the command line spells a field differently from EngineConfig: (metavar, help).
+_SPELLING = {"keep_alive": ("SECONDS", " Here also a duration as Ollama's (30s, 5m, "
+                                       "1h30m); absent or negative: keep it loaded.")}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -81,8 +84,9 @@ def parser() -> argparse.ArgumentParser:
     for name, kind in _ENGINE_OPTIONS.items():
         field = EngineConfig.model_fields[name]
         default = SERVER_DEFAULTS.get(name)
+        metavar, spelling = _SPELLING.get(name, (None, ""))
         engine.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default,
-                            help=(field.description or "")
+                            metavar=metavar, help=(field.description or "") + spelling
                             + (f" Server default: {default}." if default is not None else ""))
     return top
 
