@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # What names a model: None (the default model), a local path (a directory or a .gguf file)
 # or a hub id. The facade, the registry and a sharded engine's followers all take it.
@@ -134,6 +134,16 @@ class EngineConfig(BaseModel):
         "that string: stops greedy loops, keeps greedy deterministic (0 = off).",
     )
 
+    keep_alive: float | None = Field(
+        default=None,
+        description="Seconds the chat model stays loaded with no request running or queued; "
+        "then the engine thread frees its weights, the in-memory prefix store and MLX's "
+        "buffer cache (a prefix_cache_dir stays on disk), and the next request loads it "
+        "again, waiting for that. 0 = unload as soon as the engine is idle; None = keep it "
+        "loaded until close() (Ollama's keep_alive, LM Studio's TTL). A request may set its "
+        "own (Engine.submit(..., keep_alive=...)): the latest request's applies.",
+    )
+
     shard: Literal["tensor", "pipeline"] | None = Field(
         default=None,
         description="Split the model over the mx.distributed group (MLX_HOSTFILE + MLX_RANK, "
@@ -150,6 +160,22 @@ class EngineConfig(BaseModel):
     @classmethod
     def _directory_as_text(cls, value: Any) -> Any:
         return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _keep_alive_not_negative(cls, value: float | None) -> float | None:
+        if value is not None and value < 0:
+            raise ValueError(f"keep_alive must be >= 0 seconds (0 unloads the model as soon "
+                             f"as the engine is idle, None keeps it loaded), got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _keep_alive_unsharded(self) -> EngineConfig:
+        # Every rank would have to free and load its shard in step with rank 0.
+        if self.keep_alive is not None and self.shard is not None:
+            raise ValueError("keep_alive cannot be used with shard: a sharded engine keeps "
+                             "its model loaded until close()")
+        return self
 
     @field_validator("json_string_ngram")
     @classmethod

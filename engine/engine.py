@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from engine.config import EngineConfig, ModelSpec, checked_engine_args
+from engine.core.keep_alive import CONFIGURED, KeepAliveArg, check_keep_alive
 from engine.core.stats import EngineStats
 from engine.core.step_probe import StepProbe
 from engine.core.streams import RequestHandle
@@ -62,11 +63,13 @@ class Engine:
 
     @property
     def tokenizer(self) -> Any:
-        """The model's mlx-lm ``TokenizerWrapper`` (loads the model if needed)."""
-        return self._runtime.loaded_model().tokenizer
+        """The model's mlx-lm ``TokenizerWrapper`` (loads the model the first time; kept
+        while keep_alive has the weights unloaded)."""
+        return self._runtime.preparer().tokenizer
 
     def start(self, timeout: float | None = None) -> Engine:
-        """Start the engine thread and wait until the model is loaded.
+        """Start the engine thread and wait until the model is loaded (loaded again, if
+        ``keep_alive`` had unloaded it).
 
         A model that cannot load raises ``ModelLoadError`` naming it and the cause: a
         ``ModelUnavailableError`` (an ``OSError``: a missing path, the hub, an unreadable
@@ -77,7 +80,8 @@ class Engine:
         return self
 
     def submit(self, request: Request, *, on_token: TokenCallback | None = None,
-               timeout: float | None = None) -> RequestHandle:
+               timeout: float | None = None,
+               keep_alive: KeepAliveArg = CONFIGURED) -> RequestHandle:
         """Queue a request and return its handle at once (never blocks on the model).
 
         ``request`` is a ``ChatRequest`` (messages rendered with the chat template, with
@@ -87,12 +91,24 @@ class Engine:
         runs on the engine thread; returning False stops the row, raising fails it.
         ``timeout`` (seconds) cancels it when passed. A constraint or a forced tool call
         that cannot compile raises here, at once.
+
+        ``keep_alive``: seconds the chat model stays loaded once the engine is idle after
+        this request (0: unload right after it; None: keep it loaded), as Ollama's
+        ``keep_alive``; the latest request's applies to the engine, and one that sets none
+        brings back ``EngineConfig.keep_alive``. Not on a sharded engine.
         """
         check_callbacks(on_token, timeout)
         checked = checked_request(request)
+        if keep_alive is CONFIGURED:
+            seconds = self.config.keep_alive
+        else:
+            seconds = check_keep_alive(keep_alive)
+            if self.config.shard is not None:
+                raise ValueError("keep_alive cannot be set on a sharded engine: its model "
+                                 "stays loaded until close()")
         if self.config.shard is not None:
             check_replicable(checked.params)  # never reaches the other ranks
-        return self._runtime.submit(checked, on_token, timeout)
+        return self._runtime.submit(checked, on_token, timeout, seconds)
 
     def embed(self, texts: Sequence[str], model: ModelSpec = None, *,
               timeout: float | None = None) -> EmbeddingHandle:
@@ -132,12 +148,10 @@ class Engine:
             return path
 
     def count_tokens(self, request: Request) -> int:
-        """Prompt tokens ``submit`` would use for this request (loads the model if needed)."""
+        """Prompt tokens ``submit`` would use for this request (loads the model the first
+        time; never reloads one keep_alive unloaded)."""
         checked = checked_request(request)
-        self._runtime.loaded_model()
-        composition = self._runtime.composition
-        assert composition is not None
-        return composition.built.preparer.count_tokens(checked)
+        return self._runtime.preparer().count_tokens(checked)
 
     @property
     def context_limit(self) -> int | None:

@@ -41,6 +41,7 @@ from engine import (
     get_engine,
     messages_from_openai,
 )
+from mlx_providers._keep_alive import submit_options
 from mlx_providers._langchain_messages import (
     ToolLike,
     chat_generation,
@@ -80,9 +81,11 @@ class _Request:
     chat: ChatRequest  # the engine's request value, built once; submitted as it is
     timeout: float | None
     raise_on_truncated_call: bool = True
+    keep_alive: float | None = None  # ChatMLXBatch.keep_alive (negative: keep loaded)
 
     def submit(self) -> RequestHandle:
-        return self.engine.submit(self.chat, timeout=self.timeout)
+        return self.engine.submit(self.chat, timeout=self.timeout,
+                                  **submit_options(self.keep_alive))
 
 
 class ChatMLXBatch(BaseChatModel):
@@ -129,6 +132,10 @@ class ChatMLXBatch(BaseChatModel):
     then answers. None = no limit. It does not apply to a free-text reply (``auto``
     without a response format), where no grammar decides."""
     chat_template_kwargs: dict[str, Any] | None = None
+    keep_alive: float | None = Field(default=None, allow_inf_nan=False)
+    """Seconds the model stays loaded once the engine is idle after each request made here
+    (0: unloaded right after; negative: kept loaded), as ``ChatOllama``'s; the engine's
+    latest request decides. None = the engine's ``EngineConfig.keep_alive``."""
     engine_config: dict[str, Any] = Field(default_factory=dict)
     """``EngineConfig`` fields for the shared engine (empty = reuse it as configured)."""
 
@@ -478,6 +485,7 @@ class ChatMLXBatch(BaseChatModel):
             chat=chat,
             timeout=kwargs.get("timeout", self.timeout),
             raise_on_truncated_call=bool(kwargs.get("raise_on_truncated_call", True)),
+            keep_alive=self.keep_alive,
         )
 
     def _template_kwargs(self, reasoning: bool | None,

@@ -60,6 +60,7 @@ from engine import (
     normalize_tool_choice,
     normalize_tools,
 )
+from mlx_providers._keep_alive import submit_options
 from mlx_providers._llama_index_agents import transcript_answer
 from mlx_providers._llama_index_messages import (
     StreamChunks,
@@ -176,6 +177,11 @@ class MLXBatchLLM(FunctionCallingLLM):
         description="Answers follow this pydantic class's JSON schema (a "
         "grammar): with tools, each reply is a tool call or that JSON. Give an agent the "
         "same class as its output_cls and its structured output costs no extra call.")
+    keep_alive: float | None = Field(
+        default=None, allow_inf_nan=False,
+        description="Seconds the model stays loaded once the engine is idle after each "
+        "request made here (0: unloaded right after; negative: kept loaded), as Ollama's; "
+        "None = the engine's EngineConfig.keep_alive.")
     engine_config: dict[str, Any] = Field(
         default_factory=dict,
         description="EngineConfig fields for the shared engine; empty reuses any existing one.")
@@ -275,7 +281,8 @@ class MLXBatchLLM(FunctionCallingLLM):
 
     def _submit(self, request: _Request) -> RequestHandle:
         """Queue the request on the shared engine; returns at once."""
-        return self._engine.submit(request.request, timeout=request.timeout)
+        return self._engine.submit(request.request, timeout=request.timeout,
+                                   **submit_options(self.keep_alive))
 
     # ----- chat and completion, sync ---------------------------------------------------
 

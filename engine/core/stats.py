@@ -32,7 +32,13 @@ class SpeedUp:
 class EngineStats:
     """Counters since the engine started; ``stats()`` returns a copy."""
 
+    # Whether the chat model is loaded now: False before it first loads and again once
+    # keep_alive has unloaded it. Loads (the first included) and unloads since the start,
+    # and how long the last load took (weights read, warmed, lanes built).
     loaded: bool = False
+    loads: int = 0
+    unloads: int = 0
+    last_load_seconds: float = 0.0
     batch_mode: str = "batch"  # "off" (max_batch 1), "serial" (caches cannot merge), "batch"
     context_limit: int | None = None
     # The weights as they run ("quantized 4-bit g32", "dequantized float32", "float32") and

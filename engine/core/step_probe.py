@@ -21,6 +21,11 @@ one per turn of its loop. Pure: it never touches the model and imports no mlx.
   is encoded, with the batch's texts. It may block: the engine thread then waits as it
   would for a slow encoder (tests hold a running batch this way). Raising fails that
   batch's requests, as an encoder error would.
+- ``on_model(stage)``, if given, runs on the engine thread with ``"loading"`` just before
+  the chat model loads (the first time, and again after keep_alive unloaded it) and
+  ``"unloading"`` just before an idle engine releases it. It may block: tests hold a
+  reload this way to submit or cancel during it. Raising there kills the engine, as a
+  failed load does.
 """
 
 from __future__ import annotations
@@ -54,13 +59,16 @@ class StepProbe:
 
     def __init__(self, on_turn: Callable[[TurnReport], None] | None = None, *,
                  on_step: Callable[[str], None] | None = None,
-                 on_embed: Callable[[list[str]], None] | None = None) -> None:
-        for name, hook in (("on_turn", on_turn), ("on_step", on_step), ("on_embed", on_embed)):
+                 on_embed: Callable[[list[str]], None] | None = None,
+                 on_model: Callable[[str], None] | None = None) -> None:
+        for name, hook in (("on_turn", on_turn), ("on_step", on_step), ("on_embed", on_embed),
+                           ("on_model", on_model)):
             if hook is not None and not callable(hook):
                 raise TypeError(f"{name} must be callable, got {type(hook).__name__}")
         self.on_turn = on_turn
         self.on_step = on_step
         self.on_embed = on_embed
+        self.on_model = on_model
         self._lock = threading.Lock()
         self._error: Exception | None = None
         self._remaining = 0  # steps still to fail; -1: every step
@@ -129,6 +137,11 @@ class StepProbe:
         """An embedding batch of ``texts`` is about to be encoded (engine thread)."""
         if self.on_embed is not None:
             self.on_embed(texts)
+
+    def model_stage(self, stage: str) -> None:
+        """The chat model is about to be ``"loading"`` or ``"unloading"`` (engine thread)."""
+        if self.on_model is not None:
+            self.on_model(stage)
 
 
 def _check_error(error: object) -> None:

@@ -3,6 +3,9 @@
 ``load_model`` runs on the engine thread: it creates the thread's MLX stream, loads
 weights and tokenizer, and probes the cache layout once (what the scheduler budgets
 with). ``build_lanes`` makes the batch and serial lanes over the loaded model.
+
+An engine whose model keep_alive unloaded loads it again with the tokenizer and stream it
+kept, and builds its lanes over the prefix store and disk tier it kept (``PrefixTiers``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm import load as mlx_load
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model as load_weights
 
 from engine.config import EngineConfig
 from engine.core.footprint import LayerFootprint, ModelFootprint
@@ -62,6 +66,16 @@ class LoadedModel:
     path: Path | None = None  # the model's directory (the disk tier's key reads its files)
     # The CPU weight policy's choice (weight_policy.py).
     weights: WeightChoice = field(default_factory=lambda: WeightChoice("", ""))
+
+
+@dataclass
+class PrefixTiers:
+    """The prefix store and its disk tier: what the lanes keep across an unload of the
+    model (the store emptied, the disk's files and writer as they are)."""
+
+    store: PrefixStore
+    disk: PrefixDisk | None = None
+    disk_off: str = ""  # why there is no disk tier, when one was asked for
 
 
 @dataclass
@@ -119,6 +133,14 @@ class Lanes:
         """The engine is going away: finish writing stored prefixes to disk."""
         self.batch.reuse.close()
 
+    def unload(self) -> PrefixTiers:
+        """The model is being unloaded (nothing runs): hand stored prefixes to the disk
+        writer, drop the memory store's entries (KV arrays of this model), and return the
+        tiers the next load builds its lanes over."""
+        self.batch.reuse.flush()
+        self.store.clear()
+        return PrefixTiers(self.store, self.batch.reuse.disk, self.disk_off)
+
     def disk_figures(self) -> dict[str, int]:
         """The disk tier's numbers as ``EngineStats`` fields (zeros without one)."""
         disk = self.batch.reuse.disk
@@ -132,10 +154,13 @@ class Lanes:
 
 
 def load_model(path: Path, config: EngineConfig, group: Group | None = None,
-               context_limit: int | None = None) -> LoadedModel:
+               context_limit: int | None = None, *, tokenizer: Any = None,
+               stream: Any = None) -> LoadedModel:
     """Load on this (the engine) thread; every later MLX call must come from it too.
 
     ``context_limit``: the context length the model declares (its config.json), if any.
+    ``tokenizer`` and ``stream``: those of an earlier load of the same model (a reload
+    after keep_alive unloaded it): only the weights are read again.
 
     With ``group`` (and ``config.shard``) each rank loads its shard; every rank must call
     this at the same time, since the warm-up forward pass runs the model's collectives.
@@ -146,13 +171,17 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
     naming the model directory.
     """
     architecture_module(read_model_config(path), path)  # the load errors, named, up front
-    stream = mx.new_thread_local_stream(mx.default_device())
+    if stream is None:
+        stream = mx.new_thread_local_stream(mx.default_device())
     try:
         if group is not None and config.shard is not None:
             from mlx_lm.utils import sharded_load
 
             split = {"tensor_group" if config.shard == "tensor" else "pipeline_group": group}
             model, tokenizer = sharded_load(str(path), **split)[:2]
+        elif tokenizer is not None:
+            group = None
+            model = load_weights(Path(path))[0]
         else:
             group = None
             model, tokenizer = mlx_load(str(path))[:2]
@@ -198,13 +227,39 @@ def memory_bounds(model: Any, config: EngineConfig) -> MemoryBounds:
     return bounds
 
 
-def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarCompiler) -> Lanes:
+def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarCompiler,
+                tiers: PrefixTiers | None = None) -> Lanes:
     """The lanes over a loaded model; sharded, with the channel rank 0 replicates them over.
 
-    Sharded, prefix reuse is off: the store's expiry and shrinking depend on each rank's
-    clock and memory, and the ranks' lanes must make the same decisions.
+    ``tiers``: the prefix store and disk tier an earlier load of this model kept (a
+    reload); None makes them. Sharded, prefix reuse is off: the store's expiry and
+    shrinking depend on each rank's clock and memory, and the ranks' lanes must make the
+    same decisions.
     """
     samplers = SamplerCache()
+    if tiers is None:
+        tiers = prefix_tiers(loaded, config)
+    store, disk = tiers.store, tiers.disk
+    policy = reuse_policy(loaded.footprint)
+    reuse = PrefixReuse(store, policy, disk)
+    batch = BatchLane(loaded.model, loaded.stream, compiler, samplers, reuse,
+                      max_batch=config.max_batch, prefill_batch=config.prefill_batch,
+                      prefill_chunk=config.prefill_chunk, max_kv_size=config.max_kv_size,
+                      fast_forward=config.fast_forward, speculation=config.speculation)
+    serial = SerialLane(loaded.model, loaded.stream, compiler, samplers, config.max_kv_size,
+                        config.prefill_chunk, fast_forward=config.fast_forward)
+    lanes = Lanes(batch, serial, store, disk_dir=config.prefix_cache_dir,
+                  disk_off=tiers.disk_off)
+    if loaded.group is None:
+        return lanes
+    channel = lanes.channel = Channel(loaded.group, loaded.stream)
+    # The same random draws on every rank: rank 0's seed for the shared PRNG.
+    mx.random.seed(channel.share_seed(int(time.time_ns()) & 0xFFFFFFFF))
+    return lanes
+
+
+def prefix_tiers(loaded: LoadedModel, config: EngineConfig) -> PrefixTiers:
+    """The prefix store for a loaded model and, with ``prefix_cache_dir``, its disk tier."""
     sharded = loaded.group is not None
     store = PrefixStore(0 if sharded else loaded.bounds.prefix_cache_bytes,
                         config.prefix_cache_ttl,
@@ -223,20 +278,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
             log.warning("prefix cache: %s cannot hold prefixes (%r); memory only",
                         config.prefix_cache_dir, exc)
             disk_off = f"cannot use the directory ({exc.strerror or exc})"
-    reuse = PrefixReuse(store, policy, disk)
-    batch = BatchLane(loaded.model, loaded.stream, compiler, samplers, reuse,
-                      max_batch=config.max_batch, prefill_batch=config.prefill_batch,
-                      prefill_chunk=config.prefill_chunk, max_kv_size=config.max_kv_size,
-                      fast_forward=config.fast_forward, speculation=config.speculation)
-    serial = SerialLane(loaded.model, loaded.stream, compiler, samplers, config.max_kv_size,
-                        config.prefill_chunk, fast_forward=config.fast_forward)
-    lanes = Lanes(batch, serial, store, disk_dir=config.prefix_cache_dir, disk_off=disk_off)
-    if loaded.group is None:
-        return lanes
-    channel = lanes.channel = Channel(loaded.group, loaded.stream)
-    # The same random draws on every rank: rank 0's seed for the shared PRNG.
-    mx.random.seed(channel.share_seed(int(time.time_ns()) & 0xFFFFFFFF))
-    return lanes
+    return PrefixTiers(store, disk, disk_off)
 
 
 def release_streams() -> None:

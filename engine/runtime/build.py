@@ -4,6 +4,9 @@
 followers alike): the model loaded on this thread, its ``Preparer`` and its lanes.
 ``compose_core`` adds what only rank 0 runs: the followers' link, the scheduler and the
 step core. Runs on the engine thread (or a follower's), which owns all MLX work.
+
+After keep_alive unloaded a model (``engine.runtime.unload``), ``build_model`` builds it
+again from what the unload ``Kept``: only the weights are read and the lanes rebuilt.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.core.scheduler import BatchMode, Scheduler
@@ -25,7 +28,7 @@ from engine.requests.prepare import Preparer
 
 if TYPE_CHECKING:
     from engine.device.collectives import Group
-    from engine.device.loader import Lanes, LoadedModel
+    from engine.device.loader import Lanes, LoadedModel, PrefixTiers
     from engine.distributed.link import Link
 
 log = logging.getLogger("engine")
@@ -41,6 +44,22 @@ class BuiltModel:
 
 
 @dataclass
+class Kept:
+    """What an unloaded model leaves for its next load, none of it the model's arrays: the
+    preparer (tokenizer, prompt renderer, the grammar compiler's vocabulary), the prefix
+    store (emptied) with its disk tier, and the engine thread's MLX stream."""
+
+    preparer: Preparer
+    tiers: PrefixTiers
+    stream: Any
+
+    def close(self) -> None:
+        """The engine is going away unloaded: finish writing prefixes to disk."""
+        if self.tiers.disk is not None:
+            self.tiers.disk.close()
+
+
+@dataclass
 class Composition:
     """Rank 0's whole engine once loaded: the model, the core that drives its lanes, and
     the link to the followers of a sharded engine."""
@@ -51,17 +70,24 @@ class Composition:
     link: Link | None = None
 
 
-def build_model(path: Path, config: EngineConfig, group: Group | None) -> BuiltModel:
+def build_model(path: Path, config: EngineConfig, group: Group | None,
+                kept: Kept | None = None) -> BuiltModel:
     """Load ``path`` on this thread (a shard of it with ``group``) and build its lanes.
 
     Every rank of a sharded engine calls this at the same time: loading runs the model's
-    collectives.
+    collectives. ``kept``: what an unload of this model kept (a reload: weights only).
     """
     from engine.device.loader import build_lanes, load_model
 
-    model = load_model(path, config, group, config_context_limit(path))
-    preparer = Preparer(model.tokenizer, path, model.vocab_size, config.json_string_ngram)
-    return BuiltModel(model, preparer, build_lanes(model, config, preparer.compiler))
+    limit = config_context_limit(path)
+    if kept is None:
+        model = load_model(path, config, group, limit)
+        preparer = Preparer(model.tokenizer, path, model.vocab_size, config.json_string_ngram)
+        return BuiltModel(model, preparer, build_lanes(model, config, preparer.compiler))
+    model = load_model(path, config, group, limit, tokenizer=kept.preparer.tokenizer,
+                       stream=kept.stream)
+    return BuiltModel(model, kept.preparer,
+                      build_lanes(model, config, kept.preparer.compiler, kept.tiers))
 
 
 def compose_core(built: BuiltModel, config: EngineConfig, book: StatsBook,

@@ -19,6 +19,9 @@ from engine.embedding.request import EmbeddingRequest
 @dataclass(frozen=True)
 class Submit:
     row: Row
+    # Seconds the chat model should stay loaded once idle after this request (None: keep
+    # it); the engine's configured value unless the request set its own.
+    keep_alive: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,12 @@ class CommandQueue:
     @property
     def holding(self) -> bool:
         return bool(self._held)
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a command is held or queued (engine thread: the queue may grow meanwhile,
+        never shrink)."""
+        return bool(self._held) or not self._queue.empty()
 
     def take(self, block: bool, wait: float | None = None, *, window: float = 0.0,
              burst: int = 1) -> list[Command]:

@@ -4,9 +4,12 @@ Callers on any thread only enqueue commands (``engine.runtime.commands``). The t
 loads the chat model once chat is asked for (an engine used only for embeddings never
 loads it), then runs one turn at a time (``engine.runtime.turns``): commands to the step
 core, the core's turn, at most one due embedding batch, the turn's stats. It blocks on
-the queue when idle. Its endings are three: a shutdown (``close``), a death (a load that
-failed, a step that failed too often, a rank gone), and, for a sharded engine whose step
-never returned, abandonment from the watchdog. Every waiter learns of each.
+the queue when idle. With ``keep_alive``, a model idle that long is unloaded
+(``engine.runtime.unload``) and the thread serves embeddings only, as before the first
+load, until a request or ``start()`` wants the model again; that request waits for the
+load. Its endings are three: a shutdown (``close``), a death (a load that failed, a step
+that failed too often, a rank gone), and, for a sharded engine whose step never returned,
+abandonment from the watchdog. Every waiter learns of each.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig, ModelSpec
+from engine.core.keep_alive import KeepAlive
 from engine.core.rows import Row
 from engine.core.stats import StatsBook
 from engine.core.step_core import end_row
@@ -34,7 +38,7 @@ from engine.models import model_path_for
 from engine.requests.inbound.sampling import TokenCallback
 from engine.requests.inbound.text_request import Request
 from engine.requests.outbound.results import FinishReason
-from engine.runtime.build import Composition, build_model, compose_core
+from engine.runtime.build import Composition, Kept, build_model, compose_core
 from engine.runtime.commands import (
     Cancel,
     CommandQueue,
@@ -45,9 +49,10 @@ from engine.runtime.commands import (
 )
 from engine.runtime.load_errors import load_error
 from engine.runtime.turns import Turns, embedding_figures, weight_figures
+from engine.runtime.unload import release_memory, unload
 
 if TYPE_CHECKING:
-    from engine.device.loader import LoadedModel
+    from engine.requests.prepare import Preparer
 
 log = logging.getLogger("engine")
 
@@ -80,7 +85,10 @@ class Runtime:
         self._model_path: Path | None = None
         self._chat_wanted = False  # set by start()/submit(); until then only embeddings run
         self._touched_mlx = False
-        self._turns: Turns | None = None  # the chat loop, once the model is loaded
+        self._turns: Turns | None = None  # the chat loop, while the model is loaded
+        self._keep_alive = KeepAlive(config.keep_alive)  # engine thread only
+        self._kept: Kept | None = None  # what the last unload left for the next load
+        self._preparer: Preparer | None = None  # from the first load on; kept by unloads
 
     # ----- what the facade asks, from any thread --------------------------------------------
 
@@ -113,28 +121,32 @@ class Runtime:
             raise EngineClosedError("the engine is closed")
 
     def start(self, timeout: float | None) -> None:
-        """Start the thread if needed and wait until the chat model is loaded (or failed)."""
+        """Start the thread if needed and wait until the chat model is loaded (or failed):
+        loads it again if keep_alive unloaded it."""
         with self._lock:
-            if not self._chat_wanted:
-                self._chat_wanted = True
-                if self._thread is not None:  # a thread serving only embeddings: wake it
-                    self._commands.put(WantChat())
+            self._chat_wanted = True
+            if self._thread is not None and not self._loaded.is_set():
+                # A thread serving only embeddings (chat not asked for yet, or unloaded):
+                # wake it. A loop already loading ignores this.
+                self._commands.put(WantChat())
         self._ensure_thread()
         if not self._loaded.wait(timeout):
             raise TimeoutError("the model did not load within the timeout")
         self.raise_if_unusable()
 
-    def loaded_model(self) -> LoadedModel:
-        """The loaded model (loads it if needed); raises once the engine is closed."""
-        self.start(None)
-        composition = self.composition
-        if composition is None or self._closed:
+    def preparer(self) -> Preparer:
+        """The model's request preparer and tokenizer: loads the model the first time;
+        kept while keep_alive has it unloaded. Raises once the engine is closed."""
+        if self._preparer is None:
+            self.start(None)
+        if self._preparer is None or self._closed:
             raise EngineClosedError("the engine is closed")
-        return composition.built.model
+        return self._preparer
 
     def submit(self, request: Request, on_token: TokenCallback | None,
-               timeout: float | None) -> RequestHandle:
-        """Queue a checked request as a row; its handle at once."""
+               timeout: float | None, keep_alive: float | None) -> RequestHandle:
+        """Queue a checked request as a row; its handle at once. ``keep_alive``: seconds the
+        model stays loaded once idle after it (None: keep it loaded)."""
         now = time.monotonic()
         stream = RequestStream()
         with self._lock:
@@ -143,7 +155,7 @@ class Runtime:
             row = Row(request_id, request, stream, on_token, now,
                       None if timeout is None else now + timeout)
             self._chat_wanted = True
-            self._commands.put(Submit(row))
+            self._commands.put(Submit(row, keep_alive))
         self._ensure_thread()
         return RequestHandle(request_id, stream, lambda: self._commands.put(Cancel(request_id)))
 
@@ -182,39 +194,88 @@ class Runtime:
 
     def _main(self) -> None:
         try:
-            if not self._chat_wanted and not self._serve_embeddings_only():
-                return  # closed before anyone asked for the chat model
-            try:
-                turns = self._load()
-            except Exception as exc:  # the caller's to fix: its message names the model
-                self._die(load_error(exc, self.model_spec))
-                return
-            self._loaded.set()
-            while self._serve_once(turns):
-                turns.collect_when_idle()
+            # Closed before anyone asked for the chat model, or after keep_alive unloaded
+            # it: the loop ends without (re)loading it.
+            wanted = self._chat_wanted or self._serve_without_chat()
+            while wanted:
+                try:
+                    turns = self._load()
+                except Exception as exc:  # the caller's to fix: its message names the model
+                    self._die(load_error(exc, self.model_spec))
+                    return
+                self._loaded.set()
+                if not self._serve_loaded(turns):
+                    return  # shut down
+                del turns  # the unload must hold the model's last reference
+                self._unload()
+                wanted = self._serve_without_chat()
         except BaseException as exc:  # every waiter must learn of it
             self._die(exc)
         finally:
             self._loaded.set()
-            composition = self.composition
-            if composition is not None:  # stored prefixes still on their way to disk
-                try:
-                    composition.built.lanes.close()
-                except Exception:
-                    log.exception("closing the lanes failed")
+            self._close_prefix_writes()
             if self._touched_mlx:
                 from engine.device.loader import release_streams
 
                 release_streams()
 
     def _load(self) -> Turns:
+        """Load the chat model: the first time, or again from what an unload kept."""
         self._touched_mlx = True  # importing mlx gives this thread a stream to release
-        built = build_model(self.model_path, self.config, shard_group(self.config))
+        if self._probe is not None:
+            self._probe.model_stage("loading")
+        started = time.perf_counter()
+        built = build_model(self.model_path, self.config, shard_group(self.config),
+                            self._kept)
+        self._kept = None
         composition = compose_core(built, self.config, self.book, self._probe,
                                    on_hang=self.abandon)
+        self._preparer = built.preparer
         self._turns = Turns(composition, self.config, self.book, self.embeddings,
-                            self._probe)
+                            self._probe, self._keep_alive)
+        self.book.add(loads=1)
+        self.book.set(last_load_seconds=time.perf_counter() - started)
+        self._keep_alive.used(time.monotonic())  # the idle clock starts at the load
         return self._turns
+
+    def _serve_loaded(self, turns: Turns) -> bool:
+        """Serve the loaded model: False once the engine shut down, True once it has been
+        idle (nothing running, waiting or queued) for its keep_alive."""
+        while self._serve_once(turns):
+            turns.collect_when_idle()
+            if (turns.idle and not self._commands.waiting
+                    and self._keep_alive.due(time.monotonic())):
+                return True
+        return False
+
+    def _unload(self) -> None:
+        """Release the idle chat model: weights, lanes, in-memory prefixes, MLX's buffer
+        cache. The preparer (tokenizer), the prefix disk tier and the counters stay."""
+        turns = self._turns
+        assert turns is not None
+        if self._probe is not None:
+            self._probe.model_stage("unloading")
+        with self._lock:
+            self._loaded.clear()  # start() from here on wakes the thread to load again
+        self._kept = unload(turns.composition)
+        self._turns = None
+        del turns  # the model's last reference: release_memory can free it
+        self.book.add(unloads=1)
+        self.book.set(loaded=False, prefix_bytes=0, prefix_entries=0, **release_memory(),
+                      **weight_figures(self.embeddings, 0, 0))
+        log.info("keep_alive: the chat model was idle for %s s and is unloaded",
+                 self._keep_alive.seconds)
+
+    def _close_prefix_writes(self) -> None:
+        """The engine is going away: stored prefixes still on their way to disk are written."""
+        try:
+            composition = self.composition
+            if composition is not None:
+                composition.built.lanes.close()
+            elif self._kept is not None:  # unloaded: the disk tier is what it kept
+                self._kept.close()
+        except Exception:
+            log.exception("closing the lanes failed")
 
     def _serve_once(self, turns: Turns) -> bool:
         """One turn of the loaded engine; False once it shut down."""
@@ -232,8 +293,9 @@ class Runtime:
         turns.turn()
         return True
 
-    def _serve_embeddings_only(self) -> bool:
-        """Serve embeddings until chat is wanted (True) or the engine closes (False)."""
+    def _serve_without_chat(self) -> bool:
+        """Serve embeddings while the chat model is not loaded (not asked for yet, or
+        unloaded by keep_alive) until chat is wanted (True) or the engine closes (False)."""
         while True:
             due = self.embeddings.due_at()
             commands = self._commands.take(
@@ -246,6 +308,8 @@ class Runtime:
                     return False
                 if isinstance(command, Embed):
                     self.embeddings.add(command.request)
+                elif isinstance(command, Cancel) and not self._commands.holding:
+                    continue  # its row ended before the model was unloaded: nothing to load
                 else:  # a chat request: the chat loop takes it and the rest in order
                     self._commands.hold(command)
             if self.embeddings.pending:

@@ -6,7 +6,8 @@
     stats    the turn's figures, written in one place (StatsBook)
 
 Between turns: how long an idle loop may sleep (the nearest deadline, the followers'
-heartbeat, an embedding window) and the collection once nothing runs.
+heartbeat, an embedding window, the keep_alive unload) and the collection once nothing
+runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.core.keep_alive import KeepAlive
 from engine.core.memory import resident_bytes
 from engine.core.stats import StatsBook
 from engine.core.step_probe import StepProbe, TurnReport
@@ -29,12 +31,14 @@ class Turns:
     """The loop of a loaded engine, one turn at a time (engine thread only)."""
 
     def __init__(self, composition: Composition, config: EngineConfig, book: StatsBook,
-                 embeddings: EmbeddingService, probe: StepProbe | None) -> None:
+                 embeddings: EmbeddingService, probe: StepProbe | None,
+                 keep_alive: KeepAlive) -> None:
         self.composition = composition
         self._config = config
         self._book = book
         self._embeddings = embeddings
         self._probe = probe
+        self._keep_alive = keep_alive
         bounds = composition.built.model.bounds
         self._chat_weights, self._chat_bound = bounds.weights_bytes, bounds.resident_bound
         self._book.set(**self.weights())
@@ -51,6 +55,7 @@ class Turns:
         core = self.composition.core
         for command in commands:
             if isinstance(command, Submit):
+                self._keep_alive.ask(command.keep_alive)  # the latest request's applies
                 core.accept(command.row)
             elif isinstance(command, Cancel):
                 core.cancel(command.request_id)
@@ -65,7 +70,10 @@ class Turns:
 
     def turn(self) -> None:
         """The core's turn, then at most one due embedding batch, then the stats."""
+        used = not self.idle
         turn = self.composition.core.turn()
+        if used:  # the keep_alive clock starts again after the last turn that ran rows
+            self._keep_alive.used(time.monotonic())
         stepping = turn.step_seconds
         stepping += self.run_embeddings(stepping)  # between steps, never beside one
         self.publish_stats(time.perf_counter() - self._started - stepping)
@@ -100,6 +108,9 @@ class Turns:
         due = self._embeddings.due_at()  # an embedding batch waiting for its window
         if due is not None:
             deadlines.append(due)
+        unload = self._keep_alive.unload_at()  # idle for keep_alive: time to unload
+        if unload is not None:
+            deadlines.append(unload)
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def collect_when_idle(self) -> None:

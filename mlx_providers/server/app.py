@@ -109,10 +109,17 @@ def _named(models: Engine | Mapping[str, Engine]) -> dict[str, Engine]:
 
 
 async def health(request: Request) -> Response:
-    """200 when every engine is loaded and alive; 503 while loading or once dead."""
+    """200 when every engine is loaded (or unloaded by keep_alive) and alive; 503 while it
+    first loads or once dead."""
     ctx: ServerContext = request.app.state.ctx
     states: dict[str, str] = {}
     for one in ctx.models:
+        stats = one.engine.stats()
+        if one.engine.usable and stats.unloads and not stats.loaded:
+            # keep_alive let it go (or it is loading again): the next request loads it. A
+            # probe must not load it back (start() would), nor fail an idle server.
+            states[one.name] = "unloaded"
+            continue
         try:
             one.engine.start(timeout=0)  # returns at once: loaded, or raises why not
             states[one.name] = "ok"
@@ -120,7 +127,7 @@ async def health(request: Request) -> Response:
             states[one.name] = "loading"
         except EngineError as exc:
             states[one.name] = f"dead: {exc}"
-    ok = all(state == "ok" for state in states.values())
+    ok = all(state in ("ok", "unloaded") for state in states.values())
     return JSONResponse({"status": "ok" if ok else "unavailable", "models": states},
                         status_code=200 if ok else 503)
 

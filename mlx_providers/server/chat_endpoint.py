@@ -30,4 +30,5 @@ async def chat_completions(request: Request) -> Response:
     shaper = ChatCompletionShaper(served.name, served.token_text,
                                   include_usage=chat.include_usage, logprobs=chat.logprobs)
     return await serve(request, endpoint, served, spec, ChatAnswer(shaper), stream=chat.stream,
-                       fit_context=chat.max_tokens is None and chat.max_completion_tokens is None)
+                       fit_context=chat.max_tokens is None and chat.max_completion_tokens is None,
+                       keep_alive=chat.keep_alive)

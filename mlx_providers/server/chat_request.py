@@ -23,6 +23,7 @@ from engine import (
     messages_from_openai,
     sampling_from_openai,
 )
+from mlx_providers.server.keep_alive import KeepAliveField
 from mlx_providers.server.tool_options import engine_tools, output_constraint, tool_choice_name
 
 # The efforts both endpoints take (a template that reads one, gpt-oss's, gets it as is).
@@ -109,6 +110,9 @@ class ChatCompletionRequest(OpenModel):
     # This server's: calls to each tool the conversation may hold answered before the tool
     # is no longer offered to a grammar-decided reply (beside response_format, or required).
     tool_call_limit: Annotated[int, Field(ge=1)] | None = None
+    # This server's, as Ollama's: seconds (or "5m") the model stays loaded once idle after
+    # this request; 0 unloads it right after, negative keeps it (mlx_providers.server.keep_alive).
+    keep_alive: KeepAliveField = None
 
     @property
     def include_usage(self) -> bool:

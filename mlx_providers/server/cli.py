@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 
 from engine import EngineConfig, follow, get_engine
+from mlx_providers.server.keep_alive import keep_alive_option
 
 _NO_CAP = "none"  # what `--kv-budget-bytes none` parses to until the config is built
 
@@ -39,11 +40,15 @@ _ENGINE_OPTIONS: dict[str, Callable[[str], Any]] = {
     "buffer_cache_bytes": _byte_count("auto"), "prefix_cache_ttl": float,
     "shard": str, "distributed_timeout": float, "admission_window": float,
     "prefix_cache_dir": str, "prefix_cache_disk_bytes": _byte_count(),
+    "keep_alive": keep_alive_option,
 }
 # Where the server's default differs from the engine's: HTTP requests sent together reach
 # the engine spread over tens of ms (16 concurrent SDK streams here: ~20 ms), so an idle
 # server waits that long for a burst to start as one prefill group.
 SERVER_DEFAULTS: dict[str, Any] = {"admission_window": 0.025}
+# How the command line spells a field differently from EngineConfig: (metavar, help).
+_SPELLING = {"keep_alive": ("SECONDS", " Here also a duration as Ollama's (30s, 5m, "
+                                       "1h30m); absent or negative: keep it loaded.")}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -79,8 +84,9 @@ def parser() -> argparse.ArgumentParser:
     for name, kind in _ENGINE_OPTIONS.items():
         field = EngineConfig.model_fields[name]
         default = SERVER_DEFAULTS.get(name)
+        metavar, spelling = _SPELLING.get(name, (None, ""))
         engine.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default,
-                            help=(field.description or "")
+                            metavar=metavar, help=(field.description or "") + spelling
                             + (f" Server default: {default}." if default is not None else ""))
     return top
 

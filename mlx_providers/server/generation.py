@@ -31,6 +31,7 @@ from engine import (
     RequestHandle,
     StreamEvent,
 )
+from mlx_providers._keep_alive import submit_options
 from mlx_providers.server.errors import from_engine
 from mlx_providers.server.metrics import ServerMetrics
 from mlx_providers.server.served import ServedModel, Slot
@@ -153,17 +154,20 @@ class Endpoint:
 
 async def serve(request: Request, endpoint: Endpoint, served: ServedModel,
                 spec: ChatRequest, answer: Answer, *, stream: bool,
-                fit_context: bool) -> Response:
+                fit_context: bool, keep_alive: float | None = None) -> Response:
     """Run ``spec`` on ``served`` and answer: JSON, or an SSE stream of ``answer``'s items.
 
     ``fit_context``: the client set no token limit, so the server's default applies; a
     prompt that fits the context but not with that default is resubmitted with the room
     the context has left (OpenAI's behaviour when no limit is set), instead of failing
-    with an error about a limit the client never chose.
+    with an error about a limit the client never chose. ``keep_alive``: the request's, in
+    seconds (negative: forever; None: not sent, the engine's own applies).
     """
     slot = served.admit()
+    options = submit_options(keep_alive)
     try:
-        generation = await _started(request, served.engine, spec, endpoint, fit_context)
+        generation = await _started(request, served.engine, spec, endpoint, fit_context,
+                                    options)
     except ClientGone:
         slot.release()
         return _gone(endpoint)
@@ -186,14 +190,15 @@ async def serve(request: Request, endpoint: Endpoint, served: ServedModel,
 
 
 async def _started(request: Request, engine: Engine, spec: ChatRequest,
-                   endpoint: Endpoint, fit_context: bool) -> Generation:
+                   endpoint: Endpoint, fit_context: bool,
+                   options: Mapping[str, Any]) -> Generation:
     """Submitted, with its first event read; engine refusals raised as 4xx/5xx."""
-    generation = await _submitted(request, engine, spec, endpoint)
+    generation = await _submitted(request, engine, spec, endpoint, options)
     error = generation.first.error if generation.first is not None else None
     if fit_context and isinstance(error, ContextLengthError) and error.prompt_tokens < error.limit:
         fitted = replace(spec, params=replace(spec.params,
                                               max_tokens=error.limit - error.prompt_tokens))
-        generation = await _submitted(request, engine, fitted, endpoint)
+        generation = await _submitted(request, engine, fitted, endpoint, options)
     assert generation.first is not None
     if generation.first.error is not None:
         raise from_engine(generation.first.error, **endpoint.error_params)
@@ -201,9 +206,9 @@ async def _started(request: Request, engine: Engine, spec: ChatRequest,
 
 
 async def _submitted(request: Request, engine: Engine, spec: ChatRequest,
-                     endpoint: Endpoint) -> Generation:
+                     endpoint: Endpoint, options: Mapping[str, Any]) -> Generation:
     try:
-        generation = Generation(engine.submit(spec))
+        generation = Generation(engine.submit(spec, **options))
     except (ValueError, TypeError, EngineError) as exc:  # bad input, or a dead engine
         raise from_engine(exc, **endpoint.error_params) from exc
     async with generation:  # a client that leaves while the row waits cancels it here

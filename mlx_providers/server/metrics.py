@@ -2,8 +2,9 @@
 
 Each app has its own ``CollectorRegistry``, so several apps (tests, mounted twice) never
 collide. Engine numbers (running and pending rows, batch width, tokens, prefix-cache hits,
-KV bytes) are read from ``Engine.stats()`` when Prometheus scrapes, never copied, and so
-is which speed-ups are on for each model's cache kinds (``mlx_engine_speedup``).
+KV bytes, whether the model is loaded) are read from ``Engine.stats()`` when Prometheus
+scrapes, never copied, and so is which speed-ups are on for each model's cache kinds
+(``mlx_engine_speedup``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         gauges = {
+            "loaded": ("mlx_engine_model_loaded",
+                       "1 while the chat model is loaded; 0 before its first request and once "
+                       "keep_alive has unloaded it."),
+            "last_load_seconds": ("mlx_engine_model_last_load_seconds",
+                                  "Seconds the chat model's last load took."),
             "running": ("mlx_engine_running_rows", "Rows admitted (prefilling or decoding)."),
             "pending": ("mlx_engine_pending_rows", "Requests waiting for admission."),
             "peak_running": ("mlx_engine_peak_batch_width", "Most rows decoded in one step."),
@@ -72,6 +78,9 @@ class _EngineCollector(Collector):
             "prefix_disk_skipped": ("mlx_engine_prefix_disk_skipped_files",
                                     "Prefix files refused (short, altered, another model)."),
             "steps": ("mlx_engine_steps", "Engine steps."),
+            "loads": ("mlx_engine_model_loads",
+                      "Chat model loads: the first, and each after keep_alive unloaded it."),
+            "unloads": ("mlx_engine_model_unloads", "Chat model unloads by keep_alive."),
             # The engine's own request outcomes (HTTP outcomes are mlx_server_requests).
             "completed": ("mlx_engine_completed_requests", "Requests that finished."),
             "cancelled": ("mlx_engine_cancelled_requests",

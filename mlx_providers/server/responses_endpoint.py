@@ -115,7 +115,7 @@ async def create_response(request: Request) -> Response:
     translator = ResponseTranslator(served.name, _echo(req, max_tokens, temperature))
     answer = ResponsesAnswer(ctx, req, items, translator)
     return await serve(request, endpoint, served, spec, answer, stream=req.stream,
-                       fit_context=req.max_output_tokens is None)
+                       fit_context=req.max_output_tokens is None, keep_alive=req.keep_alive)
 
 
 async def get_response(request: Request) -> Response:

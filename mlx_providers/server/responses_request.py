@@ -28,6 +28,7 @@ from engine import (
 )
 from mlx_providers.server.chat_request import OpenModel, ReasoningEffort
 from mlx_providers.server.errors import APIError
+from mlx_providers.server.keep_alive import KeepAliveField
 from mlx_providers.server.tool_options import output_constraint, tool_choice_name
 
 
@@ -145,6 +146,8 @@ class ResponsesRequest(OpenModel):
     # ``tool_call_limit`` times is no longer offered to a grammar-decided reply.
     repeat_answered_calls: bool = False
     tool_call_limit: Annotated[int, Field(ge=1)] | None = None
+    # This server's, as on chat completions: how long the model stays loaded once idle.
+    keep_alive: KeepAliveField = None
 
     def input_items(self) -> list[dict[str, Any]]:
         """The new input as plain item dicts (a string is one user message)."""

@@ -120,6 +120,11 @@ class GrammarCompiler:
             parts.append(json.dumps(plain.decode("utf-8")))
         return " ".join(parts)
 
+    def clear_compiled(self) -> None:
+        """Drop the cached pristine matchers (the model is unloading: a large schema's
+        grammar can hold megabytes); the tokenizer's vocabulary, slow to build, stays."""
+        self._compiled.clear()
+
     def compile(self, constraint: Constraint) -> Any:
         """A pristine matcher for the constraint (cached); raises InvalidConstraintError."""
         cached = self._compiled.get(constraint)

@@ -1,0 +1,41 @@
+"""Unloading an idle engine's chat model (``EngineConfig.keep_alive``), on the engine thread.
+
+``unload`` takes an idle composition apart: stored prefixes go to the disk writer (the
+disk tier stays), the memory store is emptied, the grammar compiler forgets its compiled
+matchers, and what the next load reuses is ``Kept``, none of it an array of the model.
+Dropping the rest (weights, lanes, the mlx-lm generator and its caches) is the caller's:
+once nothing references them, ``release_memory`` frees what they held and reads the
+figures then.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+from engine.core.memory import resident_bytes
+from engine.runtime.build import Composition, Kept
+
+
+def unload(composition: Composition) -> Kept:
+    """What the next load of this (idle) composition's model reuses; the rest may go."""
+    built = composition.built
+    tiers = built.lanes.unload()
+    built.preparer.compiler.clear_compiled()
+    return Kept(built.preparer, tiers, built.model.stream)
+
+
+def release_memory() -> dict[str, Any]:
+    """Free what an unloaded model held once nothing references it; the memory figures.
+
+    mlx-lm's finished batches sit in reference cycles that pin their arrays until the
+    cyclic GC runs, so collect first; then MLX's buffer cache would keep the freed weights
+    for reuse and glibc's arenas the freed pages: both are given back.
+    """
+    from engine.device.memory import device_memory, release_free_memory
+
+    gc.collect()
+    release_free_memory()
+    active, cached = device_memory()
+    return {"mlx_active_bytes": active, "mlx_cache_bytes": cached,
+            "resident_bytes": resident_bytes()}
