@@ -95,8 +95,9 @@ class OptionalNativeBuild(build_ext):
 
         with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
             objects = [obj for objs in pool.map(compile_unit, units) for obj in objs]
-        link_args = ["-Wl,-rpath,$ORIGIN"] if sys.platform == "linux" else [
-            "-undefined", "dynamic_lookup"]
+        link_args = [f"-Wl,-rpath,{path}" for path in _mlx_runpaths(mlx_root)]
+        if sys.platform == "darwin":
+            link_args += ["-undefined", "dynamic_lookup"]
         self.compiler.link_shared_object(
             objects, self.get_ext_fullpath(ext.name), libraries=["mlx"],
             library_dirs=lib_dirs, extra_postargs=link_args, target_lang="c++")
@@ -104,6 +105,15 @@ class OptionalNativeBuild(build_ext):
     def get_outputs(self) -> list[str]:
         # A skipped build has no file to copy into place (editable installs copy outputs).
         return [out for out in super().get_outputs() if Path(out).exists()]
+
+
+def _mlx_runpaths(mlx_root: Path) -> list[str]:
+    """Where the loader finds libmlx: beside the installed package (site-packages/engine/
+    device -> site-packages/mlx/lib), and the wheel's directory at build time (an editable
+    install's extension sits in the checkout). The extension then loads on its own, not
+    only because ``mlx.core`` was imported first."""
+    origin = "@loader_path" if sys.platform == "darwin" else "$ORIGIN"
+    return [f"{origin}/../../mlx/lib", str(mlx_root / "lib")]
 
 
 setup(

@@ -67,3 +67,18 @@ def test_one_thread_gives_the_same_bits() -> None:
                            text=True, timeout=300) for e in (env, dict(os.environ))]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
     assert runs[0].stdout.splitlines()[-1] == runs[1].stdout.splitlines()[-1]
+
+
+def test_the_extension_finds_libmlx_on_its_own() -> None:
+    """Its RUNPATH names mlx's library directory: it loads in a process that has not
+    imported ``mlx.core`` first (with only ``$ORIGIN`` it failed: libmlx.so not found)."""
+    from engine.device import cpu_native
+
+    code = "\n".join([
+        "import importlib.util as u, sys",
+        f"spec = u.spec_from_file_location('engine.device.cpu_native', {cpu_native.__file__!r})",
+        "spec.loader.exec_module(u.module_from_spec(spec))",
+        "assert 'mlx.core' not in sys.modules"])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd="/")
+    assert done.returncode == 0, done.stderr

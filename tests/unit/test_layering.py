@@ -1,4 +1,5 @@
-"""The dependency direction of DESIGN.md, enforced by parsing imports (no module is run).
+"""The dependency direction (docs/architecture.md), enforced by parsing imports (no module
+is run).
 
 Rules, one test each:
 (a) nothing under engine/ imports a framework (langchain*, llama_index*) or mlx_providers;
@@ -20,7 +21,10 @@ Rules, one test each:
     comes in (inbound) imports neither the constraints nor what goes out (outbound), and
     those two import neither each other nor the preparation that joins them (prepare.py);
 (i) no module imports another module's private (``_name``) names, and bench/ and
-    examples/ import nothing from tests/.
+    examples/ import nothing from tests/;
+(j) the unit tier (tests/unit) reaches no mlx or mlx_lm through what it imports at module
+    level, transitively through first-party modules: its runtime guard (conftest.py) sees
+    nothing once any collected file has loaded mlx, so this rule is the one that holds.
 """
 
 from __future__ import annotations
@@ -271,6 +275,8 @@ FORBIDDEN = {
                          "engine.requests.prepare"),
     "requests/constraints": ("engine.requests.outbound", "engine.requests.prepare"),
     "requests/outbound": ("engine.requests.constraints", "engine.requests.prepare"),
+    # A family's dialect writes constraints and reads output; it never prepares requests.
+    "requests/dialects": ("engine.requests.prepare",),
     "core": ("engine.device", "engine.distributed", "engine.embedding", "engine.models",
              *FACADE),
     "models": ("engine.core", "engine.requests", "engine.distributed", "engine.embedding",
@@ -330,3 +336,73 @@ def test_i_no_module_imports_another_modules_private_names(path: Path) -> None:
 def test_i_bench_and_examples_import_nothing_from_tests(path: Path) -> None:
     bad = {n for n in imports_of(path) if n == "tests" or n.startswith("tests.")}
     assert not bad, f"{rel(path)} imports {sorted(bad)}: shared scaffolding lives in testkit/"
+
+
+UNIT_FILES = sorted((ROOT / "tests" / "unit").rglob("*.py"))
+
+
+@cache
+def module_level_imports(path: Path) -> frozenset[str]:
+    """What importing the file imports: its top-level statements (``if``/``try`` blocks
+    included), not function bodies, which run only when called."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names: set[str] = set()
+    todo: list[ast.stmt] = list(ast.parse(path.read_text(), str(path)).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)] \
+                if node.level else []
+            module = ".".join([*base, node.module] if node.module else base) \
+                if node.level else node.module or ""
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names
+                         if source_of(f"{module}.{alias.name}") is not None)
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo += node.orelse  # the body runs only under a type checker
+        elif isinstance(node, ast.If | ast.Try):
+            todo += [*node.body, *node.orelse, *getattr(node, "finalbody", [])]
+            todo += [s for h in getattr(node, "handlers", []) for s in h.body]
+    return frozenset(names)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def mlx_reached_from(path: Path) -> list[str] | None:
+    """The import chain from ``path`` to mlx or mlx_lm, if there is one."""
+    todo = [(path, [rel(path)])]
+    seen: set[Path] = {path}
+    while todo:
+        current, chain = todo.pop()
+        for name in sorted(module_level_imports(current)):
+            if name.split(".")[0] in MLX:
+                return [*chain, name]
+            parts = name.split(".")
+            # A package is imported with its module: ``a.b.c`` runs a/__init__ and a/b/__init__.
+            for depth in range(1, len(parts) + 1):
+                source = source_of(".".join(parts[:depth]))
+                if source is not None and source not in seen:
+                    seen.add(source)
+                    todo.append((source, [*chain, ".".join(parts[:depth])]))
+    return None
+
+
+def test_j_the_unit_files_are_found() -> None:
+    assert len(UNIT_FILES) > 20 and any(p.name == "test_layering.py" for p in UNIT_FILES)
+
+
+def test_j_the_rule_sees_mlx_through_a_chain() -> None:
+    """The walk can fail: the engine's batch lane reaches mlx."""
+    assert mlx_reached_from(DEVICE / "batch_lane.py") is not None
+
+
+@pytest.mark.parametrize("path", UNIT_FILES, ids=rel)
+def test_j_the_unit_tier_imports_no_mlx(path: Path) -> None:
+    chain = mlx_reached_from(path)
+    assert chain is None, f"{' -> '.join(chain or [])}: move the test to tests/engine"
