@@ -50,7 +50,8 @@ struct AttentionProblem {
 };
 
 // What one instruction set provides. The matmul runs in two phases over a scratch buffer:
-// quantize the activations (rows in parallel), then the products (columns in parallel).
+// stage the activations as float32 rows (rows in parallel), then the products (columns in
+// parallel).
 struct KernelTable {
   const char* name;
   // Whether this table handles the shape; others fall back to the next table.

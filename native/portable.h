@@ -1,5 +1,5 @@
 // Portable pieces every instruction-set unit compiles with its own flags: float formats,
-// the activations' int8 quantization, the scalar matmul and the fused attention.
+// the activations staged as float32 rows, the scalar matmul and the fused attention.
 //
 // Included inside an anonymous namespace (internal linkage: no copy compiled for one ISA can
 // be shared with another unit) after <cstdint> and <cstring>; it includes nothing itself and

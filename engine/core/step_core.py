@@ -5,9 +5,9 @@
     outcome = update(rows, step, now)   # every way a row ends is decided there
     publish                             # events to streams; the core never waits on one
 
-The public ``Engine`` (engine/engine.py) owns the thread, the command queue, loading,
-embeddings and the stats snapshot; it hands this core accepted rows and cancellations and
-calls ``turn`` once per loop. Nothing here imports mlx: lanes are the ``Lane`` protocol.
+The engine thread (engine/runtime/runtime.py, behind the public ``Engine``) owns the
+command queue, loading, embeddings and the stats snapshot; it hands this core accepted rows
+and cancellations and calls ``turn`` once per loop. Nothing here imports mlx: lanes are the ``Lane`` protocol.
 """
 
 from __future__ import annotations

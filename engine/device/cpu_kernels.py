@@ -1,7 +1,8 @@
 """The native CPU kernels (``engine.device.cpu_native``, built from ``native/`` at install).
 
 Two operations of the MLX graph, for the CPU backend only: a quantized matmul over MLX's
-affine 4/8-bit layout (int8 activations, VNNI / AVX2 / NEON dot products, several threads)
+affine 4/8-bit layout (float32 activations, weights dequantized exactly in registers;
+AVX-512 / AVX2 / NEON units chosen at run time, several threads)
 and a fused attention for decode steps. This module loads the extension once, checks it
 (the mlx it was built against, a small product against MLX's own op) and says why when it
 cannot be used: then MLX's own ops run, as before.
