@@ -260,9 +260,10 @@ class Runtime:
         self._kept = unload(turns.composition)
         self._turns = None
         del turns  # the model's last reference: release_memory can free it
-        self.book.add(unloads=1)
+        # The gauges first, the count last: whoever sees the unload counted sees it done.
         self.book.set(loaded=False, prefix_bytes=0, prefix_entries=0, **release_memory(),
                       **weight_figures(self.embeddings, 0, 0))
+        self.book.add(unloads=1)
         log.info("keep_alive: the chat model was idle for %s s and is unloaded",
                  self._keep_alive.seconds)
 
