@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
@@ -23,7 +24,11 @@ def token_logprob(params: SamplingParams, token: int, logprobs: Any) -> TokenLog
         order = mx.argsort(-values)
         top_ids: list[int] = ids[order].tolist()  # type: ignore[assignment]
         top_values: list[float] = values[order].tolist()
-        top = tuple(zip(top_ids, top_values))
+        # Tokens a grammar's mask refused (-inf) were never alternatives: a constrained
+        # row lists only what it could have written (a forced token alone, as
+        # ``forced_logprob`` does), and -inf is no number JSON can carry.
+        top = tuple((tid, value) for tid, value in zip(top_ids, top_values)
+                    if value != -math.inf)
     return TokenLogprob(token, float(row[token].item()), top)
 
 

@@ -126,8 +126,7 @@ def sampling_from_openai(
     default_temperature: float = 0.0,
 ) -> SamplingParams:
     """``SamplingParams`` from OpenAI's names (a None temperature takes the default)."""
-    if top_logprobs and not logprobs:
-        raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    # top_logprobs without logprobs is refused by SamplingParams (naming top_logprobs).
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature if temperature is not None else default_temperature,
