@@ -601,14 +601,16 @@ class BatchLane:
                     layer.trim(1)
                 history, pending = history[:-1], history[-1]
             else:
-                pending = chosen[uid]
+                pending, logprobs = chosen[uid]
                 try:
                     if grammar is not None:
                         grammar.consume(pending)
                 except Exception as exc:  # the row's own grammar: it fails alone
                     row.failure = exc
-                result.tokens.append(RowToken(row.row.request_id, pending, grammar_done=(
-                    grammar is not None and row.failure is None and grammar.done)))
+                result.tokens.append(RowToken(
+                    row.row.request_id, pending,
+                    token_logprob(row.row.params, pending, logprobs),
+                    grammar_done=grammar is not None and row.failure is None and grammar.done))
                 row.output.append(pending)
             self._speculating[row.row.request_id] = SpeculatingRow(
                 row.row, cache, history, pending, row.shadow.acceptance, trims=self._trims,
