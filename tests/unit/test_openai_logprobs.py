@@ -27,13 +27,14 @@ def test_each_token_becomes_an_openai_entry_with_its_alternatives_in_order() -> 
          "top_logprobs": [
              {"token": " Paris", "logprob": -0.5, "bytes": [32, 80, 97, 114, 105, 115]},
              {"token": "é", "logprob": -1.25, "bytes": [195, 169]}]},
-        {"token": "é", "logprob": -2.0, "bytes": [195, 169], "top_logprobs": []}]}
+        {"token": "é", "logprob": -2.0, "bytes": [195, 169], "top_logprobs": []}],
+        "refusal": None}
 
 
 def test_none_asked_is_none_and_none_generated_is_an_empty_list() -> None:
     texts = token_texts(Tokenizer())
     assert openai_logprobs(None, texts) is None
-    assert openai_logprobs((), texts) == {"content": []}
+    assert openai_logprobs((), texts) == {"content": [], "refusal": None}
 
 
 def test_a_tokens_text_is_decoded_once() -> None:

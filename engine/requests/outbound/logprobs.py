@@ -7,7 +7,8 @@ completions, ``ChatOpenAI``'s ``response_metadata["logprobs"]`` and LlamaIndex's
     {"content": [{"token": " Paris", "logprob": -0.01, "bytes": [32, 80, 97, 114, 105, 115],
                   "top_logprobs": [{"token": " Paris", "logprob": -0.01, "bytes": [...]},
                                    ...]},
-                 ...]}
+                 ...],
+     "refusal": None}
 
 ``token`` is the token decoded on its own and ``bytes`` that text's UTF-8 bytes (a token
 holding part of a multi-byte character decodes to U+FFFD, as the tokenizer writes it).
@@ -44,12 +45,16 @@ def openai_token(token_id: int, logprob: float, token_text: TokenText) -> dict[s
 
 def openai_logprobs(logprobs: Sequence[TokenLogprob] | None,
                     token_text: TokenText) -> dict[str, Any] | None:
-    """OpenAI's ``logprobs`` object (``{"content": [...]}``) for some tokens: each the
-    chosen token's entry with its ``top_logprobs`` (most likely first; empty unless
-    alternatives were asked for). None when logprobs were not asked for."""
+    """OpenAI's ``logprobs`` object (``{"content": [...], "refusal": None}``) for some
+    tokens: each the chosen token's entry with its ``top_logprobs`` (most likely first;
+    empty unless alternatives were asked for). None when logprobs were not asked for.
+
+    ``refusal`` (the tokens of a model's refusal message) is always None here, as OpenAI
+    sends it for an answer that is no refusal; clients read both keys.
+    """
     if logprobs is None:
         return None
     return {"content": [
         {**openai_token(lp.token_id, lp.logprob, token_text),
          "top_logprobs": [openai_token(tid, value, token_text) for tid, value in lp.top]}
-        for lp in logprobs]}
+        for lp in logprobs], "refusal": None}
