@@ -22,7 +22,7 @@ from engine.requests.inbound.tool_specs import ToolSpec, normalize_tool_choice, 
 # The sampling settings a face exposes as fields and per-call overrides, by their
 # ``SamplingParams`` names (``stop`` too): listed once, here, for every face.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                   "repetition_penalty", "seed", "stop")
+                   "repetition_penalty", "seed", "stop", "logprobs", "top_logprobs")
 
 
 class ToolChoiceView:
