@@ -38,7 +38,7 @@ import numpy as np
 
 from engine.core.drafts import Acceptance, lookup_draft
 from engine.core.lane import LaneRow, RowToken
-from engine.device.logprobs import forced_logprob, token_logprob
+from engine.device.logprobs import forced_logprob, token_logprobs
 from engine.device.row_cache import Rollback, trimmed
 from engine.device.sampling import unpack_bitmask
 from engine.requests.constraints.grammar import RowGrammar
@@ -178,7 +178,7 @@ def _logprobs(params: SamplingParams, scores: mx.array,
         return [None] * len(kept)
     rows = scores[: len(kept)]
     normalised = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
-    return [token_logprob(params, token, normalised[i]) for i, token in enumerate(kept)]
+    return token_logprobs([params] * len(kept), kept, [normalised[i] for i in range(len(kept))])
 
 
 def _consume(grammar: RowGrammar | None, tokens: list[int]) -> list[bool]:

@@ -8,10 +8,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import mlx.core as mx
 import pytest
 
 import engine.device.batch_lane as batch_lane
 from engine import Completion, Engine, JsonSchema, SamplingParams, TokenLogprob
+from engine.device.logprobs import token_logprobs
 from tests.conftest import greedy, prompts_of_lengths, request_for
 
 TOLERANCE = 1e-4  # a multi-token forward sums in another order than a one-token step
@@ -28,6 +30,37 @@ def close(a: tuple[TokenLogprob, ...] | None, b: tuple[TokenLogprob, ...] | None
         assert x.logprob == pytest.approx(y.logprob, abs=TOLERANCE)
         assert [t for t, _ in x.top] == [t for t, _ in y.top]
         assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=TOLERANCE)
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["numpy", "mlx"])
+def test_a_steps_rows_are_read_together_on_either_path(on_host: bool) -> None:
+    mx.random.seed(3)
+    logits = mx.random.normal((4, 5000))
+    logits = mx.where(mx.arange(5000) < 4997, logits, 9.0)  # three tied at the top
+    masked = mx.where(mx.arange(5000) % 2 == 0, logits, -mx.inf)  # a grammar's mask
+    rows = [row - mx.logsumexp(row) for row in (*logits[:3], masked[3])]
+    asks = [SamplingParams(logprobs=True, top_logprobs=k) for k in (0, 5, 20)]
+    params = [asks[0], asks[1], SamplingParams(), asks[2]]  # the third did not ask
+    tokens = [7, 4998, 8, 4996]
+    out = token_logprobs(params, tokens, rows, on_host=on_host)
+    assert out[2] is None
+    for i in (0, 1, 3):
+        got = out[i]
+        assert got is not None and got.token_id == tokens[i]
+        assert got.logprob == pytest.approx(rows[i][tokens[i]].item(), abs=1e-6)
+    assert out[0] is not None and out[0].top == ()
+    # Most likely first; tied ones by token id, so every path lists them alike.
+    assert out[1] is not None and [t for t, _ in out[1].top][:3] == [4997, 4998, 4999]
+    assert len(out[1].top) == 5
+    masked_top = out[3].top if out[3] is not None else ()
+    assert masked_top[0][0] == 4998  # the one tied top token the mask allows
+    assert len(masked_top) == 20 and all(t % 2 == 0 and math.isfinite(v) for t, v in masked_top)
+    values = [v for _, v in masked_top]
+    assert values == sorted(values, reverse=True)
+    # The other path gives the same numbers; a bfloat16 row is read as well.
+    assert token_logprobs(params, tokens, rows, on_host=not on_host) == out
+    half = token_logprobs([asks[1]], [4998], [rows[1].astype(mx.bfloat16)], on_host=on_host)[0]
+    assert half is not None and [t for t, _ in half.top][:3] == [4997, 4998, 4999]
 
 
 def run(eng: Engine, prompt: object, params: SamplingParams) -> Completion:
