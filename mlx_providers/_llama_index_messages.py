@@ -335,8 +335,9 @@ class StreamChunks:
     (OpenAI's delta shape), and its message holds every call whose arguments are whole so
     far as ``ToolCallBlock``s, so an agent reading any chunk's message sees whole calls only.
     Logprobs, when asked for, accumulate as the text does: each chunk's ``logprobs`` are
-    every token's so far (the last chunk's equal the whole response's), and the tokens of
-    the chunk's ``delta`` are the ones past the previous chunk's.
+    every token's so far (the last chunk's equal the whole response's); a chunk's new ones
+    are those past the previous chunk's (a token whose text is held back for a stop
+    string, or is call markup, comes on a chunk with an empty ``delta``).
     """
 
     def __init__(self, model_name: str,
