@@ -49,6 +49,7 @@ from engine.requests.inbound.output_constraint import (
 from engine.requests.inbound.sampling import SamplingParams
 from engine.requests.inbound.text_request import Request, TextRequest
 from engine.requests.inbound.tool_specs import ToolSpec, normalize_tool_choice, normalize_tools
+from engine.requests.outbound.logprobs import TokenText, openai_logprobs, token_texts
 from engine.requests.outbound.results import (
     Completion,
     FinishReason,
@@ -103,6 +104,7 @@ __all__ = [
     "StreamEvent",
     "TextRequest",
     "TokenLogprob",
+    "TokenText",
     "ToolCall",
     "ToolCallDelta",
     "ToolSpec",
@@ -121,6 +123,8 @@ __all__ = [
     "messages_from_openai",
     "normalize_tool_choice",
     "normalize_tools",
+    "openai_logprobs",
     "resolve_model",
     "sampling_from_openai",
+    "token_texts",
 ]

@@ -97,7 +97,8 @@ class EngineConfig(BaseModel):
     speculation: int = Field(
         default=1, ge=0, le=64,
         description="Prompt-lookup speculation while at most this many rows run (0 = off): "
-        "greedy rows without constraints, processors or logprobs draft their next tokens "
+        "greedy rows without logits processors or penalties (constrained ones with "
+        "fast_forward, and rows asking for logprobs too) draft their next tokens "
         "from their own prompt and output and check the draft in one forward, keeping what "
         "the model agrees with (the output is the same greedy text). A row's drafts are "
         "first compared with what it decodes in the batch; only rows whose drafts would be "

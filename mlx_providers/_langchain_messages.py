@@ -291,11 +291,22 @@ NORMALIZED = {FinishReason.STOP: "stop", FinishReason.TOOL_CALLS: "tool_call",
               FinishReason.ERROR: "error"}
 
 
-def response_metadata(completion: Completion, model_name: str) -> dict[str, Any]:
-    """What LangChain callbacks and tracers read: model, provider, finish reason, timings."""
+# OpenAI's ``logprobs`` object (``engine.openai_logprobs``) or None: where ChatOpenAI puts
+# it, ``response_metadata["logprobs"]`` (and ``generation_info``, which LangChain copies
+# there). A streamed chunk carries its own tokens': LangChain concatenates the lists when
+# chunks are added, so a merged stream's equal the whole answer's.
+Logprobs = dict[str, Any] | None
+
+
+def response_metadata(completion: Completion, model_name: str,
+                      logprobs: Logprobs = None) -> dict[str, Any]:
+    """What LangChain callbacks and tracers read: model, provider, finish reason, timings,
+    and the logprobs when they were asked for."""
     meta: dict[str, Any] = {"model_name": model_name, "model_provider": PROVIDER,
                             "finish_reason": completion.finish_reason.value,
                             "normalized_finish_reason": NORMALIZED[completion.finish_reason]}
+    if logprobs is not None:
+        meta["logprobs"] = logprobs
     if completion.truncated is not None:  # the engine's word: max_tokens cut what had to be whole
         meta["truncated"] = completion.truncated
     if completion.usage.time_to_first_token is not None:
@@ -309,7 +320,7 @@ def _reasoning_kwargs(reasoning: str | None) -> dict[str, Any]:
     return {REASONING_KEY: reasoning} if reasoning else {}
 
 
-def ai_message(completion: Completion, model_name: str) -> AIMessage:
+def ai_message(completion: Completion, model_name: str, logprobs: Logprobs = None) -> AIMessage:
     """A finished request as an ``AIMessage`` with parsed and invalid tool calls."""
     return AIMessage(
         content=completion.content,
@@ -319,13 +330,21 @@ def ai_message(completion: Completion, model_name: str) -> AIMessage:
         invalid_tool_calls=[invalid_tool_call(name=c.name, args=c.raw, id=c.id, error=c.error)
                             for c in completion.invalid_tool_calls],
         usage_metadata=usage_metadata(completion.usage),
-        response_metadata=response_metadata(completion, model_name),
+        response_metadata=response_metadata(completion, model_name, logprobs),
     )
 
 
-def chat_generation(completion: Completion, model_name: str) -> ChatGeneration:
-    return ChatGeneration(message=ai_message(completion, model_name),
-                          generation_info={"finish_reason": completion.finish_reason.value})
+def _generation_info(finish_reason: FinishReason | None, logprobs: Logprobs) -> dict[str, Any]:
+    info: dict[str, Any] = {} if finish_reason is None else {"finish_reason": finish_reason.value}
+    if logprobs is not None:
+        info["logprobs"] = logprobs
+    return info
+
+
+def chat_generation(completion: Completion, model_name: str,
+                    logprobs: Logprobs = None) -> ChatGeneration:
+    return ChatGeneration(message=ai_message(completion, model_name, logprobs),
+                          generation_info=_generation_info(completion.finish_reason, logprobs))
 
 
 def _invalid_args(raw: str) -> str:
@@ -364,30 +383,37 @@ def invalid_call_chunks(completion: Completion) -> list[Any]:
             for i, c in enumerate(unsent)]
 
 
-def event_chunk(event: StreamEvent, model_name: str) -> ChatGenerationChunk | None:
+def event_chunk(event: StreamEvent, model_name: str,
+                logprobs: Logprobs = None) -> ChatGenerationChunk | None:
     """One engine event as a chunk; None for a step that added nothing to show.
 
     Tool calls arrive as the engine keeps them; usage, invalid calls and response metadata
     ride on the last chunk only, so that adding chunks together counts tokens once.
+    ``logprobs`` are the event's own tokens' (a token whose text is held back, or is
+    tool-call markup, still brings its logprob: the chunk then has no content).
     """
     completion = event.completion
     calls = call_delta_chunks(event.tool_call_deltas)
     if completion is None:
-        if not event.content and not event.reasoning and not calls:
+        has_logprobs = bool(logprobs and logprobs["content"])
+        if not event.content and not event.reasoning and not calls and not has_logprobs:
             return None
-        return ChatGenerationChunk(message=AIMessageChunk(
-            content=event.content, additional_kwargs=_reasoning_kwargs(event.reasoning),
-            tool_call_chunks=calls))
+        return ChatGenerationChunk(
+            message=AIMessageChunk(
+                content=event.content, additional_kwargs=_reasoning_kwargs(event.reasoning),
+                tool_call_chunks=calls,
+                response_metadata={"logprobs": logprobs} if has_logprobs else {}),
+            generation_info=_generation_info(None, logprobs) if has_logprobs else None)
     return ChatGenerationChunk(
         message=AIMessageChunk(
             content=event.content,
             additional_kwargs=_reasoning_kwargs(event.reasoning),
             tool_call_chunks=calls + invalid_call_chunks(completion),
             usage_metadata=usage_metadata(completion.usage),
-            response_metadata=response_metadata(completion, model_name),
+            response_metadata=response_metadata(completion, model_name, logprobs),
             chunk_position="last",
         ),
-        generation_info={"finish_reason": completion.finish_reason.value},
+        generation_info=_generation_info(completion.finish_reason, logprobs),
     )
 
 

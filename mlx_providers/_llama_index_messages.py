@@ -23,6 +23,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponse,
     DocumentBlock,
     ImageBlock,
+    LogProb,
     MessageRole,
     TextBlock,
     ThinkingBlock,
@@ -40,6 +41,7 @@ from engine import (
     Message,
     OutputTruncatedError,
     StreamEvent,
+    TokenLogprob,
     ToolCall,
     ToolCallDelta,
     ToolSpec,
@@ -252,12 +254,30 @@ def assistant_message(content: str, reasoning: str | None,
     return ChatMessage(role=MessageRole.ASSISTANT, blocks=blocks)
 
 
+# LlamaIndex's logprobs: one list per generated token.
+TokenLogProbs = list[list[LogProb]]
+
+
+def llama_logprobs(openai: Mapping[str, Any] | None) -> TokenLogProbs | None:
+    """OpenAI's ``logprobs`` object (``engine.openai_logprobs``) as LlamaIndex's: one list
+    per generated token, the chosen token first, then its ``top_logprobs`` alternatives
+    (most likely first; none unless asked for). llama-index-llms-openai lists only the
+    alternatives, and nothing without them; the chosen token first keeps what was chosen,
+    and its logprob, with or without alternatives (``[1:]`` is OpenAI's list)."""
+    if openai is None:
+        return None
+    return [[LogProb(token=entry["token"], logprob=entry["logprob"], bytes=entry["bytes"]),
+             *(LogProb(**alternative) for alternative in entry["top_logprobs"])]
+            for entry in openai["content"]]
+
+
 def chat_response(completion: Completion, model_name: str, delta: str | None = None,
-                  extra: Mapping[str, Any] | None = None) -> ChatResponse:
+                  extra: Mapping[str, Any] | None = None,
+                  logprobs: TokenLogProbs | None = None) -> ChatResponse:
     """A whole (or the last streamed) chat response built from the engine's Completion."""
     message = assistant_message(completion.content, completion.reasoning, completion.tool_calls)
     return ChatResponse(message=message, delta=delta, raw=final_raw(completion, model_name),
-                        additional_kwargs=dict(extra or {}))
+                        additional_kwargs=dict(extra or {}), logprobs=logprobs)
 
 
 def tool_selections(message: ChatMessage) -> list[ToolSelection]:
@@ -303,6 +323,10 @@ def keep_first_call(response: ChatResponse) -> ChatResponse:
     return response.model_copy(update={"message": trimmed})
 
 
+# A request's logprobs converter: its tokens' -> OpenAI's object (None unless it asked).
+ToOpenAILogprobs = Callable[[Sequence[TokenLogprob] | None], Mapping[str, Any] | None]
+
+
 class StreamChunks:
     """Turns a request's stream events into LlamaIndex chunks with delta and accumulation.
 
@@ -310,30 +334,41 @@ class StreamChunks:
     chunk that brings call pieces lists them in ``additional_kwargs["tool_call_deltas"]``
     (OpenAI's delta shape), and its message holds every call whose arguments are whole so
     far as ``ToolCallBlock``s, so an agent reading any chunk's message sees whole calls only.
+    Logprobs, when asked for, accumulate as the text does: each chunk's ``logprobs`` are
+    every token's so far (the last chunk's equal the whole response's); a chunk's new ones
+    are those past the previous chunk's (a token whose text is held back for a stop
+    string, or is call markup, comes on a chunk with an empty ``delta``).
     """
 
     def __init__(self, model_name: str,
-                 check: Callable[[Completion], Completion] | None = None) -> None:
+                 check: Callable[[Completion], Completion] | None = None,
+                 logprobs: ToOpenAILogprobs | None = None) -> None:
         """Start with nothing accumulated; ``model_name`` goes into the last chunk's raw;
-        ``check`` sees the finished completion first (it raises for a cut forced call)."""
+        ``check`` sees the finished completion first (it raises for a cut forced call);
+        ``logprobs`` converts an event's logprobs (None: none were asked for)."""
         self.model_name = model_name
         self.check = check
         self.content = ""
         self.reasoning = ""
         self.calls: dict[int, dict[str, Any]] = {}  # index -> id, name, arguments text
+        self.convert = logprobs
+        self.logprobs: TokenLogProbs | None = None  # so far; stays None unless asked
 
     def chat(self, event: StreamEvent) -> ChatResponse | None:
         """The chat chunk for ``event``; None for events with nothing to show (call markup)."""
         extra: dict[str, Any] = {"thinking_delta": event.reasoning} if event.reasoning else {}
         if event.tool_call_deltas:
             extra["tool_call_deltas"] = [delta_dict(d) for d in event.tool_call_deltas]
+        new_logprobs = self._add_logprobs(event)
         if event.completion is not None:  # the last event: the whole turn, calls and usage
             completion = self.check(event.completion) if self.check else event.completion
-            return chat_response(completion, self.model_name, event.content, extra)
-        if not self._feed(event):
+            return chat_response(completion, self.model_name, event.content, extra,
+                                 self.logprobs)
+        if not self._feed(event) and not new_logprobs:
             return None
         message = assistant_message(self.content, self.reasoning or None, self._calls())
-        return ChatResponse(message=message, delta=event.content, additional_kwargs=extra)
+        return ChatResponse(message=message, delta=event.content, additional_kwargs=extra,
+                            logprobs=self.logprobs)
 
     def _calls(self) -> list[ToolCall]:
         """The calls streamed so far whose arguments are whole (JSON that parses)."""
@@ -350,11 +385,14 @@ class StreamChunks:
     def completion(self, event: StreamEvent) -> CompletionResponse | None:
         """The completion chunk for ``event``; None when it adds no text."""
         extra = {"thinking_delta": event.reasoning} if event.reasoning else {}
+        new_logprobs = self._add_logprobs(event)
         if event.completion is not None:
-            return completion_response(event.completion, self.model_name, event.content, extra)
-        if not self._feed(event):
+            return completion_response(event.completion, self.model_name, event.content, extra,
+                                       self.logprobs)
+        if not self._feed(event) and not new_logprobs:
             return None
-        return CompletionResponse(text=self.content, delta=event.content, additional_kwargs=extra)
+        return CompletionResponse(text=self.content, delta=event.content, additional_kwargs=extra,
+                                  logprobs=self.logprobs)
 
     def _feed(self, event: StreamEvent) -> bool:
         """Accumulate the event's text and call pieces; False when it carries neither."""
@@ -366,6 +404,16 @@ class StreamChunks:
             call["name"] = call["name"] or delta.name or ""
             call["arguments"] += delta.arguments
         return bool(event.content or event.reasoning or event.tool_call_deltas)
+
+    def _add_logprobs(self, event: StreamEvent) -> bool:
+        """Accumulate the event's tokens' logprobs (a token whose text is held back, or is
+        call markup, brings its logprob all the same); False when it brings none."""
+        tokens = llama_logprobs(self.convert(event.logprobs)) if self.convert else None
+        if tokens is None:
+            return False
+        # A new list, not an append: the chunks handed out already keep theirs.
+        self.logprobs = [*(self.logprobs or ()), *tokens]
+        return bool(tokens)
 
 
 def delta_dict(delta: ToolCallDelta) -> dict[str, Any]:
@@ -380,13 +428,15 @@ def delta_dict(delta: ToolCallDelta) -> dict[str, Any]:
 
 
 def completion_response(completion: Completion, model_name: str, delta: str | None = None,
-                        extra: Mapping[str, Any] | None = None) -> CompletionResponse:
+                        extra: Mapping[str, Any] | None = None,
+                        logprobs: TokenLogProbs | None = None) -> CompletionResponse:
     """A whole (or the last streamed) completion; reasoning goes to additional_kwargs."""
     additional = dict(extra or {})
     if completion.reasoning:
         additional["reasoning"] = completion.reasoning
     return CompletionResponse(text=completion.content, delta=delta,
-                              raw=final_raw(completion, model_name), additional_kwargs=additional)
+                              raw=final_raw(completion, model_name), additional_kwargs=additional,
+                              logprobs=logprobs)
 
 
 def json_kwargs(output_cls: type[BaseModel],

@@ -13,6 +13,7 @@ import os
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -55,6 +56,8 @@ from mlx_providers._langchain_messages import (
     unless_called,
     with_raw,
 )
+from mlx_providers._logprobs import RequestLogprobs
+from mlx_providers._sampling import call_sampling
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the engine loads for model=None
 # Standard LangChain arguments that mean nothing for an in-process model: accepted quietly.
@@ -86,6 +89,11 @@ class _Request:
     def submit(self) -> RequestHandle:
         return self.engine.submit(self.chat, timeout=self.timeout,
                                   **submit_options(self.keep_alive))
+
+    @cached_property
+    def logprobs(self) -> RequestLogprobs:
+        """Its tokens' logprobs in OpenAI's shape (None unless it asked for them)."""
+        return RequestLogprobs(self.engine, self.chat.params.logprobs)
 
 
 class ChatMLXBatch(BaseChatModel):
@@ -131,6 +139,12 @@ class ChatMLXBatch(BaseChatModel):
     call, as ``create_agent``'s two strategies send): a small model that keeps calling
     then answers. None = no limit. It does not apply to a free-text reply (``auto``
     without a response format), where no grammar decides."""
+    logprobs: bool = False
+    """Each generated token's log-probability in ``response_metadata["logprobs"]``, in
+    ChatOpenAI's shape (``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``);
+    each streamed chunk carries its own tokens'."""
+    top_logprobs: int = 0
+    """With ``logprobs``, this many most likely alternatives per token (0-20)."""
     chat_template_kwargs: dict[str, Any] | None = None
     keep_alive: float | None = Field(default=None, allow_inf_nan=False)
     """Seconds the model stays loaded once the engine is idle after each request made here
@@ -195,7 +209,8 @@ class ChatMLXBatch(BaseChatModel):
         return {"model_name": self.model_name, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, "top_p": self.top_p, "top_k": self.top_k,
                 "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-                "seed": self.seed, "stop": self.stop, "reasoning": self.reasoning}
+                "seed": self.seed, "stop": self.stop, "reasoning": self.reasoning,
+                "logprobs": self.logprobs, "top_logprobs": self.top_logprobs}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
@@ -459,7 +474,7 @@ class ChatMLXBatch(BaseChatModel):
         if model is not None and not isinstance(model, str | os.PathLike):
             raise TypeError(f"model must be a path or a hub id, got {type(model).__name__}")
         _check_call_options(kwargs)
-        sampling = {name: kwargs.get(name, getattr(self, name)) for name in _SAMPLING}
+        sampling = call_sampling(self, kwargs, _SAMPLING)
         constraint = kwargs.get("constraint") or constraint_for(kwargs.get("response_format"))
         # As given: SamplingParams names a stop that is not text or a list of text.
         stops: Any = (stop if stop is not None else self.stop) or ()
@@ -500,12 +515,13 @@ class ChatMLXBatch(BaseChatModel):
         if event.completion is not None:
             self._note_loaded(request)
             _check_forced_call(request, event.completion)
-        return event_chunk(event, request.model_name)
+        return event_chunk(event, request.model_name, request.logprobs(event.logprobs))
 
     def _result(self, request: _Request, completion: Completion) -> ChatResult:
         self._note_loaded(request)
         _check_forced_call(request, completion)
-        return ChatResult(generations=[chat_generation(completion, request.model_name)])
+        return ChatResult(generations=[chat_generation(
+            completion, request.model_name, request.logprobs(completion.logprobs))])
 
     def _note_loaded(self, request: _Request) -> None:
         # A model whose files did not declare its context limit (a hub id not cached yet)

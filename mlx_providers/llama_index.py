@@ -64,16 +64,20 @@ from mlx_providers._keep_alive import submit_options
 from mlx_providers._llama_index_agents import transcript_answer
 from mlx_providers._llama_index_messages import (
     StreamChunks,
+    TokenLogProbs,
     chat_response,
     check_structured_chunk,
     completion_response,
     json_kwargs,
     keep_first_call,
+    llama_logprobs,
     parse_structured,
     to_engine_messages,
     tool_selections,
     tool_specs,
 )
+from mlx_providers._logprobs import RequestLogprobs
+from mlx_providers._sampling import call_sampling
 
 __all__ = ["MLXBatchLLM"]
 
@@ -88,10 +92,16 @@ _PER_CALL = (*SAMPLING_FIELDS, "constraint", "reasoning_budget", "repeat_answere
 @dataclass(frozen=True)
 class _Request:
     """Everything one engine submit needs, built (and validated) before submitting: the
-    engine's request value (converted once) and the call's timeout."""
+    engine's request value (converted once), the call's timeout, and its logprobs'
+    conversion (None throughout unless it asked for them)."""
 
     request: ChatRequest | TextRequest
     timeout: float | None
+    openai_logprobs: RequestLogprobs
+
+    def logprobs(self, completion: Completion) -> TokenLogProbs | None:
+        """The completion's logprobs as LlamaIndex's (None unless asked for)."""
+        return llama_logprobs(self.openai_logprobs(completion.logprobs))
 
     @property
     def forces_call(self) -> bool:
@@ -136,7 +146,8 @@ class MLXBatchLLM(FunctionCallingLLM):
 
     ``model`` is a local mlx-lm/HF directory, a ``.gguf`` file, a hub id, or None for the
     default model. All instances for one model share one engine (also with LangChain's
-    ``ChatMLXBatch``). Sampling fields are defaults; every call may override them, and
+    ``ChatMLXBatch``). Sampling fields are defaults (``logprobs``/``top_logprobs`` among
+    them: they fill a response's ``logprobs``); every call may override them, and
     may also pass ``constraint`` (an engine ``JsonSchema``/``JsonObject``/``Regex``/
     ``LarkGrammar``), ``timeout``, ``tools``, ``tool_choice``, ``parallel_tool_calls`` and
     ``chat_template_kwargs``. Structured output (``structured_predict``,
@@ -159,6 +170,13 @@ class MLXBatchLLM(FunctionCallingLLM):
     timeout: float | None = Field(
         default=None, gt=0, allow_inf_nan=False,
         description="Seconds before a request is cancelled with an error.")
+    logprobs: bool = Field(
+        default=False, description="Each generated token's log-probability in the "
+        "response's logprobs: one list per token, the chosen token first, then its "
+        "top_logprobs alternatives (streamed responses: every token's so far).")
+    top_logprobs: int = Field(
+        default=0, description="With logprobs, this many most likely alternatives per "
+        "token (0-20).")
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra chat-template variables (e.g. enable_thinking).")
     reasoning_budget: int | None = Field(
@@ -224,7 +242,7 @@ class MLXBatchLLM(FunctionCallingLLM):
 
     def _sampling(self, kwargs: Mapping[str, Any]) -> SamplingParams:
         """The fields' sampling settings with this call's overrides (validated)."""
-        settings = {name: kwargs.get(name, getattr(self, name)) for name in SAMPLING_FIELDS}
+        settings = call_sampling(self, kwargs, SAMPLING_FIELDS)
         constraint = kwargs.get("constraint")
         if constraint is None and self.output_cls is not None:
             constraint = json_kwargs(self.output_cls, None)["constraint"]
@@ -258,13 +276,14 @@ class MLXBatchLLM(FunctionCallingLLM):
         if template:
             options["chat_template_kwargs"] = template
         params = self._sampling(kwargs)
+        logprobs = RequestLogprobs(self._engine, params.logprobs)
         if isinstance(prompt, str):
-            return _Request(_text_request(prompt, params, options), options["timeout"])
+            return _Request(_text_request(prompt, params, options), options["timeout"], logprobs)
         chat = ChatRequest.from_openai(
             prompt, params, tools=options.get("tools"), tool_choice=options.get("tool_choice"),
             parallel_tool_calls=options.get("parallel_tool_calls", True),
             chat_template_kwargs=options.get("chat_template_kwargs"))
-        return _Request(chat, options["timeout"])
+        return _Request(chat, options["timeout"], logprobs)
 
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: Mapping[str, Any]) -> _Request:
         """A request for chat messages (rendered by the model's chat template)."""
@@ -291,19 +310,21 @@ class MLXBatchLLM(FunctionCallingLLM):
         """One assistant turn (answer, reasoning as a ThinkingBlock, tool calls as blocks)."""
         request = self._chat_request(messages, kwargs)
         completion = request.checked(_wait(self._submit(request)))
-        return chat_response(completion, self.model_name)
+        return chat_response(completion, self.model_name, logprobs=request.logprobs(completion))
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Continue raw text (no chat template)."""
-        completion = _wait(self._submit(self._completion_request(prompt, formatted, kwargs)))
-        return completion_response(completion, self.model_name)
+        request = self._completion_request(prompt, formatted, kwargs)
+        completion = _wait(self._submit(request))
+        return completion_response(completion, self.model_name,
+                                   logprobs=request.logprobs(completion))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         """Chunks with ``delta`` and the text so far; the request starts at first ``next``."""
         request = self._chat_request(messages, kwargs)
-        chunks = StreamChunks(self.model_name, request.checked)
+        chunks = StreamChunks(self.model_name, request.checked, request.openai_logprobs)
         return _chunks(lambda: self._submit(request), chunks.chat)
 
     @llm_completion_callback()
@@ -311,7 +332,8 @@ class MLXBatchLLM(FunctionCallingLLM):
                         **kwargs: Any) -> CompletionResponseGen:
         """Completion chunks; the request starts at first ``next``."""
         request = self._completion_request(prompt, formatted, kwargs)
-        return _chunks(lambda: self._submit(request), StreamChunks(self.model_name).completion)
+        chunks = StreamChunks(self.model_name, logprobs=request.openai_logprobs)
+        return _chunks(lambda: self._submit(request), chunks.completion)
 
     # ----- chat and completion, async (native: the event loop never blocks) ------------
 
@@ -320,21 +342,23 @@ class MLXBatchLLM(FunctionCallingLLM):
         """Await one assistant turn; cancelling the awaiting task evicts the row."""
         request = self._chat_request(messages, kwargs)
         completion = request.checked(await self._submit(request).aresult())
-        return chat_response(completion, self.model_name)
+        return chat_response(completion, self.model_name, logprobs=request.logprobs(completion))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False,
                         **kwargs: Any) -> CompletionResponse:
         """Await a raw-text continuation; cancelling the awaiting task evicts the row."""
-        handle = self._submit(self._completion_request(prompt, formatted, kwargs))
-        return completion_response(await handle.aresult(), self.model_name)
+        request = self._completion_request(prompt, formatted, kwargs)
+        completion = await self._submit(request).aresult()
+        return completion_response(completion, self.model_name,
+                                   logprobs=request.logprobs(completion))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage],
                            **kwargs: Any) -> ChatResponseAsyncGen:
         """An async generator of chunks; the request starts at its first iteration."""
         request = self._chat_request(messages, kwargs)
-        chunks = StreamChunks(self.model_name, request.checked)
+        chunks = StreamChunks(self.model_name, request.checked, request.openai_logprobs)
         return _achunks(lambda: self._submit(request), chunks.chat)
 
     @llm_completion_callback()
@@ -342,7 +366,8 @@ class MLXBatchLLM(FunctionCallingLLM):
                                **kwargs: Any) -> CompletionResponseAsyncGen:
         """An async generator of completion chunks; the request starts at first iteration."""
         request = self._completion_request(prompt, formatted, kwargs)
-        return _achunks(lambda: self._submit(request), StreamChunks(self.model_name).completion)
+        chunks = StreamChunks(self.model_name, logprobs=request.openai_logprobs)
+        return _achunks(lambda: self._submit(request), chunks.completion)
 
     # ----- tools ----------------------------------------------------------------------
 

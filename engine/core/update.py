@@ -110,7 +110,11 @@ def take_token(row: Row, out: RowToken, now: float) -> Ending | StreamEvent | No
                 reason = FinishReason.STOP
         except Exception as exc:  # fails this row's consumer only
             return Ending(row, FinishReason.ERROR, exc)
-    logprobs = (out.logprob,) if out.logprob is not None else None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    if out.logprob is not None:  # asked for; a stop token is no output, so, like its
+        # text, its logprob is in neither the event nor the completion: a stream's
+        # logprobs add up to the completion's.
+        logprobs = (out.logprob,) if ids else ()
     if reason is None:
         return row.event(delta, ids, logprobs)
     tail = row.text.finish()  # text held back for stop strings is real output now

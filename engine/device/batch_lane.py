@@ -43,7 +43,7 @@ from engine.core.lane import LaneRow, LaneStep, RowToken
 from engine.core.prefill_planner import HeadKey, PrefillPlanner, cluster_heads
 from engine.device.first_tokens import FirstToken, Sampler, SamplerTap
 from engine.device.forced_spans import forward_spans, spans_supported
-from engine.device.logprobs import forced_logprob, token_logprob
+from engine.device.logprobs import forced_logprob, token_logprob, token_logprobs
 from engine.device.prefix_reuse import PrefixReuse
 from engine.device.rejoin import decoding, direct_join_supported, join_decoding, next_inputs
 from engine.device.row_cache import copied, trims_exactly
@@ -323,6 +323,7 @@ class BatchLane:
             elif prompt_response.end_of_prompt and self.reuse.snapshots:
                 self._snapshot_prompt(prompt_response.uid)
         decoded: list[int] = []  # rows whose token came from the generator's decode
+        sampled: list[tuple[_BatchRow, int, Any]] = []  # row, token, the logits it read
         for response in responses:
             request_id = self._uid_to_request.get(response.uid)
             row = None
@@ -344,17 +345,18 @@ class BatchLane:
                         f"first token read early as {reported}, generated as {token}")
                 continue
             decoded.append(row.row.request_id)
-            result.tokens.append(RowToken(
-                row.row.request_id, token,
-                token_logprob(row.row.params, token, response.logprobs),
-                grammar_done=row.grammar is not None and row.grammar.done))
+            sampled.append((row, token, response.logprobs))
         for row, first in firsts:
-            request_id = row.row.request_id
-            self._planner.first_token(request_id)
-            self._early[request_id] = first.token
-            result.tokens.append(RowToken(
-                request_id, first.token,
-                token_logprob(row.row.params, first.token, first.logprobs)))
+            self._planner.first_token(row.row.request_id)
+            self._early[row.row.request_id] = first.token
+            sampled.append((row, first.token, first.logprobs))
+        # Every asking row's logprobs in one read of the device (not one per row).
+        logprobs = token_logprobs([row.row.params for row, _, _ in sampled],
+                                  [token for _, token, _ in sampled],
+                                  [values for _, _, values in sampled])
+        for (row, token, _), logprob in zip(sampled, logprobs):
+            done = row.grammar is not None and row.grammar.done  # first tokens: no grammar
+            result.tokens.append(RowToken(row.row.request_id, token, logprob, grammar_done=done))
         for produced in result.tokens:
             self._rows[produced.request_id].output.append(produced.token)
         if self.fast_forward:
@@ -601,14 +603,16 @@ class BatchLane:
                     layer.trim(1)
                 history, pending = history[:-1], history[-1]
             else:
-                pending = chosen[uid]
+                pending, logprobs = chosen[uid]
                 try:
                     if grammar is not None:
                         grammar.consume(pending)
                 except Exception as exc:  # the row's own grammar: it fails alone
                     row.failure = exc
-                result.tokens.append(RowToken(row.row.request_id, pending, grammar_done=(
-                    grammar is not None and row.failure is None and grammar.done)))
+                result.tokens.append(RowToken(
+                    row.row.request_id, pending,
+                    token_logprob(row.row.params, pending, logprobs),
+                    grammar_done=grammar is not None and row.failure is None and grammar.done))
                 row.output.append(pending)
             self._speculating[row.row.request_id] = SpeculatingRow(
                 row.row, cache, history, pending, row.shadow.acceptance, trims=self._trims,

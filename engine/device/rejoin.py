@@ -71,13 +71,15 @@ def join_decoding(generator: BatchGenerator, caches: Sequence[Sequence[Any]],
     return uids
 
 
-def next_inputs(generator: BatchGenerator, uids: Sequence[int]) -> dict[int, int]:
-    """The token each decoding row's next step would feed: the generator sampled it in
-    the step that returned the row's last token (mlx-lm runs one step ahead)."""
+def next_inputs(generator: BatchGenerator,
+                uids: Sequence[int]) -> dict[int, tuple[int, mx.array]]:
+    """The token each decoding row's next step would feed, and the logprobs it was chosen
+    from: the generator sampled it in the step that returned the row's last token (mlx-lm
+    runs one step ahead)."""
     batch = generator._generation_batch
     index = {uid: i for i, uid in enumerate(batch.uids)}
     chosen: list[int] = batch._next_tokens.tolist()
-    return {uid: int(chosen[index[uid]]) for uid in uids}
+    return {uid: (int(chosen[index[uid]]), batch._next_logprobs[index[uid]]) for uid in uids}
 
 
 def decoding(generator: BatchGenerator, uid: int) -> bool:

@@ -22,6 +22,10 @@ Constrained rows speculate too: the tokens their grammar forces lead the draft, 
 prompt-lookup part is cut where the grammar would refuse it (llguidance's
 ``validate_tokens``), each position's logits are masked as decoding would mask them,
 and the matcher is rolled back to what the model accepted.
+
+Rows that ask for logprobs speculate as well: each kept token's logprob is read from the
+(masked) logits of the position that chose it, as decoding reads it from its step's; a
+forced token's is 0 (``forced_logprob``), as fast-forward reports it.
 """
 
 from __future__ import annotations
@@ -34,9 +38,12 @@ import numpy as np
 
 from engine.core.drafts import Acceptance, lookup_draft
 from engine.core.lane import LaneRow, RowToken
+from engine.device.logprobs import forced_logprob, token_logprobs
 from engine.device.row_cache import Rollback, trimmed
 from engine.device.sampling import unpack_bitmask
 from engine.requests.constraints.grammar import RowGrammar
+from engine.requests.inbound.sampling import SamplingParams
+from engine.requests.outbound.results import TokenLogprob
 
 # Tokens drafted per check. Measured here (SmolLM2-135M f32, 2 cores): a one-token
 # forward ~85 ms, seven tokens ~150 ms, so a check pays from about one accepted token.
@@ -75,21 +82,23 @@ class SpeculatingRow:
 
 def eligible(row: LaneRow) -> bool:
     """Rows whose next token is the plain (or grammar-masked) argmax: nothing else changes
-    the logits, and no logprobs are asked for."""
+    the logits (logprobs, when asked for, are read from the same logits)."""
     params = row.params
     return (params.greedy and not params.logits_processors
-            and params.repetition_penalty is None and not params.logprobs)
+            and params.repetition_penalty is None)
 
 
 def speculate(model: Any, spec: SpeculatingRow, budget: int) -> list[RowToken]:
     """One step of one row: feed what it has decided and a draft, keep what the model
     agrees with and the model's own next token (at most ``budget`` tokens in all)."""
     request_id = spec.row.request_id
+    params = spec.row.params
     grammar = spec.grammar
     if grammar is not None and grammar.done:
         return []  # its last token completed the grammar: the row ends on it
     forced = _forced(grammar, budget - 1)
-    out = [RowToken(request_id, token, forced=True, grammar_done=done)
+    out = [RowToken(request_id, token, forced_logprob(params, token), forced=True,
+                    grammar_done=done)
            for token, done in forced]
     if forced and forced[-1][1]:
         return out  # the grammar is complete: the row ends on its last forced token
@@ -103,7 +112,8 @@ def speculate(model: Any, spec: SpeculatingRow, budget: int) -> list[RowToken]:
     checked = len(spec.backlog) + len(span)  # logits from here on choose tokens
     mark = None if spec.trims or not draft else Rollback.of(spec.cache)
     logits = model(mx.array([fed]), cache=spec.cache)[0, checked:]
-    choices = _choices(logits, grammar, draft, spec.words)
+    scores = _masked(logits, grammar, draft, spec.words)
+    choices: list[int] = mx.argmax(scores, axis=-1).tolist()  # type: ignore[assignment]
     accepted = 0
     while accepted < len(draft) and choices[accepted] == draft[accepted]:
         accepted += 1
@@ -121,8 +131,9 @@ def speculate(model: Any, spec: SpeculatingRow, budget: int) -> list[RowToken]:
         spec.history += known
         spec.backlog = []
     spec.pending = kept[-1]
-    return out + [RowToken(request_id, token, drafted=i < accepted, grammar_done=done)
-                  for i, (token, done) in enumerate(zip(kept, done_after))]
+    logprobs = _logprobs(params, scores, kept)
+    return out + [RowToken(request_id, token, logprob, drafted=i < accepted, grammar_done=done)
+                  for i, (token, done, logprob) in enumerate(zip(kept, done_after, logprobs))]
 
 
 def _forced(grammar: RowGrammar | None, limit: int) -> list[tuple[int, bool]]:
@@ -137,16 +148,17 @@ def _forced(grammar: RowGrammar | None, limit: int) -> list[tuple[int, bool]]:
     return span
 
 
-def _choices(logits: mx.array, grammar: RowGrammar | None, draft: list[int],
-             words: int) -> list[int]:
-    """The greedy choice at each checked position, masked as decoding would mask it.
+def _masked(logits: mx.array, grammar: RowGrammar | None, draft: list[int],
+            words: int) -> mx.array:
+    """Each checked position's logits, masked as decoding would mask them (the greedy
+    choice is their argmax).
 
     A constrained row's mask at position ``i`` is its matcher's after the first ``i``
     draft tokens: they are consumed to fill it, then rolled back (the caller consumes
     what was accepted).
     """
     if grammar is None:
-        return mx.argmax(logits, axis=-1).tolist()  # type: ignore[return-value]
+        return logits
     bitmask = np.zeros((len(draft) + 1, words), dtype=np.int32)
     mark = grammar.mark()
     for i in range(len(draft) + 1):
@@ -155,8 +167,18 @@ def _choices(logits: mx.array, grammar: RowGrammar | None, draft: list[int],
             grammar.consume(draft[i])
     grammar.rollback(mark)
     allowed = unpack_bitmask(bitmask, logits.shape[-1])
-    masked = mx.where(allowed, logits[: len(draft) + 1], -mx.inf)
-    return mx.argmax(masked, axis=-1).tolist()  # type: ignore[return-value]
+    return mx.where(allowed, logits[: len(draft) + 1], -mx.inf)
+
+
+def _logprobs(params: SamplingParams, scores: mx.array,
+              kept: list[int]) -> list[TokenLogprob | None]:
+    """The kept tokens' logprobs, each from the position that chose it, normalised as the
+    decoding step normalises its logits; None for each when none were asked for."""
+    if not params.logprobs:
+        return [None] * len(kept)
+    rows = scores[: len(kept)]
+    normalised = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    return token_logprobs([params] * len(kept), kept, [normalised[i] for i in range(len(kept))])
 
 
 def _consume(grammar: RowGrammar | None, tokens: list[int]) -> list[bool]:

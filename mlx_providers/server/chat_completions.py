@@ -17,21 +17,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from engine import (
     Completion,
     FinishReason,
     StreamEvent,
-    TokenLogprob,
+    TokenText,
     ToolCall,
     ToolCallDelta,
     Usage,
+    openai_logprobs,
 )
 from mlx_providers.server.errors import from_engine
-
-TokenText = Callable[[int], str]  # token id -> its text (for logprobs)
 
 
 def new_id(prefix: str) -> str:
@@ -77,22 +76,6 @@ def tool_call_delta_dict(delta: ToolCallDelta) -> dict[str, Any]:
     return out
 
 
-def logprobs_dict(logprobs: Sequence[TokenLogprob] | None,
-                  token_text: TokenText) -> dict[str, Any] | None:
-    """OpenAI's ``logprobs.content`` for some tokens (None when none were asked for)."""
-    if logprobs is None:
-        return None
-
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {"content": [
-        {**entry(lp.token_id, lp.logprob),
-         "top_logprobs": [entry(tid, value) for tid, value in lp.top]}
-        for lp in logprobs]}
-
-
 class ChatCompletionShaper:
     """Builds one request's response objects; ids and ``created`` are fixed per request."""
 
@@ -116,7 +99,7 @@ class ChatCompletionShaper:
         if completion.reasoning:
             message.update(reasoning_fields(completion.reasoning))
         choice = {"index": 0, "message": message,
-                  "logprobs": logprobs_dict(completion.logprobs, self._token_text)
+                  "logprobs": openai_logprobs(completion.logprobs, self._token_text)
                   if self._logprobs else None,
                   "finish_reason": finish_reason(completion.finish_reason)}
         return {"id": self.id, "object": "chat.completion", "created": self.created,
@@ -140,7 +123,7 @@ class ChatCompletionShaper:
     def event_chunks(self, event: StreamEvent) -> list[dict[str, Any]]:
         """The chunks one engine event becomes (the final event adds calls, finish, usage)."""
         chunks: list[dict[str, Any]] = []
-        logprobs = (logprobs_dict(event.logprobs, self._token_text)
+        logprobs = (openai_logprobs(event.logprobs, self._token_text)
                     if self._logprobs and event.logprobs else None)
         if event.reasoning:
             chunks.append(self.chunk(reasoning_fields(event.reasoning)))

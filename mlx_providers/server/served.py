@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from engine import Engine
+from engine import Engine, TokenText, token_texts
 from mlx_providers.server.errors import APIError
 
 
@@ -93,12 +93,12 @@ class ServedModel:
         return self.admission.admit()
 
     @cached_property
-    def _tokenizer(self) -> Any:
-        return self.engine.tokenizer
+    def _token_text(self) -> TokenText:
+        return token_texts(self.engine.tokenizer)
 
     def token_text(self, token_id: int) -> str:
-        """A token's text, for logprobs."""
-        return str(self._tokenizer.decode([token_id]))
+        """A token's text, for logprobs (``engine.token_texts``: decoded once per id)."""
+        return self._token_text(token_id)
 
 
 class ServedModels:

@@ -36,3 +36,17 @@ def test_make_bench_runs_and_prints_its_tables(tiny_model_dir: Path) -> None:
     assert "\n| 1 | " in out and "\n| 2 | " in out, out[-2000:]
     # blas: the reference BLAS against the fast one, with the ratio.
     assert "matmul 16x256x256" in out and "fast/ref" in out, out[-2000:]
+
+
+def test_the_logprobs_bench_runs_small_and_prints_its_table(tiny_model_dir: Path) -> None:
+    # PYTHONPATH: this checkout's packages, whichever one the interpreter installed.
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "logprobs.py"), "--model", str(tiny_model_dir),
+         "--rows", "2", "--tokens", "4", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    out = done.stdout
+    assert "| rows | mode | tokens | decode tok/s | vs no logprobs |" in out, out[-2000:]
+    for mode in ("no logprobs", "logprobs", "top_logprobs=5"):
+        assert f"| 2 | {mode} | 8 | " in out, out[-2000:]

@@ -29,6 +29,7 @@ from testkit.cache_kinds import CONFIGS, build_cache_kind_model
 from tests.conftest import greedy, prompts_of_lengths, request_for
 from tests.engine.test_engine_tools import ASK, CLOCK
 from tests.engine.test_fast_forward import NESTED
+from tests.engine.test_logprobs import close
 from tests.unit.test_tools import WEATHER
 
 KINDS = list(CONFIGS)
@@ -127,6 +128,26 @@ def test_rejected_drafts_roll_back_exactly(pair: Pair, monkeypatch: pytest.Monke
     array = greedy(120, constraint=JsonSchema(ITEMS))
     assert tokens(pair.on, "list", array) == tokens(pair.off, "list", array)
     assert checks[0] > 0
+
+
+def test_logprobs_are_those_of_decoding_with_every_speed_up_on(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every drafting row checks (rejected drafts trimmed or rolled back); a state cache's
+    # row enters speculation with the token the batch already chose, and its logprob.
+    monkeypatch.setattr(batch_lane, "ACCEPTANCE_FLOOR", 0.0)
+    before = pair.on.stats().drafted_tokens
+    repeated = [*(part * 4 for part in prompts_of_lengths(pair.on, [6, 6], seed=3)),
+                *([token] * 16 for token in prompts_of_lengths(pair.on, [6], seed=1)[0])]
+    asks: list[tuple[Any, SamplingParams]] = [
+        *((prompt, greedy(40, ignore_eos=True, logprobs=True, top_logprobs=2))
+          for prompt in repeated),
+        ("list", greedy(120, constraint=JsonSchema(ITEMS), logprobs=True, top_logprobs=2))]
+    for prompt, params in asks:
+        fast = pair.on.submit(request_for(prompt, params)).result(timeout=120)
+        slow = pair.off.submit(request_for(prompt, params)).result(timeout=120)
+        assert fast.token_ids == slow.token_ids
+        close(fast.logprobs, slow.logprobs)
+    assert pair.on.stats().drafted_tokens > before
 
 
 def test_a_second_turn_reads_the_first_turns_prompt_from_the_store(pair: Pair) -> None:

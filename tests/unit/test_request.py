@@ -32,3 +32,11 @@ def test_sampling_params_normalise_sequences() -> None:
 def test_bad_engine_config_is_a_value_error_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_top_logprobs_without_logprobs_is_refused_naming_it() -> None:
+    # OpenAI's rule: alternatives come only with the chosen tokens' logprobs.
+    with pytest.raises(ValueError, match=r"SamplingParams\.top_logprobs needs logprobs=True"):
+        SamplingParams(top_logprobs=3)
+    assert SamplingParams(logprobs=True, top_logprobs=20).top_logprobs == 20
+    assert not SamplingParams(top_logprobs=0).logprobs

@@ -70,8 +70,8 @@ class FakeDetokenizer:
 
 def make_row(request_id: int = 1, *, max_tokens: int = 10, stop: tuple[str, ...] = (),
              on_token: TokenCallback | None = None,
-             stop_ids: frozenset[int] = frozenset({EOS})) -> Row:
-    params = SamplingParams(max_tokens=max_tokens, stop=stop)
+             stop_ids: frozenset[int] = frozenset({EOS}), logprobs: bool = False) -> Row:
+    params = SamplingParams(max_tokens=max_tokens, stop=stop, logprobs=logprobs)
     row = Row(request_id, TextRequest("hi", params), RequestStream(), on_token,
               submitted_at=0.0, deadline=None, status=RequestStatus.PREFILLING)
     row.prepared = PreparedRequest([100, 101, 102], params, stop_ids)
@@ -146,6 +146,18 @@ def test_logprobs_ride_on_the_event_and_are_kept_on_the_row() -> None:
     outcome = update({1: row}, step(RowToken(1, 1, logprob)), now=1.0)
     assert outcome.events[0][1].logprobs == (logprob,)
     assert row.logprobs == [logprob]
+
+
+def test_a_stop_tokens_logprob_is_in_neither_the_last_event_nor_the_completion() -> None:
+    # The stop token is no output: a stream's logprobs must add up to the completion's.
+    row = make_row(logprobs=True)
+    first = TokenLogprob(1, -0.25)
+    update({1: row}, step(RowToken(1, 1, first)), now=1.0)
+    ending = only_ending(update({1: row}, step(RowToken(1, EOS, TokenLogprob(EOS, -0.5))),
+                                now=2.0))
+    assert ending.reason is FinishReason.STOP and ending.logprobs == ()
+    event, completion = finished(row, ending)
+    assert event.logprobs == () and completion.logprobs == (first,)
 
 
 def test_take_token_returns_the_event_for_a_plain_token() -> None:

@@ -22,7 +22,7 @@ from engine.requests.inbound.tool_specs import ToolSpec, normalize_tool_choice, 
 # The sampling settings a face exposes as fields and per-call overrides, by their
 # ``SamplingParams`` names (``stop`` too): listed once, here, for every face.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                   "repetition_penalty", "seed", "stop")
+                   "repetition_penalty", "seed", "stop", "logprobs", "top_logprobs")
 
 
 class ToolChoiceView:
@@ -126,8 +126,7 @@ def sampling_from_openai(
     default_temperature: float = 0.0,
 ) -> SamplingParams:
     """``SamplingParams`` from OpenAI's names (a None temperature takes the default)."""
-    if top_logprobs and not logprobs:
-        raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    # top_logprobs without logprobs is refused by SamplingParams (naming top_logprobs).
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature if temperature is not None else default_temperature,

@@ -148,8 +148,13 @@ class SamplingParams:
                f"must be a bool, got {self.ignore_eos!r}")
         _check(isinstance(self.logprobs, bool), "logprobs",
                f"must be a bool, got {self.logprobs!r}")
-        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20, "top_logprobs",
-               f"must be an integer in [0, 20], got {self.top_logprobs!r}")
+        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+               "top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+               f"{self.top_logprobs!r}")
+        # OpenAI's rule: alternatives come with the chosen tokens' logprobs, never alone
+        # (asked alone, they would be computed and then dropped without a word).
+        _check(self.logprobs or not self.top_logprobs, "top_logprobs",
+               f"needs logprobs=True (got top_logprobs={self.top_logprobs} without it)")
         _check(all(callable(p) for p in self.logits_processors), "logits_processors",
                "must be callables (tokens, logits) -> logits")
         # mlx gets floats: an int such as 2**64 failed the batch step with every row in it.
@@ -185,6 +190,7 @@ class SamplingParams:
         return self.seed is not None and not self.greedy
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit, so a request valid here is valid there too
 _INT32 = 2**31  # mlx indexes and compares token ids and counts as 32-bit integers
 
 
