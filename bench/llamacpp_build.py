@@ -19,7 +19,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from engine.models.resolve import cache_dir
+from engine.models.user_cache import cache_dir
 
 LLAMA_CPP_PYTHON = "0.3.36"
 TOOLS = ("llama-batched-bench", "llama-server")

@@ -216,7 +216,7 @@ def main() -> None:
     if args.engine_child:
         engine_rates(args.engine_child, rows, args.tokens)
         return
-    from engine.models.resolve import default_model_gguf
+    from engine.models.default_model import default_model_gguf
 
     gguf = Path(args.gguf) if args.gguf else default_model_gguf()
     bin_dir = llamacpp_bin()

@@ -24,7 +24,7 @@ from engine import (
     TextRequest,
     TurnReport,
 )
-from engine.models.resolve import exclusive_lock
+from engine.models.user_cache import exclusive_lock
 from engine.requests.inbound.prompts import PromptRenderer
 from testkit.tiny_model import build_tiny_model
 

@@ -7,7 +7,8 @@
 
 The engine thread (engine/runtime/runtime.py, behind the public ``Engine``) owns the
 command queue, loading, embeddings and the stats snapshot; it hands this core accepted rows
-and cancellations and calls ``turn`` once per loop. Nothing here imports mlx: lanes are the ``Lane`` protocol.
+and cancellations and calls ``turn`` once per loop. Nothing here imports mlx: lanes are the
+``Lane`` protocol.
 """
 
 from __future__ import annotations

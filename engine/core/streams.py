@@ -1,126 +1,70 @@
 """The hand-off between the engine thread and a request's consumer (no mlx).
 
-The engine thread only appends events and wakes waiters without blocking: sync
-consumers wait on a condition variable, async consumers (asyncio or trio) on an
-event of their own loop that the engine sets through the loop's thread-safe call.
+The engine thread only appends events and wakes waiters without blocking
+(``engine.core.waiters``: sync consumers on a condition variable, asyncio and trio
+consumers through their own loop's thread-safe call).
 Leaving early (break, closing, task cancellation, garbage collection) cancels.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
 
-import sniffio
-
+from engine.core.waiters import Waiters, is_cancellation
 from engine.requests.outbound.results import Completion, StreamEvent
-
-
-def async_waiter() -> tuple[Callable[[], Any], Callable[[], None]]:
-    """An awaitable wait on the running loop and a notify callable for any thread."""
-    library = sniffio.current_async_library()
-    if library == "trio":
-        import trio
-
-        trio_event = trio.Event()
-        token = trio.lowlevel.current_trio_token()
-
-        def notify_trio() -> None:
-            try:
-                token.run_sync_soon(trio_event.set)
-            except trio.RunFinishedError:
-                pass
-
-        return trio_event.wait, notify_trio
-    loop = asyncio.get_running_loop()
-    asyncio_event = asyncio.Event()
-
-    def notify_asyncio() -> None:
-        try:
-            loop.call_soon_threadsafe(asyncio_event.set)
-        except RuntimeError:  # the consumer's loop is closed: nobody is waiting
-            pass
-
-    return asyncio_event.wait, notify_asyncio
 
 
 class RequestStream:
     """Events of one request, produced on the engine thread, consumed anywhere."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)
+        self._waiters = Waiters()
         self._events: deque[StreamEvent] = deque()
-        self._notifiers: list[Callable[[], None]] = []
-        self._sync_waiters = 0  # notify the condition only when someone waits on it
         self._completion: Completion | None = None
         self._error: BaseException | None = None
-        self._finished = threading.Event()
+        self._finished = False
 
     @property
     def finished(self) -> bool:
-        return self._finished.is_set()
+        return self._finished
 
     def publish(self, event: StreamEvent, completion: Completion | None = None) -> None:
         """Append an event (engine thread). A final event must come with its completion."""
-        with self._lock:
-            if self._finished.is_set():
+        with self._waiters.changing():
+            if self._finished:
                 return
             self._events.append(event)
             if event.is_final:
                 self._completion = completion
                 self._error = event.error
-                self._finished.set()
-            notifiers, self._notifiers = self._notifiers, []
-            if self._sync_waiters:
-                self._ready.notify_all()
-        for notify in notifiers:
-            notify()
+                self._finished = True
 
     def next_event(self, timeout: float | None = None) -> StreamEvent | None:
         """Block until an event is available; None when the stream is exhausted."""
-        with self._lock:
-            while not self._events:
-                if self._finished.is_set():
-                    return None
-                self._sync_waiters += 1
-                try:
-                    woken = self._ready.wait(timeout)
-                finally:
-                    self._sync_waiters -= 1
-                if not woken:
-                    raise TimeoutError("no event within the wait timeout")
-            return self._events.popleft()
+        return self._waiters.wait(self._has_news, self._take_event, timeout,
+                                  "no event within the wait timeout")
 
     async def anext_event(self) -> StreamEvent | None:
         """Await the next event without blocking the event loop."""
-        while True:
-            with self._lock:
-                if self._events:
-                    return self._events.popleft()
-                if self._finished.is_set():
-                    return None
-                wait, notify = async_waiter()
-                self._notifiers.append(notify)
-            await wait()
+        return await self._waiters.wait_async(self._has_news, self._take_event)
 
     def wait_completion(self, timeout: float | None = None) -> Completion:
-        if not self._finished.wait(timeout):
-            raise TimeoutError("the request did not finish within the wait timeout")
-        return self._final()
+        return self._waiters.wait(self._is_finished, self._final, timeout,
+                                  "the request did not finish within the wait timeout")
 
     async def await_completion(self) -> Completion:
-        while not self._finished.is_set():
-            with self._lock:
-                if self._finished.is_set():
-                    break
-                wait, notify = async_waiter()
-                self._notifiers.append(notify)
-            await wait()
-        return self._final()
+        return await self._waiters.wait_async(self._is_finished, self._final)
+
+    def _has_news(self) -> bool:
+        return bool(self._events) or self._finished
+
+    def _is_finished(self) -> bool:
+        return self._finished
+
+    def _take_event(self) -> StreamEvent | None:
+        return self._events.popleft() if self._events else None
 
     def _final(self) -> Completion:
         if self._error is not None:
@@ -172,12 +116,6 @@ class RequestHandle:
             if is_cancellation(exc):
                 self.cancel()
             raise
-
-
-def is_cancellation(exc: BaseException) -> bool:
-    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
-        return True
-    return type(exc).__name__ == "Cancelled" and type(exc).__module__.startswith("trio")
 
 
 def _raise_if_failed(event: StreamEvent) -> None:

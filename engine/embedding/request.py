@@ -8,9 +8,7 @@ drops its vectors when it was already running).
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from engine.core.streams import async_waiter, is_cancellation
+from engine.core.waiters import Waiters, is_cancellation
 from engine.errors import RequestCancelledError, RequestTimeoutError
 
 MAX_INPUTS = 2048  # per request, as OpenAI's embeddings endpoint allows
@@ -66,16 +64,15 @@ class EmbeddingRequest:
     model_name: str
     submitted_at: float
     deadline: float | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _waiters: Waiters = field(default_factory=Waiters, repr=False)
+    _finished: bool = field(default=False, repr=False)
     _result: Embeddings | None = field(default=None, repr=False)
     _error: BaseException | None = field(default=None, repr=False)
-    _notifiers: list[Callable[[], None]] = field(default_factory=list, repr=False)
     cancelled: bool = False
 
     @property
     def finished(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
@@ -83,14 +80,11 @@ class EmbeddingRequest:
     def finish(self, result: Embeddings | None = None,
                error: BaseException | None = None) -> bool:
         """Set the outcome once (any thread); False when it was already finished."""
-        with self._lock:
-            if self._done.is_set():
+        with self._waiters.changing():
+            if self._finished:
                 return False
             self._result, self._error = result, error
-            self._done.set()
-            notifiers, self._notifiers = self._notifiers, []
-        for notify in notifiers:
-            notify()
+            self._finished = True
         return True
 
     def cancel(self, error: BaseException | None = None) -> bool:
@@ -109,14 +103,17 @@ class EmbeddingRequest:
         assert self._result is not None
         return self._result
 
+    def wait(self, timeout: float | None) -> None:
+        """Block until finished; ``TimeoutError`` when ``timeout`` seconds pass first."""
+        self._waiters.wait(self._is_finished, lambda: None, timeout,
+                           "the embeddings were not ready within the wait timeout")
+
     async def wait_async(self) -> None:
-        while not self._done.is_set():
-            with self._lock:
-                if self._done.is_set():
-                    break
-                wait, notify = async_waiter()
-                self._notifiers.append(notify)
-            await wait()
+        """Await the request's end without blocking the event loop."""
+        await self._waiters.wait_async(self._is_finished, lambda: None)
+
+    def _is_finished(self) -> bool:
+        return self._finished
 
 
 class EmbeddingHandle:
@@ -147,11 +144,12 @@ class EmbeddingHandle:
         if request.deadline is not None:
             left = max(0.0, request.deadline - time.monotonic())
             wait = left if wait is None else min(wait, left)
-        if not request._done.wait(wait):
-            if request.expired(time.monotonic()):
-                request.time_out()
-            else:
-                raise TimeoutError("the embeddings were not ready within the wait timeout")
+        try:
+            request.wait(wait)
+        except TimeoutError:
+            if not request.expired(time.monotonic()):
+                raise
+            request.time_out()  # its own deadline passed: the request's error, not ours
         return request.outcome()
 
     async def aresult(self) -> Embeddings:

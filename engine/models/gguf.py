@@ -461,7 +461,7 @@ def convert_gguf(
     the dtype of every floating tensor written: weights, scales, biases and norms.
 
     ``out_dir`` is created if needed and written in place; callers wanting atomicity write
-    into a temporary directory and rename it (see ``engine.models.resolve``).
+    into a temporary directory and rename it (see ``engine.models.user_cache``).
     Raises ``UnsupportedModelError`` before reading any weights if the file can't be mapped.
     """
     from engine.device.weights import save_weights

@@ -21,7 +21,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.models.resolve import cache_dir, exclusive_lock
+from engine.models.user_cache import cache_dir, exclusive_lock
 
 LLAMA_CPP_REQUIREMENT = "llama-cpp-python==0.3.36"
 MISTRAL_COMMON_REQUIREMENT = "mistral-common==1.13.1"

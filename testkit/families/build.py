@@ -129,7 +129,7 @@ def family_model_key(family: Family) -> str:
 def built_family_model(family: Family, root: Path) -> Path:
     """The family's model under ``root``, built once and published by rename (a crashed
     build never looks finished; a changed catalog or template builds a new one)."""
-    from engine.models.resolve import exclusive_lock
+    from engine.models.user_cache import exclusive_lock
 
     out = root / "families" / family_model_key(family)
     if (out / "config.json").is_file():

