@@ -37,7 +37,13 @@ from engine.models import resolve_model
 from engine.models.declared import DeclaredModel, declared_model
 from engine.models.embedding_model import DEFAULT_EMBEDDING_NAME, embedding_model_name
 from engine.registry import get_embedding_engine, get_engine
-from engine.requests.inbound.chat import SAMPLING_FIELDS, ChatRequest, sampling_from_openai
+from engine.requests.inbound.chat import (
+    REQUEST_OPTIONS,
+    SAMPLING_FIELDS,
+    ChatRequest,
+    sampling_from_openai,
+    sampling_from_options,
+)
 from engine.requests.inbound.messages import Message, MessageToolCall, messages_from_openai
 from engine.requests.inbound.output_constraint import (
     Constraint,
@@ -62,6 +68,7 @@ from engine.runtime.follower import distributed_rank, follow
 
 __all__ = [
     "DEFAULT_EMBEDDING_NAME",
+    "REQUEST_OPTIONS",
     "SAMPLING_FIELDS",
     "ChatRequest",
     "Completion",
@@ -126,5 +133,6 @@ __all__ = [
     "openai_logprobs",
     "resolve_model",
     "sampling_from_openai",
+    "sampling_from_options",
     "token_texts",
 ]

@@ -1,6 +1,6 @@
 """A face's sampling settings for one call: its fields, with the call's overrides.
 
-Both faces expose the engine's ``SAMPLING_FIELDS`` as fields (defaults) and as per-call
+Both faces expose the engine's ``REQUEST_OPTIONS`` as fields (defaults) and as per-call
 keyword arguments; ``SamplingParams`` validates the result, naming the field.
 """
 

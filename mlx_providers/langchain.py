@@ -27,7 +27,7 @@ from langchain_core.runnables.config import get_config_list
 from pydantic import Field, field_validator, model_validator
 
 from engine import (
-    SAMPLING_FIELDS,
+    REQUEST_OPTIONS,
     ChatRequest,
     Completion,
     Engine,
@@ -62,13 +62,12 @@ from mlx_providers._sampling import call_sampling
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the engine loads for model=None
 # Standard LangChain arguments that mean nothing for an in-process model: accepted quietly.
 _REMOTE_ONLY = frozenset({"api_key", "base_url", "max_retries"})
-# The engine's sampling fields; LangChain passes ``stop`` as its own argument.
-_SAMPLING = tuple(name for name in SAMPLING_FIELDS if name != "stop")
+# The engine's request options, each a field and a per-call option; LangChain passes
+# ``stop`` as its own argument.
+_SAMPLING = tuple(name for name in REQUEST_OPTIONS if name != "stop")
 _REQUEST_KWARGS = frozenset({*_SAMPLING, "model", "timeout", "tools", "tool_choice",
                              "parallel_tool_calls", "response_format", "constraint",
-                             "reasoning", "reasoning_budget", "repeat_answered_calls",
-                             "tool_call_limit",
-                             "chat_template_kwargs",
+                             "reasoning", "chat_template_kwargs",
                              "raise_on_truncated_call",
                              "stream"})
 StructuredMethod = Literal["function_calling", "json_schema", "json_mode"]
@@ -478,13 +477,7 @@ class ChatMLXBatch(BaseChatModel):
         constraint = kwargs.get("constraint") or constraint_for(kwargs.get("response_format"))
         # As given: SamplingParams names a stop that is not text or a list of text.
         stops: Any = (stop if stop is not None else self.stop) or ()
-        params = SamplingParams(**sampling, stop=stops, constraint=constraint,
-                                reasoning_budget=kwargs.get("reasoning_budget",
-                                                            self.reasoning_budget),
-                                repeat_answered_calls=kwargs.get(
-                                    "repeat_answered_calls", self.repeat_answered_calls),
-                                tool_call_limit=kwargs.get("tool_call_limit",
-                                                           self.tool_call_limit))
+        params = SamplingParams(**sampling, stop=stops, constraint=constraint)
         # Bound tools were converted at bind time; tools passed per call (any LangChain
         # shape) are converted here, once.
         specs = tool_specs(kwargs["tools"]).specs if kwargs.get("tools") else ()

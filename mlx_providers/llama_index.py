@@ -46,7 +46,7 @@ from llama_index_instrumentation import get_dispatcher
 from pydantic import BaseModel
 
 from engine import (
-    SAMPLING_FIELDS,
+    REQUEST_OPTIONS,
     ChatRequest,
     Completion,
     Engine,
@@ -84,9 +84,8 @@ __all__ = ["MLXBatchLLM"]
 dispatcher = get_dispatcher(__name__)
 
 # Per-call keyword arguments: sampling overrides, then what the engine's submit takes.
-_PER_CALL = (*SAMPLING_FIELDS, "constraint", "reasoning_budget", "repeat_answered_calls",
-             "tool_call_limit",
-             "timeout", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
+_PER_CALL = (*REQUEST_OPTIONS, "constraint", "timeout", "tools", "tool_choice",
+             "parallel_tool_calls", "chat_template_kwargs")
 
 
 @dataclass(frozen=True)
@@ -242,17 +241,11 @@ class MLXBatchLLM(FunctionCallingLLM):
 
     def _sampling(self, kwargs: Mapping[str, Any]) -> SamplingParams:
         """The fields' sampling settings with this call's overrides (validated)."""
-        settings = call_sampling(self, kwargs, SAMPLING_FIELDS)
+        settings = call_sampling(self, kwargs, REQUEST_OPTIONS)
         constraint = kwargs.get("constraint")
         if constraint is None and self.output_cls is not None:
             constraint = json_kwargs(self.output_cls, None)["constraint"]
-        return SamplingParams(**settings, constraint=constraint,
-                              reasoning_budget=kwargs.get("reasoning_budget",
-                                                          self.reasoning_budget),
-                              repeat_answered_calls=kwargs.get(
-                                  "repeat_answered_calls", self.repeat_answered_calls),
-                              tool_call_limit=kwargs.get("tool_call_limit",
-                                                         self.tool_call_limit))
+        return SamplingParams(**settings, constraint=constraint)
 
     def _request(self, prompt: str | tuple[Message, ...], kwargs: Mapping[str, Any]) -> _Request:
         """A submit-ready request; unknown per-call options raise instead of being dropped."""

@@ -84,7 +84,7 @@ class WordTokenizer:
         return " ".join("w" * i for i in ids)
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity, as an engine is
 class ScriptedEngine:
     """Answers every submit from ``reply`` (a ``Reply``, or a function of the call)."""
 

@@ -3,7 +3,7 @@
 Pydantic models check the request's shape and types (their errors become 400s naming the
 parameter, see ``errors.from_validation``); messages, tools, tool choice and sampling
 values are read by the engine's one rulebook (``engine.messages_from_openai``,
-``engine.sampling_from_openai``), whose refusals name the field as every other door does.
+``body_sampling``), whose refusals name the field as every other door does.
 Unknown OpenAI parameters are accepted and ignored, as OpenAI-compatible servers do, so
 newer clients keep working.
 """
@@ -11,7 +11,6 @@ newer clients keep working.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -21,9 +20,9 @@ from engine import (
     Constraint,
     Message,
     messages_from_openai,
-    sampling_from_openai,
 )
 from mlx_providers.server.keep_alive import KeepAliveField
+from mlx_providers.server.request_options import body_sampling
 from mlx_providers.server.tool_options import engine_tools, output_constraint, tool_choice_name
 
 # The efforts both endpoints take (a template that reads one, gpt-oss's, gets it as is).
@@ -92,6 +91,10 @@ class ChatCompletionRequest(OpenModel):
     seed: int | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    # This server's, as vLLM's: sampling options OpenAI's API does not have.
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
@@ -147,15 +150,10 @@ def engine_request(request: ChatCompletionRequest, *, default_max_tokens: int,
     refuses what it must: ``InvalidRequestError`` naming the field)."""
     constraint = constraint_of(request.response_format)
     max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
-    params = sampling_from_openai(
-        max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-        seed=request.seed, stop=request.stop, logprobs=request.logprobs,
-        top_logprobs=request.top_logprobs, constraint=constraint,
-        default_temperature=default_temperature)
-    if request.reasoning_budget is not None:
-        params = replace(params, reasoning_budget=request.reasoning_budget)
-    params = replace(params, repeat_answered_calls=request.repeat_answered_calls,
-                     tool_call_limit=request.tool_call_limit)
+    temperature = (request.temperature if request.temperature is not None
+                   else default_temperature)
+    params = body_sampling(request, max_tokens=max_tokens, temperature=temperature,
+                           constraint=constraint)
     template = dict(request.chat_template_kwargs or {})
     if request.reasoning_effort is not None:
         template.setdefault("reasoning_effort", request.reasoning_effort)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import ChatRequest, StreamEvent, sampling_from_openai
+from engine import ChatRequest, StreamEvent
 from mlx_providers.server.context import ServerContext, read_json, validate
 from mlx_providers.server.errors import from_engine, not_found
 from mlx_providers.server.generation import Endpoint, serve
+from mlx_providers.server.request_options import body_sampling
 from mlx_providers.server.responses_events import ResponseTranslator
 from mlx_providers.server.responses_request import ResponsesRequest, messages_of
 
@@ -97,12 +97,8 @@ async def create_response(request: Request) -> Response:
     temperature = (req.temperature if req.temperature is not None
                    else ctx.settings.default_temperature)
     try:
-        params = sampling_from_openai(max_tokens=max_tokens, temperature=temperature,
-                                      top_p=req.top_p, constraint=req.constraint())
-        if req.reasoning_budget is not None:
-            params = replace(params, reasoning_budget=req.reasoning_budget)
-        params = replace(params, repeat_answered_calls=req.repeat_answered_calls,
-                         tool_call_limit=req.tool_call_limit)
+        params = body_sampling(req, max_tokens=max_tokens, temperature=temperature,
+                               constraint=req.constraint())
         spec = ChatRequest.from_openai(messages_of(items, req.instructions), params,
                                        tools=req.engine_tools(),
                                        tool_choice=req.engine_tool_choice(),

@@ -133,6 +133,13 @@ class ResponsesRequest(OpenModel):
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    # This server's: the sampling options chat completions take (no logprobs: Responses
+    # output carries none yet).
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     store: bool = True
     previous_response_id: str | None = None
     stream: bool = False

@@ -21,8 +21,26 @@ from engine.requests.inbound.tool_specs import ToolSpec, normalize_tool_choice, 
 
 # The sampling settings a face exposes as fields and per-call overrides, by their
 # ``SamplingParams`` names (``stop`` too): listed once, here, for every face.
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
-                   "repetition_penalty", "seed", "stop", "logprobs", "top_logprobs")
+# Every option a door passes to SamplingParams, by its SamplingParams name. A new option is
+# a SamplingParams field, a name here and a field at each door; tests/adapters/
+# test_request_options.py fails until every door passes it.
+REQUEST_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
+                   "repetition_penalty", "seed", "stop", "logprobs", "top_logprobs",
+                   "reasoning_budget", "repeat_answered_calls", "tool_call_limit")
+SAMPLING_FIELDS = REQUEST_OPTIONS  # the name before the agent options joined
+
+
+def sampling_from_options(options: Mapping[str, Any], **fixed: Any) -> SamplingParams:
+    """``SamplingParams`` from a door's options by name, a None value leaving the default
+    (``stop`` may be one string); ``fixed`` are the door's own (a constraint). Names that
+    are not ``REQUEST_OPTIONS`` raise ``TypeError``."""
+    unknown = sorted(set(options) - set(REQUEST_OPTIONS))
+    if unknown:
+        raise TypeError(f"not request options: {unknown}; they are {list(REQUEST_OPTIONS)}")
+    values = {name: value for name, value in options.items() if value is not None}
+    if isinstance(values.get("stop"), str):
+        values["stop"] = (values["stop"],)
+    return SamplingParams(**values, **fixed)
 
 
 class ToolChoiceView:

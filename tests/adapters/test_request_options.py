@@ -1,0 +1,101 @@
+"""Every door passes every request option: ``engine.REQUEST_OPTIONS`` is the one list.
+
+For each option, a value other than its default is set at each door (a LangChain field and
+a call option, a LlamaIndex field and a call option, a chat-completions body field, a
+Responses body field) and the ``SamplingParams`` that reaches the engine carries it. A new
+option added to ``REQUEST_OPTIONS`` fails here until every door takes it. No model: the
+scripted engine records what it was asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import pytest
+from langchain_core.messages import HumanMessage
+from starlette.testclient import TestClient
+
+from engine import REQUEST_OPTIONS, SamplingParams
+from mlx_providers import ChatMLXBatch, MLXBatchLLM
+from mlx_providers.server import create_app
+from tests.fake_engine import ScriptedEngine, scripted
+
+# A value other than the default for each option (reasoning_budget, tool_call_limit:
+# their default is None).
+VALUES: dict[str, Any] = {
+    "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
+    "repetition_penalty": 1.2, "seed": 11, "stop": ("END",), "logprobs": True,
+    "top_logprobs": 3, "reasoning_budget": 4, "repeat_answered_calls": True,
+    "tool_call_limit": 2,
+}
+# What a door names otherwise, and what it does not take (with why).
+WIRE = {"responses": {"max_tokens": "max_output_tokens"}}
+NOT_TAKEN = {"responses": {"logprobs", "top_logprobs"}}  # Responses output carries none yet
+
+
+def test_every_option_is_a_sampling_field_with_a_test_value() -> None:
+    names = {f.name for f in fields(SamplingParams)}
+    assert set(REQUEST_OPTIONS) <= names
+    assert set(VALUES) == set(REQUEST_OPTIONS), "give the new option a value here"
+    defaults = SamplingParams()
+    for name, value in VALUES.items():
+        assert getattr(defaults, name) != value, name
+
+
+def _needs(name: str) -> dict[str, Any]:
+    """The option with what it cannot go without (top_logprobs needs logprobs)."""
+    return {"logprobs": True, name: VALUES[name]} if name == "top_logprobs" else {
+        name: VALUES[name]}
+
+
+def _sent(fake: ScriptedEngine) -> SamplingParams:
+    assert fake.calls, "nothing reached the engine"
+    return fake.calls[-1].params
+
+
+def _wire(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+@pytest.mark.parametrize("name", REQUEST_OPTIONS)
+def test_langchain_passes_the_option_as_a_field_and_per_call(name: str) -> None:
+    with scripted(f"lc-option-{name}") as fake:
+        options = _needs(name)
+        if name == "stop":
+            ChatMLXBatch(model=f"lc-option-{name}", stop=list(VALUES["stop"])).invoke("hi")
+            assert _sent(fake).stop == VALUES["stop"]
+            ChatMLXBatch(model=f"lc-option-{name}").invoke("hi", stop=list(VALUES["stop"]))
+        else:
+            ChatMLXBatch(model=f"lc-option-{name}", **options).invoke("hi")
+            assert getattr(_sent(fake), name) == VALUES[name]
+            ChatMLXBatch(model=f"lc-option-{name}").invoke([HumanMessage("hi")], **options)
+        assert getattr(_sent(fake), name) == VALUES[name]
+
+
+@pytest.mark.parametrize("name", REQUEST_OPTIONS)
+def test_llama_index_passes_the_option_as_a_field_and_per_call(name: str) -> None:
+    with scripted(f"li-option-{name}") as fake:
+        options = _needs(name)
+        value = list(VALUES[name]) if name == "stop" else VALUES[name]
+        MLXBatchLLM(model=f"li-option-{name}", **{**options, name: value}).complete("hi")
+        assert getattr(_sent(fake), name) == VALUES[name]
+        MLXBatchLLM(model=f"li-option-{name}").complete("hi", **{**options, name: value})
+        assert getattr(_sent(fake), name) == VALUES[name]
+
+
+@pytest.mark.parametrize("door", ["chat", "responses"])
+@pytest.mark.parametrize("name", REQUEST_OPTIONS)
+def test_the_server_passes_the_option_in_the_body(door: str, name: str) -> None:
+    if name in NOT_TAKEN.get(door, ()):
+        pytest.skip(f"{door} does not take {name}: its output carries no logprobs yet")
+    fake = ScriptedEngine()
+    options = {WIRE.get(door, {}).get(k, k): _wire(v) for k, v in _needs(name).items()}
+    with TestClient(create_app({"m": fake})) as client:  # type: ignore[dict-item]
+        if door == "chat":
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **options}
+            reply = client.post("/v1/chat/completions", json=body)
+        else:
+            reply = client.post("/v1/responses", json={"model": "m", "input": "hi", **options})
+    assert reply.status_code == 200, reply.text
+    assert getattr(_sent(fake), name) == VALUES[name]
