@@ -12,6 +12,9 @@ STAMP := $(VENV)/.installed-dev
 # a subprocess or a socket, so three workers overlap them on two cores.
 TEST_WORKERS ?= 3
 XDIST := -n $(TEST_WORKERS) --dist loadfile
+# Tiny test models (the family matrix's above all) are built once into this checkout's
+# .cache/ and reused by every later run (CI's four runs, an edit loop).
+export MLX_PROVIDERS_TEST_CACHE ?= $(CURDIR)/.cache/test-models
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

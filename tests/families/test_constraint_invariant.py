@@ -133,7 +133,7 @@ def turns(draw: st.DrawFn) -> dict[str, Any]:
         "limit": draw(st.sampled_from([None, None, 1, 2])),
         "repeat": draw(st.booleans()),
         "parallel": draw(st.booleans()),
-        "max_tokens": draw(st.integers(8, 40)),
+        "max_tokens": draw(st.integers(8, 32)),
     }
 
 
