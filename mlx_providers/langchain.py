@@ -43,19 +43,16 @@ from engine import (
     messages_from_openai,
 )
 from mlx_providers._keep_alive import submit_options
-from mlx_providers._langchain_messages import (
+from mlx_providers._langchain_inbound import (
     ToolLike,
-    chat_generation,
     chat_messages,
     constraint_for,
-    event_chunk,
     json_schema_of,
-    structured_parser,
     tool_choice_name,
     tool_specs,
-    unless_called,
-    with_raw,
 )
+from mlx_providers._langchain_outbound import chat_generation, event_chunk
+from mlx_providers._langchain_structured import structured_parser, unless_called, with_raw
 from mlx_providers._logprobs import RequestLogprobs
 from mlx_providers._sampling import call_sampling
 

@@ -30,7 +30,7 @@ from typing_extensions import TypedDict
 
 from engine import LarkGrammar, OutputTruncatedError, RequestTimeoutError
 from mlx_providers import ChatMLXBatch
-from mlx_providers._langchain_messages import chat_messages
+from mlx_providers._langchain_inbound import chat_messages
 from tests.conftest import wait_until
 
 # Prompts whose greedy continuations on the tiny model do not stop before 48 tokens.

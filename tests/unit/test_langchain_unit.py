@@ -36,15 +36,14 @@ from engine import (
 )
 from engine.requests.inbound.messages import template_messages
 from mlx_providers import ChatMLXBatch
-from mlx_providers._langchain_messages import (
-    ai_message,
+from mlx_providers._langchain_inbound import (
     chat_messages,
     constraint_for,
-    event_chunk,
     json_schema_of,
     openai_tools,
     tool_choice_name,
 )
+from mlx_providers._langchain_outbound import ai_message, event_chunk
 
 CALL = {"name": "add", "args": {"a": 1, "b": 2}, "id": "abc123", "type": "tool_call"}
 
@@ -429,7 +428,7 @@ def test_call_kwargs_override_fields_and_unknown_ones_raise(
 
 
 def test_past_reasoning_is_replayed_to_the_template() -> None:
-    from mlx_providers._langchain_messages import chat_messages
+    from mlx_providers._langchain_inbound import chat_messages
 
     kept = AIMessage("It is sunny.", additional_kwargs={"reasoning_content": "look it up"})
     v1 = AIMessage([{"type": "reasoning", "reasoning": "think"},

@@ -30,13 +30,8 @@ from engine import (
     Usage,
 )
 from engine.requests.outbound.results import FORCED_CALL, STRUCTURED_JSON, truncation
-from mlx_providers._langchain_messages import (
-    TruncatedOutputError,
-    ai_message,
-    event_chunk,
-    structured_parser,
-    with_raw,
-)
+from mlx_providers._langchain_outbound import ai_message, event_chunk
+from mlx_providers._langchain_structured import TruncatedOutputError, structured_parser, with_raw
 from mlx_providers._llama_index_messages import (
     StreamChunks,
     chat_response,

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from engine import InvalidRequestError, messages_from_openai
 from mlx_providers import ChatMLXBatch, MLXBatchLLM
-from mlx_providers._langchain_messages import json_schema_of, openai_tools
+from mlx_providers._langchain_inbound import json_schema_of, openai_tools
 from mlx_providers._llama_index_messages import json_kwargs, to_engine_messages
 
 NOWHERE = "/nonexistent/validation-model"  # never loaded: every call fails at the door
