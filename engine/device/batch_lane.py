@@ -2,10 +2,12 @@
 
 Rows are keyed by request id; the generator's own uids never leave this module. The
 generator is given no stop sequences and no length limit of its own, so it never ends
-a row: ``engine.core.update`` decides, and the loop calls ``remove``. Before a row is
-prefilled its prompt is looked up in the prefix cache (stored entries and running
-rows); the first row with a new shared head prefills it as its own segment, stores it,
-and the rows with the same head wait for it.
+a row: ``engine.core.update`` decides, and the loop calls ``remove``. Which admitted rows
+prefill now, in which groups and segments, sharing which heads, is the pure
+``PrefillPlanner``'s decision (``engine.core``), handed to the lane when it is built; the
+lane carries it out. Before a row is prefilled its prompt is looked up in the prefix
+cache (stored entries and running rows); the first row with a new shared head prefills
+it as its own segment, stores it, and the rows with the same head wait for it.
 
 Rows reach the generator in prefill groups of at most ``prefill_batch``. mlx-lm returns a
 step's decoded tokens only after that step's prefill, so rows fed while a group is on its
@@ -40,7 +42,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine.core.drafts import ShadowDraft
 from engine.core.lane import LaneRow, LaneStep, RowToken
-from engine.core.prefill_planner import HeadKey, PrefillPlanner, cluster_heads
+from engine.core.prefill_planner import HeadKey, PrefillPlanner
 from engine.device.first_tokens import FirstToken, Sampler, SamplerTap
 from engine.device.forced_spans import forward_spans, spans_supported
 from engine.device.logprobs import forced_logprob, token_logprob
@@ -128,25 +130,26 @@ class BatchLane:
     """Continuous batching on mlx-lm's BatchGenerator; implements ``Lane``."""
 
     def __init__(self, model: Any, stream: Any, compiler: GrammarCompiler,
-                 samplers: SamplerCache, reuse: PrefixReuse, *, max_batch: int,
-                 prefill_batch: int, prefill_chunk: int, max_kv_size: int | None,
-                 fast_forward: bool = True, speculation: int = 0) -> None:
+                 samplers: SamplerCache, reuse: PrefixReuse,
+                 planner: PrefillPlanner[_BatchRow], *, max_batch: int,
+                 max_kv_size: int | None, fast_forward: bool = True,
+                 speculation: int = 0) -> None:
         self._model = model
         self._stream = stream
         self._compiler = compiler
         self._samplers = samplers
         self.reuse = reuse
-        self._group = min(prefill_batch, max_batch)
+        # When admitted rows prefill, and how (shared heads, one group at a time): the pure
+        # policy's decision; its group and chunk sizes are the generator's too.
+        self._planner = planner
         self._options = dict(completion_batch_size=max_batch,
-                             prefill_batch_size=self._group,
-                             prefill_step_size=prefill_chunk, max_kv_size=max_kv_size)
+                             prefill_batch_size=planner.group_size,
+                             prefill_step_size=planner.chunk, max_kv_size=max_kv_size)
         self._generator = self._new_generator()
         self._no_stops = StopSequences(None)
         self._rows: dict[int, _BatchRow] = {}
         self._uid_to_request: dict[int, int] = {}
         self._request_to_uid: dict[int, int] = {}
-        # When admitted rows prefill, and how (shared heads, one group at a time): pure policy.
-        self._planner: PrefillPlanner[_BatchRow] = PrefillPlanner(self._group, prefill_chunk)
         self._cached_report: dict[int, int] = {}
         # First tokens reported before the generator returns them: request id -> token.
         self._tap = SamplerTap()
@@ -178,8 +181,6 @@ class BatchLane:
 
     def insert(self, rows: Sequence[LaneRow]) -> None:
         held = [_BatchRow(row, head_len=row.head_len) for row in rows]
-        if self.reuse.enabled:  # rows admitted together that share a prefix prefill it once
-            cluster_heads(held, self.reuse.store.min_tokens)
         for held_row in held:
             params = held_row.row.params
             if params.constraint is not None:
@@ -238,7 +239,7 @@ class BatchLane:
         if found is not None:
             cache, reused = found
         row.cached_tokens = reused
-        segments = self._planner.segments(row, reused, self.reuse.enabled)
+        segments = self._planner.segments(row, reused)
         return segments, cache, prompt[:reused]
 
     def _extract(self, request_id: int) -> tuple[list[Any], list[int]] | None:
