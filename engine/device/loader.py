@@ -30,6 +30,7 @@ from engine.core.prefix_cache import PrefixStore
 from engine.core.stats import SpeedUp
 from engine.device.architecture import architecture_module, read_model_config
 from engine.device.batch_lane import BatchLane
+from engine.device.batch_row import BatchRow
 from engine.device.cache_layout import footprint_of
 from engine.device.collectives import Channel, Group
 from engine.device.memory import (
@@ -245,7 +246,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
     reuse = PrefixReuse(store, policy, disk)
     # Which admitted rows prefill now, in which groups, sharing which stored heads: the
     # pure policy (engine.core), which the lane asks at every step.
-    planner: PrefillPlanner[Any] = PrefillPlanner.for_batch(
+    planner: PrefillPlanner[BatchRow] = PrefillPlanner.for_batch(
         config.max_batch, config.prefill_batch, config.prefill_chunk,
         head_min_tokens=store.min_tokens if reuse.enabled else None)
     batch = BatchLane(loaded.model, loaded.stream, compiler, samplers, reuse, planner,
