@@ -17,14 +17,9 @@ generator and rejoins it (``RowSeam``). Around that:
 - **first tokens**: a group's first tokens are read from its samplers in the step that
   samples them (``first_tokens``), one step before mlx-lm returns them, except for
   constrained rows, whose grammar learns of the token only in that next step.
-- **fast-forward**: when a constrained row's grammar forces two or more tokens after the
-  token just returned, the row leaves the generator with its cache, is fed the forced
-  span in one forward (``forced_spans``), samples its next free token there, and rejoins
-  the generator with that token as a one-token segment. A chain of choice, span, choice,
-  span runs as several such forwards in the same step, up to ``_SPAN_ROUNDS``.
-- **speculation**: while the lane holds at most ``speculation`` rows, greedy rows leave
-  the generator and are decoded by ``speculation`` on their own caches, several tokens a
-  step where prompt-lookup drafts are accepted; they rejoin when load rises or drafts miss.
+- **fast-forward** (``ForcedSpanRunner``) and **speculation** (``Speculator``) are handed
+  each step's rows; they take rows out through the seam, feed them several tokens, and
+  put them back.
 """
 
 from __future__ import annotations
@@ -36,13 +31,13 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.core.drafts import ShadowDraft
 from engine.core.lane import LaneRow, LaneStep, RowToken
 from engine.core.prefill_planner import HeadKey, PrefillPlanner
 from engine.device.batch_row import BatchRow, BatchRows, OutRow
 from engine.device.first_tokens import FirstToken, SamplerTap
-from engine.device.forced_spans import forward_spans, spans_supported
-from engine.device.logprobs import forced_logprob, token_logprob
+from engine.device.forced_span_runner import ForcedSpanRunner
+from engine.device.forced_spans import spans_supported
+from engine.device.logprobs import token_logprob
 from engine.device.prefix_reuse import PrefixReuse
 from engine.device.rejoin import decoding, direct_join_supported, join_decoding, next_inputs
 from engine.device.row_cache import copied, trims_exactly
@@ -53,37 +48,13 @@ from engine.device.sampling import (
     guarded,
     penalty_processors,
 )
-from engine.device.speculation import (
-    ACCEPTANCE_FLOOR,
-    DRAFT_TOKENS,
-    IDLE_CHECKS,
-    SpeculatingRow,
-    eligible,
-    speculate,
-)
+from engine.device.speculator import Speculator
 from engine.device.speedups import cache_kinds
 from engine.requests.constraints.grammar import GrammarCompiler
 from engine.requests.inbound.sampling import LogitsProcessor
 
 # The generator must never end a row by length itself (engine.core.update decides).
 _NO_LIMIT = 1 << 62
-# Rounds bound how long one step may be held by span forwards.
-_SPAN_ROUNDS = 4
-
-
-def min_span(rows: int) -> int:
-    """The shortest forced span worth a forward of its own with ``rows`` in the lane.
-
-    A span costs its rows a forward of their own and, to rejoin mlx-lm's generator, a
-    second one, and only the rows with the span advance. Measured here (SmolLM2-135M
-    f32, 2 cores): a lone row's 5-token span forward ~120 ms and its rejoin ~75 ms against
-    ~70 ms a step, so alone three forced tokens repay them. Beside a batch the rows reach
-    their spans at different steps, the batch keeps stepping for the others, and the two
-    forwards are added to its steps: with spans of four or more taken, schema answers
-    (4-5 token spans) lost 13-14% at 4-8 rows (bench/agent_decoding.py), while the
-    envelope of a tool call (8-15 tokens) still won.
-    """
-    return 3 if rows <= 1 else 8
 
 
 class BatchLane:
@@ -121,6 +92,12 @@ class BatchLane:
         layers = make_prompt_cache(model, max_kv_size)
         self.cache_kinds = cache_kinds(layers)
         self.trims = trims_exactly(layers)
+        words = compiler.words
+        self.forced_spans: ForcedSpanRunner | None = (
+            ForcedSpanRunner(model, stream, self, words) if self.fast_forward else None)
+        self.speculator: Speculator | None = (
+            Speculator(model, stream, self, words, limit=self.speculation, trims=self.trims,
+                       constrained=self.fast_forward) if self.speculation else None)
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(self._model, stream=self._stream, **self._options)
@@ -295,10 +272,10 @@ class BatchLane:
             result.tokens.append(RowToken(
                 row.request_id, first.token,
                 token_logprob(row.row.params, first.token, first.logprobs)))
-        if self.fast_forward:
-            self._fast_forward(result)
-        if self.speculation:
-            self._speculate(decoded, result)
+        if self.forced_spans is not None:
+            self.forced_spans.run(self.rows, result)
+        if self.speculator is not None:
+            self.speculator.run(self.rows, decoded, result)
         self._feed()  # the group ahead has its first tokens: the next one prefills now
         for row in self.rows:
             if row.failure is not None:
@@ -356,174 +333,6 @@ class BatchLane:
         return [(row, first) for row, first in zip(group, firsts)
                 if row.grammar is None and row.failure is None]
 
-    # ----- fast-forward -----------------------------------------------------------------
-
-    def _fast_forward(self, result: LaneStep) -> None:
-        """Rows whose grammar now forces a span: feed it at once, sample, rejoin."""
-        last: dict[int, RowToken] = {token.request_id: token for token in result.tokens}
-        starting: list[tuple[BatchRow, list[int]]] = []
-        shortest = min_span(len(self.rows))
-        for request_id, token in last.items():
-            row = self.rows[request_id]
-            if (row.grammar is None or row.failure is not None or token.grammar_done
-                    or row.uid is None):
-                continue
-            span = row.grammar.forced(_budget(row))
-            if len(span) >= shortest:
-                starting.append((row, span))
-        if not starting:
-            return
-        spanning = self.take_out([row for row, _ in starting])
-        for out, (_, span) in zip(spanning, starting):
-            _take_forced(out, span, result)
-        active = [out for out in spanning if _goes_on(out.row)]
-        for round_ in range(_SPAN_ROUNDS):
-            if not active:
-                break
-            with mx.stream(self._stream):
-                forward = forward_spans(self._model, [out.cache for out in active],
-                                        [out.unfed for out in active])
-            chained = []
-            for i, out in enumerate(active):
-                out.cache = forward.caches[i]
-                out.history += out.unfed
-                out.unfed = []
-                if self._sample_after_span(out, forward.logits[i:i + 1], result):
-                    row = out.row
-                    assert row.grammar is not None
-                    more = row.grammar.forced(_budget(row))
-                    if len(more) >= shortest and round_ + 1 < _SPAN_ROUNDS:
-                        _take_forced(out, more, result)
-                        chained.append(out)
-            active = [out for out in chained if _goes_on(out.row)]
-        rejoining = [out for out in spanning if out.unfed]
-        for out in rejoining:
-            assert out.row.grammar is not None
-            out.row.grammar.started = False  # its unfed tokens are consumed already
-        self.put_back(rejoining)
-
-    def _sample_after_span(self, out: OutRow, logits: mx.array, result: LaneStep) -> bool:
-        """Sample the token after a span as mlx-lm would (penalties, mask, sampler)."""
-        row = out.row
-        grammar = row.grammar
-        assert grammar is not None and row.sampler is not None
-        params = row.row.params
-        try:
-            with mx.stream(self._stream):
-                processors = penalty_processors(params)
-                if processors:
-                    context = mx.array(out.history)
-                    for processor in processors:
-                        logits = processor(context, logits)
-                logits = GrammarMask(grammar, self._compiler.words).apply(logits)
-                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                token: int = row.sampler(logprobs).reshape(-1)[0].item()  # type: ignore[assignment]
-                logprob = token_logprob(params, token, logprobs)
-            grammar.consume(token)
-        except Exception as exc:  # the row's own code: it fails alone
-            row.failure = exc
-            return False
-        out.unfed = [token]
-        row.output.append(token)
-        result.tokens.append(RowToken(row.request_id, token, logprob,
-                                      grammar_done=grammar.done))
-        return not grammar.done
-
-    # ----- speculation ------------------------------------------------------------------
-
-    def _speculate(self, decoded: list[BatchRow], result: LaneStep) -> None:
-        """At low load, greedy rows check prompt-lookup drafts outside the generator."""
-        speculating = [row for row in self.rows if row.speculating is not None]
-        if len(self.rows) > self.speculation:
-            self._leave(speculating)
-            return
-        floor = ACCEPTANCE_FLOOR * len(self.rows)  # a bigger batch makes a row's step cheaper
-        entering = [row for row in decoded if self._shadow(row)
-                    and row.shadow is not None and row.shadow.acceptance.mean >= floor]
-        if entering:
-            self._enter(entering, result)
-            speculating += entering
-        leaving = []
-        for row in speculating:
-            spec = row.speculating
-            assert spec is not None
-            budget = row.row.params.max_tokens - row.generated
-            if budget <= 0 or row.failure is not None:
-                continue  # it ends at this step's tokens
-            try:
-                with mx.stream(self._stream):
-                    tokens = speculate(self._model, spec, budget)
-            except Exception as exc:  # the row's own grammar: it fails alone
-                row.failure = exc
-                continue
-            result.tokens.extend(tokens)
-            result.width += 1
-            row.output.extend(token.token for token in tokens)
-            if spec.idle >= IDLE_CHECKS or spec.acceptance.mean < floor:
-                leaving.append(row)
-        self._leave(leaving)
-
-    def _enter(self, rows: list[BatchRow], result: LaneStep) -> None:
-        """Rows leave the generator to speculate, each with one decided token to feed.
-
-        A row that rejoined this step after a span brings the token it sampled there
-        (reported, not fed). Otherwise its last token is in its cache already: a cache
-        that trims gives it back, fed again so its logits check the first draft; a
-        state cache cannot, so the token the generator already chose after it (greedy,
-        read from the decoding batch) is reported now and fed first instead.
-        """
-        fresh = [row for row in rows if row.echo is None]
-        chosen = ({} if self.trims or not fresh else
-                  dict(zip((row.request_id for row in fresh), self.next_inputs(fresh))))
-        for out in self.take_out(rows):
-            row, cache, history = out.row, out.cache, out.history
-            assert row.shadow is not None
-            row.shadow.reset()
-            grammar = row.grammar
-            if row.echo is not None:
-                pending, row.echo = row.echo, None
-            elif self.trims:
-                for layer in cache:
-                    layer.trim(1)
-                history, pending = history[:-1], history[-1]
-            else:
-                pending = chosen[row.request_id]
-                try:
-                    if grammar is not None:
-                        grammar.consume(pending)
-                except Exception as exc:  # the row's own grammar: it fails alone
-                    row.failure = exc
-                result.tokens.append(RowToken(row.request_id, pending, grammar_done=(
-                    grammar is not None and row.failure is None and grammar.done)))
-                row.output.append(pending)
-            row.speculating = SpeculatingRow(
-                row.row, cache, history, pending, row.shadow.acceptance, trims=self.trims,
-                grammar=grammar, words=self._compiler.words)
-
-    def _shadow(self, row: BatchRow) -> bool:
-        """Shadow the row's drafts against what it decodes; True when it has a draft now."""
-        # A constrained row's draft starts with its forced tokens: with fast-forward off
-        # (one token per step for constrained rows) it does not speculate either.
-        constrained_ok = row.grammar is None or self.fast_forward
-        if not (eligible(row.row) and constrained_ok and row.failure is None
-                and row.early is None and self.decoding(row)):
-            return False
-        if row.shadow is None:
-            row.shadow = ShadowDraft(DRAFT_TOKENS)
-        return row.shadow.observe([*row.row.prompt, *row.output])
-
-    def _leave(self, rows: list[BatchRow]) -> None:
-        """Speculating rows go back to the generator with what they have not fed."""
-        out = []
-        for row in rows:
-            spec = row.speculating
-            assert spec is not None
-            row.speculating = None
-            if spec.grammar is not None:
-                spec.grammar.started = False  # its pending token is consumed already
-            out.append(OutRow(row, spec.cache, spec.history, spec.unfed))
-        self.put_back(out)
-
     # ----- the seam: rows leaving and rejoining the generator (``RowSeam``) ---------------
 
     def take_out(self, rows: Sequence[BatchRow]) -> list[OutRow]:
@@ -574,30 +383,3 @@ class BatchLane:
         assert len(uids) == len(rows), "only rows in the generator have a next input"
         chosen = next_inputs(self._generator, uids)
         return [chosen[uid] for uid in uids]
-
-
-def _goes_on(row: BatchRow) -> bool:
-    """A row still decoding after its span: not failed, its grammar not complete."""
-    return row.failure is None and row.grammar is not None and not row.grammar.done
-
-
-def _budget(row: BatchRow) -> int:
-    """Forced tokens the row may still take, leaving room for the token sampled after."""
-    return row.row.params.max_tokens - row.generated - 1
-
-
-def _take_forced(out: OutRow, span: list[int], result: LaneStep) -> None:
-    """The span's tokens are certain: consume and report them now, feed them next."""
-    row = out.row
-    assert row.grammar is not None
-    params = row.row.params
-    for token in span:
-        try:
-            row.grammar.consume(token)
-        except Exception as exc:  # the row's own grammar: it fails alone
-            row.failure = exc
-            return
-        out.unfed.append(token)
-        row.output.append(token)
-        result.tokens.append(RowToken(row.request_id, token, forced_logprob(params, token),
-                                      grammar_done=row.grammar.done, forced=True))
