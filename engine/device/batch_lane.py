@@ -233,7 +233,7 @@ class BatchLane:
             self._start(released, joining=True)
 
     def reset(self) -> list[int]:
-        dropped = [row.request_id for row in self.rows]
+        dropped = list(self.rows.by_request)
         self._planner.reset()
         for row in self.rows:
             row.speculating = None  # its cache may hold the failed step's arrays: not kept
@@ -254,8 +254,9 @@ class BatchLane:
         finally:
             self._tap.disarm()
         result = LaneStep(width=len(responses))
+        by_uid = self.rows.by_uid
         for prompt_response in progress:
-            row = self.rows.of_uid(prompt_response.uid)
+            row = by_uid.get(prompt_response.uid)
             if row is None:
                 continue
             done, total = prompt_response.progress
@@ -293,11 +294,12 @@ class BatchLane:
         next input) is checked, not reported again: a mismatch ends that row.
         """
         decoded: list[BatchRow] = []
+        by_uid, first_token = self.rows.by_uid, self._planner.first_token
         for response in responses:
-            row = self.rows.of_uid(response.uid)
+            row = by_uid.get(response.uid)
             if row is None:
                 continue
-            self._planner.first_token(row.request_id)
+            first_token(row.request_id)
             if row.failure is not None:
                 continue
             token = int(response.token)

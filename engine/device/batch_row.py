@@ -13,7 +13,7 @@ it out with its cache and put it back with what it decided but has not fed
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,11 +58,17 @@ class BatchRow:
 
 
 class BatchRows:
-    """The lane's rows by request id, in insertion order, and by generator uid."""
+    """The lane's rows by request id, in insertion order, and by generator uid.
+
+    ``by_request`` and ``by_uid`` are read-only views for the step's hot loops (a plain
+    dict lookup each); only the methods here change them, so the two never disagree.
+    """
 
     def __init__(self) -> None:
         self._by_request: dict[int, BatchRow] = {}
         self._by_uid: dict[int, BatchRow] = {}
+        self.by_request: Mapping[int, BatchRow] = self._by_request
+        self.by_uid: Mapping[int, BatchRow] = self._by_uid
 
     def add(self, row: BatchRow) -> None:
         self._by_request[row.request_id] = row
@@ -97,16 +103,13 @@ class BatchRows:
             self._by_uid.pop(row.uid, None)
         return row
 
-    def in_generator(self) -> Iterator[BatchRow]:
+    def in_generator(self) -> list[BatchRow]:
         """The rows in the generator now (queued or out of it: not listed)."""
-        return iter(list(self._by_uid.values()))
-
-    def clear(self) -> None:
-        self._by_request.clear()
-        self._by_uid.clear()
+        return list(self._by_uid.values())
 
     def __iter__(self) -> Iterator[BatchRow]:
-        return iter(list(self._by_request.values()))
+        """The rows in insertion order (forget none while iterating: iterate ``list(...)``)."""
+        return iter(self._by_request.values())
 
     def __len__(self) -> int:
         return len(self._by_request)

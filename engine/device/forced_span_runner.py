@@ -61,8 +61,9 @@ class ForcedSpanRunner:
         last: dict[int, RowToken] = {token.request_id: token for token in result.tokens}
         starting: list[tuple[BatchRow, list[int]]] = []
         shortest = self.shortest(len(rows))
+        by_request = rows.by_request
         for request_id, token in last.items():
-            row = rows[request_id]
+            row = by_request[request_id]
             if (row.grammar is None or row.failure is not None or token.grammar_done
                     or row.uid is None):
                 continue
