@@ -1,7 +1,10 @@
 """Pure prefill policy for the batch lane: which admitted rows prefill now, and how.
 
-The batch lane hands rows to mlx-lm's generator; this planner decides when, with no
-device work and no mlx (unit-tested in ``tests/unit/test_prefill_planner.py``):
+The scheduler decides which requests are admitted; this planner decides, beside it and
+with no device work and no mlx (unit-tested in ``tests/unit/test_prefill_planner.py``),
+when each admitted row of the batch lane is given to mlx-lm's generator and in which
+segments. The lane is handed a planner when it is built and asks it at every step; the
+lane only carries out what it says (prefix lookups, stores, the generator):
 
 - **shared heads**: rows admitted together that share a prompt prefix get it as their
   head, so the first (the leader) prefills and stores it and the others reuse it;
@@ -11,6 +14,8 @@ device work and no mlx (unit-tested in ``tests/unit/test_prefill_planner.py``):
 - **twins wait for their leader**: a row whose head a leader is prefilling waits until the
   head is stored (or abandoned), then joins ahead of the queue;
 - **segments**: a leader's prompt is split at its head, so the head can be stored there.
+
+Heads are shared and split only where a prefix store can keep them (``head_min_tokens``).
 """
 
 from __future__ import annotations
@@ -76,11 +81,18 @@ def cluster_heads(rows: Sequence[PlannedRow], min_tokens: int) -> None:
 
 
 class PrefillPlanner(Generic[R]):
-    """The lane's queue of admitted rows and the rows it has given the generator."""
+    """The lane's queue of admitted rows and the rows it has given the generator.
 
-    def __init__(self, group_size: int, chunk: int) -> None:
+    ``group_size``: rows prefilled at once; ``chunk``: the generator's prefill chunk;
+    ``head_min_tokens``: the shortest prefix a store keeps, None without a store (then no
+    head is shared or split out).
+    """
+
+    def __init__(self, group_size: int, chunk: int, *,
+                 head_min_tokens: int | None = None) -> None:
         self.group_size = group_size
         self.chunk = chunk
+        self.head_min_tokens = head_min_tokens
         self._queued: deque[R] = deque()
         # Rows given to the generator without a token yet: request id -> prompt tokens left.
         self._awaiting_first: dict[int, int] = {}
@@ -90,12 +102,24 @@ class PrefillPlanner(Generic[R]):
 
     # ----- queueing ----------------------------------------------------------------------
 
+    @classmethod
+    def for_batch(cls, max_batch: int, prefill_batch: int, chunk: int, *,
+                  head_min_tokens: int | None) -> PrefillPlanner[R]:
+        """The planner for a lane of ``max_batch`` rows (a group never outgrows it)."""
+        return cls(min(prefill_batch, max_batch), chunk, head_min_tokens=head_min_tokens)
+
     def queue(self, rows: Sequence[R], *, joining: bool = False) -> None:
-        """Queue rows in order; ``joining`` rows (twins released by their head) go first."""
+        """Queue rows in order; ``joining`` rows (twins released by their head) go first.
+
+        Rows admitted together (not ``joining``) that share a prefix a store would keep
+        get it as their head first (``cluster_heads``).
+        """
         if joining:
             self._queued.extendleft(reversed(rows))
-        else:
-            self._queued.extend(rows)
+            return
+        if self.head_min_tokens is not None:
+            cluster_heads(rows, self.head_min_tokens)
+        self._queued.extend(rows)
 
     def take_ready(self, plan: Callable[[R], P],
                    joining: bool = False) -> list[tuple[R, P]]:
@@ -120,14 +144,15 @@ class PrefillPlanner(Generic[R]):
                 ready.append((row, plan(row)))
         return ready
 
-    def segments(self, row: R, reused: int, reuse_enabled: bool) -> list[list[int]]:
+    def segments(self, row: R, reused: int) -> list[list[int]]:
         """The prompt segments to prefill after ``reused`` cached tokens.
 
         A row whose head is longer than what it reused stops at the head boundary once and
         becomes the head's leader: the lane stores the head there and its twins wait.
         """
         prompt, head, key = row.prompt, row.head_len, head_of(row)
-        if key is not None and reuse_enabled and reused < head < len(prompt) - 1:
+        stores = self.head_min_tokens is not None
+        if key is not None and stores and reused < head < len(prompt) - 1:
             self._heads_in_flight[key] = row.request_id
             self._head_of_leader[row.request_id] = key
             return [prompt[reused:head], prompt[head:]]

@@ -26,6 +26,11 @@ one per turn of its loop. Pure: it never touches the model and imports no mlx.
   ``"unloading"`` just before an idle engine releases it. It may block: tests hold a
   reload this way to submit or cancel during it. Raising there kills the engine, as a
   failed load does.
+- ``on_lanes(lanes)``, if given, runs on the engine thread each time the chat model's
+  lanes are built (the first load, and each reload), before any row runs, with the
+  engine's ``engine.device.loader.Lanes``: tests hand a lane collaborators built with
+  their own policies there (``lanes.batch.speculator``), on the thread that owns the lane.
+  Raising there kills the engine, as a failed load does.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.core.stats import EngineStats
 
@@ -60,15 +66,17 @@ class StepProbe:
     def __init__(self, on_turn: Callable[[TurnReport], None] | None = None, *,
                  on_step: Callable[[str], None] | None = None,
                  on_embed: Callable[[list[str]], None] | None = None,
-                 on_model: Callable[[str], None] | None = None) -> None:
+                 on_model: Callable[[str], None] | None = None,
+                 on_lanes: Callable[[Any], None] | None = None) -> None:
         for name, hook in (("on_turn", on_turn), ("on_step", on_step), ("on_embed", on_embed),
-                           ("on_model", on_model)):
+                           ("on_model", on_model), ("on_lanes", on_lanes)):
             if hook is not None and not callable(hook):
                 raise TypeError(f"{name} must be callable, got {type(hook).__name__}")
         self.on_turn = on_turn
         self.on_step = on_step
         self.on_embed = on_embed
         self.on_model = on_model
+        self.on_lanes = on_lanes
         self._lock = threading.Lock()
         self._error: Exception | None = None
         self._remaining = 0  # steps still to fail; -1: every step
@@ -142,6 +150,11 @@ class StepProbe:
         """The chat model is about to be ``"loading"`` or ``"unloading"`` (engine thread)."""
         if self.on_model is not None:
             self.on_model(stage)
+
+    def lanes_built(self, lanes: Any) -> None:
+        """The chat model's lanes were just built; no row has run on them (engine thread)."""
+        if self.on_lanes is not None:
+            self.on_lanes(lanes)
 
 
 def _check_error(error: object) -> None:

@@ -25,10 +25,12 @@ from engine.config import EngineConfig
 from engine.core.footprint import LayerFootprint, ModelFootprint
 from engine.core.lane import Lane, LaneKind
 from engine.core.memory import MemoryBounds, resident_bytes, resolve_bounds
+from engine.core.prefill_planner import PrefillPlanner
 from engine.core.prefix_cache import PrefixStore
 from engine.core.stats import SpeedUp
 from engine.device.architecture import architecture_module, read_model_config
 from engine.device.batch_lane import BatchLane
+from engine.device.batch_row import BatchRow
 from engine.device.cache_layout import footprint_of
 from engine.device.collectives import Channel, Group
 from engine.device.memory import (
@@ -242,9 +244,13 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
     store, disk = tiers.store, tiers.disk
     policy = reuse_policy(loaded.footprint)
     reuse = PrefixReuse(store, policy, disk)
-    batch = BatchLane(loaded.model, loaded.stream, compiler, samplers, reuse,
-                      max_batch=config.max_batch, prefill_batch=config.prefill_batch,
-                      prefill_chunk=config.prefill_chunk, max_kv_size=config.max_kv_size,
+    # Which admitted rows prefill now, in which groups, sharing which stored heads: the
+    # pure policy (engine.core), which the lane asks at every step.
+    planner: PrefillPlanner[BatchRow] = PrefillPlanner.for_batch(
+        config.max_batch, config.prefill_batch, config.prefill_chunk,
+        head_min_tokens=store.min_tokens if reuse.enabled else None)
+    batch = BatchLane(loaded.model, loaded.stream, compiler, samplers, reuse, planner,
+                      max_batch=config.max_batch, max_kv_size=config.max_kv_size,
                       fast_forward=config.fast_forward, speculation=config.speculation)
     serial = SerialLane(loaded.model, loaded.stream, compiler, samplers, config.max_kv_size,
                         config.prefill_chunk, fast_forward=config.fast_forward)

@@ -228,6 +228,8 @@ class Runtime:
         built = build_model(self.model_path, self.config, shard_group(self.config),
                             self._kept)
         self._kept = None
+        if self._probe is not None:
+            self._probe.lanes_built(built.lanes)
         composition = compose_core(built, self.config, self.book, self._probe,
                                    on_hang=self.abandon)
         self._preparer = built.preparer

@@ -13,10 +13,12 @@ import pytest
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_openai import ChatOpenAI
 
-import engine.device.batch_lane as batch_lane
-from engine import InvalidRequestError
+from engine import Engine, EngineConfig, InvalidRequestError, StepProbe
+from engine.device.speculation import speculate
+from engine.registry import shared_engine
 from mlx_providers import ChatMLXBatch
 from mlx_providers.server import create_app
+from testkit.speculating import every_draft_checked
 from tests.conftest import own_copy, prompts_of_lengths
 from tests.server.conftest import LiveServer
 
@@ -251,18 +253,23 @@ def test_constrained_rows_report_the_same_logprobs_batched_and_alone(
 
 
 def test_speculated_rows_report_the_logprobs_of_decoding_in_the_batch(
-        chat: Callable[..., ChatMLXBatch], monkeypatch: pytest.MonkeyPatch) -> None:
+        chat: Callable[..., ChatMLXBatch], model_dir: str) -> None:
     # Alone, every row with a draft checks it (up to four rows speculate); sixteen rows
     # decode in the batch. A repeated word drafts; a list of three words drafts and is taken.
-    monkeypatch.setattr(batch_lane, "ACCEPTANCE_FLOOR", 0.0)
     checks = [0]
-    real = batch_lane.speculate
 
     def counted(*args: Any) -> Any:
         checks[0] += 1
-        return real(*args)
+        return speculate(*args)
 
-    monkeypatch.setattr(batch_lane, "speculate", counted)
+    config = EngineConfig(max_batch=16, prefill_chunk=64, speculation=4)
+    probe = StepProbe(on_lanes=every_draft_checked(counted))
+    with Engine(model_dir, config, probe=probe).start() as engine, \
+            shared_engine(model_dir, engine):
+        _speculated_in_the_batch(chat, checks)
+
+
+def _speculated_in_the_batch(chat: Callable[..., ChatMLXBatch], checks: list[int]) -> None:
     model = chat(logprobs=True, top_logprobs=2, max_tokens=40,
                  engine_config={"speculation": 4})
     tokenizer = model.engine.tokenizer

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, LogProb
 
-import engine.device.batch_lane as batch_lane
-from engine import InvalidRequestError, JsonSchema
+from engine import Engine, EngineConfig, InvalidRequestError, JsonSchema, StepProbe
+from engine.registry import shared_engine
 from mlx_providers import MLXBatchLLM
 from mlx_providers.server import create_app
+from testkit.speculating import every_draft_checked
 from tests.conftest import own_copy, prompts_of_lengths
 from tests.server.conftest import LiveServer
 
@@ -208,7 +209,7 @@ def test_plain_and_constrained_rows_report_the_same_logprobs_batched_and_alone(
 
 
 def test_speculated_rows_report_the_logprobs_of_decoding_in_the_batch(
-        llm: Callable[..., MLXBatchLLM], monkeypatch: pytest.MonkeyPatch) -> None:
+        llm: Callable[..., MLXBatchLLM], model_dir: Path) -> None:
     # Raw text of one token said sixteen times: the tiny model goes on repeating it, so a
     # row alone drafts and the model takes the drafts; sixteen rows decode in the batch.
     model = llm(logprobs=True, top_logprobs=2, max_tokens=40, engine_config={"speculation": 4})
@@ -223,7 +224,13 @@ def test_speculated_rows_report_the_logprobs_of_decoding_in_the_batch(
         assert one.text == many.text
         assert_close(one.logprobs, many.logprobs)
     # And every draft checked (most then rejected): the kept tokens' logprobs hold too.
-    monkeypatch.setattr(batch_lane, "ACCEPTANCE_FLOOR", 0.0)
-    alone, batched = alone_and_batched(lambda q: model.chat(user(q)), QUESTIONS)
+    model.engine.close()
+    config = EngineConfig(max_batch=16, prefill_chunk=64, speculation=4)
+    probe = StepProbe(on_lanes=every_draft_checked())
+    with Engine(model_dir, config, probe=probe).start() as engine, \
+            shared_engine(model_dir, engine):
+        checked = llm(logprobs=True, top_logprobs=2, max_tokens=40,
+                      engine_config={"speculation": 4})
+        alone, batched = alone_and_batched(lambda q: checked.chat(user(q)), QUESTIONS)
     for one, many in zip(alone, batched, strict=True):
         assert_close(one.logprobs, many.logprobs)

@@ -57,8 +57,9 @@ class Recorder:
         self._note_fed()
 
     def _note_fed(self) -> None:
-        for request_id, uid in self.lane._request_to_uid.items():
-            self.fed_at.setdefault(request_id, self._uids[uid])
+        for row in self.lane.rows.in_generator():
+            assert row.uid is not None
+            self.fed_at.setdefault(row.request_id, self._uids[row.uid])
 
 
 LaneFactory = Callable[..., Recorder]

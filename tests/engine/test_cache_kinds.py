@@ -17,14 +17,15 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import engine.device.batch_lane as batch_lane
-from engine import Engine, EngineConfig, JsonSchema, SamplingParams
+from engine import Engine, EngineConfig, JsonSchema, SamplingParams, StepProbe
+from engine.device.speculation import speculate
+from engine.device.speculator import SpeculationPolicy
 from testkit.cache_kinds import CONFIGS, build_cache_kind_model
 from tests.conftest import greedy, prompts_of_lengths, request_for
 from tests.engine.test_engine_tools import ASK, CLOCK
@@ -107,18 +108,25 @@ def test_speculation_drafts_tokens_with_the_same_output(pair: Pair) -> None:
     assert pair.off.stats().drafted_tokens == 0
 
 
-def test_rejected_drafts_roll_back_exactly(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rejected_drafts_roll_back_exactly(pair: Pair) -> None:
     # Every row with a draft speculates, whatever its drafts' record: most drafts of a
     # random model are rejected, so this is the rollback path on every step.
-    monkeypatch.setattr(batch_lane, "ACCEPTANCE_FLOOR", 0.0)
     checks = [0]
-    real = batch_lane.speculate
 
     def counted(*args: Any) -> Any:
         checks[0] += 1
-        return real(*args)
+        return speculate(*args)
 
-    monkeypatch.setattr(batch_lane, "speculate", counted)
+    def every_row_speculates(lanes: Any) -> None:  # on the engine thread, before any row
+        lanes.batch.speculator = replace(lanes.batch.speculator, check=counted,
+                                         policy=SpeculationPolicy(acceptance_floor=0.0))
+
+    with Engine(pair.on.model_path, pair.on.config,
+                probe=StepProbe(on_lanes=every_row_speculates)).start() as on:
+        _rejected_drafts_roll_back(Pair(pair.model_type, on, pair.off), checks)
+
+
+def _rejected_drafts_roll_back(pair: Pair, checks: list[int]) -> None:
     base = prompts_of_lengths(pair.on, [6, 6, 6], seed=3)
     prompts = [part * 4 for part in base]  # repeated n-grams: a draft from the first step
     prompts.append([{"role": "user", "content": "say it again and again"}])
@@ -130,11 +138,19 @@ def test_rejected_drafts_roll_back_exactly(pair: Pair, monkeypatch: pytest.Monke
     assert checks[0] > 0
 
 
-def test_logprobs_are_those_of_decoding_with_every_speed_up_on(
-        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_logprobs_are_those_of_decoding_with_every_speed_up_on(pair: Pair) -> None:
     # Every drafting row checks (rejected drafts trimmed or rolled back); a state cache's
     # row enters speculation with the token the batch already chose, and its logprob.
-    monkeypatch.setattr(batch_lane, "ACCEPTANCE_FLOOR", 0.0)
+    def every_row_speculates(lanes: Any) -> None:  # on the engine thread, before any row
+        lanes.batch.speculator = replace(lanes.batch.speculator,
+                                         policy=SpeculationPolicy(acceptance_floor=0.0))
+
+    with Engine(pair.on.model_path, pair.on.config,
+                probe=StepProbe(on_lanes=every_row_speculates)).start() as on:
+        _logprobs_as_decoding(Pair(pair.model_type, on, pair.off))
+
+
+def _logprobs_as_decoding(pair: Pair) -> None:
     before = pair.on.stats().drafted_tokens
     repeated = [*(part * 4 for part in prompts_of_lengths(pair.on, [6, 6], seed=3)),
                 *([token] * 16 for token in prompts_of_lengths(pair.on, [6], seed=1)[0])]

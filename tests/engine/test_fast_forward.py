@@ -17,7 +17,7 @@ import jsonschema
 import mlx.core as mx
 import pytest
 
-from engine import ChatRequest, Engine, FinishReason, SamplingParams, TextRequest
+from engine import ChatRequest, Engine, FinishReason, SamplingParams, StepProbe, TextRequest
 from engine.requests.inbound.output_constraint import JsonSchema, LarkGrammar, Regex
 from tests.conftest import greedy, request_for, wait_until
 from tests.engine.test_engine_tools import ASK, CLOCK
@@ -272,10 +272,12 @@ def test_rejoining_rows_join_the_decoding_batch_directly(tiny_model_dir: Any) ->
 
 
 def test_a_direct_rejoin_decodes_what_a_prompt_segment_rejoin_does(
-        make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+        make_engine: Callable[..., Engine]) -> None:
     """Rows leaving for spans while siblings decode, staggered so they rejoin beside them:
     the same tokens whether they rejoin directly or through a one-token prompt segment."""
-    from engine.device import batch_lane
+
+    def through_segments(lanes: Any) -> None:  # on the engine thread, before any row
+        lanes.batch.direct_join = False
 
     requests = [(ASK, greedy(120), CASES["forced tool call"][2]),
                 ("free text", greedy(40), {}),
@@ -296,8 +298,9 @@ def test_a_direct_rejoin_decodes_what_a_prompt_segment_rejoin_does(
 
     direct = staggered(make_engine(max_batch=16, prefill_chunk=64))
     assert all(direct)
-    monkeypatch.setattr(batch_lane, "direct_join_supported", lambda _generator: False)
-    assert staggered(make_engine(max_batch=16, prefill_chunk=64)) == direct
+    segments = make_engine(max_batch=16, prefill_chunk=64,
+                           probe=StepProbe(on_lanes=through_segments))
+    assert staggered(segments) == direct
 
 
 def test_span_logits_are_the_full_forwards_at_the_last_positions(tiny_model_dir: Any) -> None:

@@ -12,6 +12,7 @@ import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,6 +114,23 @@ def test_a_request_submitted_during_the_unload_waits_and_succeeds(
     held.go.set()
     assert handle.result(timeout=60).token_ids == expected
     assert eng.stats().loads == 2 and held.stages == ["loading", "unloading", "loading"]
+
+
+def test_a_probe_is_handed_each_loads_lanes_on_the_engine_thread_before_any_row(
+        make_engine: Callable[..., Engine]) -> None:
+    seen: list[tuple[threading.Thread, int]] = []
+
+    def on_lanes(lanes: Any) -> None:
+        seen.append((threading.current_thread(), len(lanes.batch) + len(lanes.serial)))
+
+    eng = make_engine(probe=StepProbe(on_lanes=on_lanes))
+    run(eng, PROMPTS[1], keep_alive=0)
+    unloaded(eng)
+    run(eng, PROMPTS[1])
+    assert [rows for _, rows in seen] == [0, 0]  # the first load and the reload
+    assert seen[0][0] is seen[1][0] is not threading.current_thread()
+    with pytest.raises(TypeError, match="on_lanes must be callable"):
+        StepProbe(on_lanes=1)  # type: ignore[arg-type]
 
 
 def test_requests_arriving_while_unloaded_share_one_reload(

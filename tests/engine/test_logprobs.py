@@ -11,9 +11,9 @@ from collections.abc import Callable
 import mlx.core as mx
 import pytest
 
-import engine.device.batch_lane as batch_lane
-from engine import Completion, Engine, JsonSchema, SamplingParams, TokenLogprob
+from engine import Completion, Engine, JsonSchema, SamplingParams, StepProbe, TokenLogprob
 from engine.device.logprobs import token_logprobs
+from testkit.speculating import every_draft_checked
 from tests.conftest import greedy, prompts_of_lengths, request_for
 
 TOLERANCE = 1e-4  # a multi-token forward sums in another order than a one-token step
@@ -90,10 +90,11 @@ ITEMS = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
 
 @pytest.mark.parametrize("kind", ["plain", "json-schema", "every-draft-checked"])
 def test_speculated_rows_report_the_logprobs_of_decoding(
-        make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
-    if kind == "every-draft-checked":  # whatever its record: most drafts are then rejected
-        monkeypatch.setattr(batch_lane, "ACCEPTANCE_FLOOR", 0.0)
-    on = make_engine(max_batch=16, prefill_chunk=64, speculation=4)
+        make_engine: Callable[..., Engine], kind: str) -> None:
+    # Every draft checked, whatever its record: most drafts are then rejected.
+    probe = (StepProbe(on_lanes=every_draft_checked()) if kind == "every-draft-checked"
+             else None)
+    on = make_engine(max_batch=16, prefill_chunk=64, speculation=4, probe=probe)
     off = make_engine(max_batch=16, prefill_chunk=64, speculation=0)
     if kind == "json-schema":
         prompts: list[object] = ["list", "pick some", "names:"]

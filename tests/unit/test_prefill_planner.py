@@ -14,14 +14,15 @@ class Row:
     head_len: int = 0
 
 
-def planner(group: int = 4, chunk: int = 8) -> PrefillPlanner[Row]:
-    return PrefillPlanner(group, chunk)
+def planner(group: int = 4, chunk: int = 8, reuse: bool = True) -> PrefillPlanner[Row]:
+    """A planner beside a prefix store keeping prefixes of 16 tokens or more (``reuse``)."""
+    return PrefillPlanner(group, chunk, head_min_tokens=16 if reuse else None)
 
 
 def take(p: PrefillPlanner[Row], joining: bool = False,
-         reused: int = 0, reuse: bool = True) -> list[tuple[int, list[list[int]]]]:
+         reused: int = 0) -> list[tuple[int, list[list[int]]]]:
     """The rows taken now, each with the segments the planner gives it."""
-    taken = p.take_ready(lambda row: p.segments(row, reused, reuse), joining)
+    taken = p.take_ready(lambda row: p.segments(row, reused), joining)
     return [(row.request_id, segments) for row, segments in taken]
 
 
@@ -107,9 +108,9 @@ def test_a_row_that_reused_its_head_is_not_split() -> None:
 
 def test_without_reuse_nothing_is_split_and_no_twin_waits() -> None:
     head = list(range(20))
-    p = planner()
+    p = planner(reuse=False)
     p.queue([Row(1, [*head, 1], head_len=20), Row(2, [*head, 2], head_len=20)])
-    assert take(p, reuse=False) == [(1, [[*head, 1]]), (2, [[*head, 2]])]
+    assert take(p) == [(1, [[*head, 1]]), (2, [[*head, 2]])]
 
 
 def test_joining_rows_go_first_and_ignore_the_chunk_hold() -> None:
@@ -157,3 +158,24 @@ def test_reset_forgets_everything() -> None:
     assert p.queued == 0
     p.queue([Row(3, [3] * 10)])
     assert [r for r, _ in take(p)] == [3]  # nothing in flight holds it back
+
+
+def test_rows_admitted_together_share_their_head_where_a_store_keeps_it() -> None:
+    shared = list(range(100, 120))
+    with_store = planner()
+    rows = [Row(1, [*shared, 1, 2]), Row(2, [*shared, 3, 4])]
+    with_store.queue(rows)
+    assert [r.head_len for r in rows] == [20, 20]
+    assert take(with_store) == [(1, [shared, [1, 2]])]  # the twin waits for the head
+    # Twins released by their head are not grouped again; without a store none are.
+    released = [Row(3, [*shared, 5]), Row(4, [*shared, 6])]
+    with_store.queue(released, joining=True)
+    without = planner(reuse=False)
+    alone = [Row(5, [*shared, 7]), Row(6, [*shared, 8])]
+    without.queue(alone)
+    assert [r.head_len for r in released + alone] == [0, 0, 0, 0]
+
+
+def test_a_group_never_outgrows_the_batch() -> None:
+    assert PrefillPlanner[Row].for_batch(4, 8, 32, head_min_tokens=None).group_size == 4
+    assert PrefillPlanner[Row].for_batch(16, 8, 32, head_min_tokens=16).group_size == 8
