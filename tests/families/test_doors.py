@@ -83,8 +83,9 @@ def get_weather(city: str) -> str:
 def _renderer(eng: Engine) -> tuple[PromptRenderer, Callable[..., Any]]:
     """The engine's prompt rendering (as its thread does it) and its dialect's history."""
     tok = eng.tokenizer
-    return (PromptRenderer(tok, eng.model_path, len(tok.vocab)),
-            dialect_for(TokenizerFacts.of(tok)).history)
+    dialect = dialect_for(TokenizerFacts.of(tok))
+    return (PromptRenderer(tok, eng.model_path, len(tok.vocab), dialect.tool_formats),
+            dialect.history)
 
 
 def rendered(eng: Engine, request: ChatRequest) -> tuple[str, bool]:

@@ -49,6 +49,8 @@ class DeepSeekR1(Dialect):
     """DeepSeek-R1 and its distills (their tool-call tokens)."""
 
     name = "deepseek-r1"
+    priority = 50  # above the Qwen and Llama families its distills are built on
+    writes_json_calls = True
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:
@@ -57,10 +59,6 @@ class DeepSeekR1(Dialect):
     @property
     def markers(self) -> dict[str, tuple[str, str]]:
         return {**self.facts.markers, TOOL: (CALLS_BEGIN, CALLS_END)}
-
-    @property
-    def parser(self) -> None:
-        return None  # calls are handed over as JSON call objects
 
     def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return MarkedCallSplitter(SYNTAX, self.markers.get(REASONING), start)

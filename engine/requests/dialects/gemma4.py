@@ -38,6 +38,8 @@ class Gemma4(Dialect):
     """Gemma 4 (mlx-lm's ``gemma4`` parser)."""
 
     name = "gemma4"
+    priority = 30
+    reasoning_tokens = (("<|channel>", "<channel|>"),)  # its thought channel's tokens
     json_arguments = False  # its values are written in Gemma's literal syntax, by property
 
     @classmethod

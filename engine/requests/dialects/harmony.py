@@ -41,14 +41,13 @@ class Harmony(Dialect):
     """gpt-oss (``openai/gpt-oss-*``)."""
 
     name = "harmony"
+    priority = 70  # its channel tokens are checked before any other family's marks
+    reasoning_tokens = ((CHANNEL, MESSAGE),)  # the analysis channel is its reasoning
+    writes_json_calls = True
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:
         return all(token in facts.vocab for token in (CHANNEL, MESSAGE, CALL, START))
-
-    @property
-    def parser(self) -> None:
-        return None  # calls are handed over as JSON call objects
 
     @property
     def reasoning_close(self) -> None:

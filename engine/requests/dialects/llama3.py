@@ -33,6 +33,9 @@ class Llama3(Dialect):
     ``"parameters"`` call format)."""
 
     name = "llama3-json"
+    priority = 10  # the last family checked: its marks are a token and template text
+    reasoning_tokens = ()
+    writes_json_calls = True  # calls are JSON objects, read as they stream
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:
@@ -43,10 +46,6 @@ class Llama3(Dialect):
     @property
     def markers(self) -> dict[str, tuple[str, str]]:
         return {TOOL: (PYTHON_TAG, "")}
-
-    @property
-    def parser(self) -> None:
-        return None  # calls are JSON objects, read as they stream
 
     @property
     def reasoning_close(self) -> None:

@@ -47,6 +47,11 @@ class Mistral(Dialect):
     """Mistral Small 3.x and Ministral 3 (their ``[TOOL_CALLS]`` and ``[ARGS]`` tokens)."""
 
     name = "mistral"
+    priority = 60
+    # Every Tekken vocabulary has [THINK]: only the chat template says whether the model
+    # reasons (``reasons``), so the vocabulary alone declares nothing.
+    reasoning_tokens = ()
+    writes_json_calls = True  # mlx-lm 0.32.2's parser misreads ids
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:
@@ -68,10 +73,6 @@ class Mistral(Dialect):
     def writes_call_ids(self) -> bool:
         """Whether the template renders ``[CALL_ID]`` (Mistral Small 3.2; not Ministral 3)."""
         return CALL_ID in self.facts.chat_template
-
-    @property
-    def parser(self) -> None:
-        return None  # calls are handed over as JSON call objects (mlx-lm 0.32.2's misreads ids)
 
     def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return MarkedCallSplitter(SYNTAX, self.markers.get(REASONING), start)

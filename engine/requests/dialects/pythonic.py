@@ -33,15 +33,13 @@ class Pythonic(Dialect):
     """LFM2 (mlx-lm's ``pythonic`` parser)."""
 
     name = "pythonic"
+    priority = 20
+    writes_json_calls = True  # blocks are rewritten into JSON call objects at their close
     json_arguments = False  # its keyword arguments are written property by property
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:
         return facts.parser_name == "pythonic"
-
-    @property
-    def parser(self) -> None:
-        return None  # blocks are rewritten into JSON call objects at their close
 
     def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return CallBlockSplitter(self.markers, start, PythonCallWriter)

@@ -45,15 +45,13 @@ class QwenXml(Dialect):
     """Qwen3.5, Qwen3-Coder (mlx-lm's ``qwen3_coder`` parser)."""
 
     name = "qwen-xml"
+    priority = 40
+    writes_json_calls = True  # blocks are rewritten into JSON call objects as they stream
     json_arguments = False  # its parameters are XML elements, property by property
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:
         return facts.parser_name == "qwen3_coder"
-
-    @property
-    def parser(self) -> None:
-        return None  # blocks are rewritten into JSON call objects as they stream
 
     def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return CallBlockSplitter(self.markers, start, lambda: XmlCallWriter(tools))
