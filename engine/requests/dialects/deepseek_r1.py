@@ -13,10 +13,9 @@ No mlx here.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
-from engine.requests.constraints.forced_calls import arguments_schema, chosen_tools
+from engine.requests.dialects.call_rules import calls_lark, json_arguments
 from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
 from engine.requests.dialects.marked_calls import CallSyntax, MarkedCallSplitter
 from engine.requests.inbound.tool_specs import ToolSpec
@@ -66,13 +65,9 @@ class DeepSeekR1(Dialect):
     def forced_calls(self, tools: Sequence[ToolSpec], choice: str, parallel: bool,
                      literal: Literal) -> str:
         """The calls block as the template writes it; parallel calls one a line."""
-        lines, names = [], []
-        for i, tool in enumerate(chosen_tools(tools, choice)):
-            names.append(f"call_{i}")
+        def body(i: int, tool: ToolSpec, rules: list[str]) -> str:
             head = literal(f"function{SEP}{tool.name}\n{_FENCE}\n")
-            lines.append(f"call_{i}: {literal(CALL_BEGIN)} {head} args_{i} "
-                         f"{literal(chr(10) + '```')} {literal(CALL_END)}")
-            lines.append(f"args_{i}: %json {json.dumps(arguments_schema(tool))}")
-        repeat = ' ("\\n" call)*' if parallel else ""
-        return "\n".join([f"calls: {literal(CALLS_BEGIN)} call{repeat} {literal(CALLS_END)}",
-                          f"call: {' | '.join(names)}", *lines]) + "\n"
+            return (f"{literal(CALL_BEGIN)} {head} {json_arguments(i, tool, rules)} "
+                    f"{literal(chr(10) + '```')} {literal(CALL_END)}")
+        return calls_lark(tools, choice, parallel, body, between='"\\n"',
+                          around=(literal(CALLS_BEGIN), literal(CALLS_END)))

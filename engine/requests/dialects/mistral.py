@@ -12,14 +12,13 @@ the template sees it. No mlx here.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import secrets
 import string
 from collections.abc import Sequence
 from typing import Any
 
-from engine.requests.constraints.forced_calls import arguments_schema, chosen_tools
+from engine.requests.dialects.call_rules import calls_lark, json_arguments
 from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
 from engine.requests.dialects.marked_calls import CallSyntax, MarkedCallSplitter
 from engine.requests.inbound.tool_specs import ToolSpec
@@ -91,14 +90,11 @@ class Mistral(Dialect):
         """``[TOOL_CALLS]NAME[ARGS]{json}``, with ``[CALL_ID]`` and 9 alphanumerics where
         the template renders ids; parallel calls follow one another."""
         call_id = f' {literal(CALL_ID)} /[A-Za-z0-9]{{9}}/' if self.writes_call_ids else ""
-        lines, names = [], []
-        for i, tool in enumerate(chosen_tools(tools, choice)):
-            names.append(f"call_{i}")
-            lines.append(f"call_{i}: {literal(TOOL_CALLS)} {literal(tool.name)}{call_id} "
-                         f"{literal(ARGS)} args_{i}")
-            lines.append(f"args_{i}: %json {json.dumps(arguments_schema(tool))}")
-        repeat = "+" if parallel else ""
-        return "\n".join([f"calls: call{repeat}", f"call: {' | '.join(names)}", *lines]) + "\n"
+
+        def body(i: int, tool: ToolSpec, rules: list[str]) -> str:
+            return (f"{literal(TOOL_CALLS)} {literal(tool.name)}{call_id} {literal(ARGS)} "
+                    f"{json_arguments(i, tool, rules)}")
+        return calls_lark(tools, choice, parallel, body)
 
 
 def template_call_id(call_id: str) -> str:
