@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.core.stats import EngineStats, SpeedUp
 from engine.core.step_probe import StepProbe, TurnReport
 from engine.core.streams import RequestHandle
+from engine.declared import DeclaredModel, declared_model
 from engine.embedding.request import EmbeddingHandle, Embeddings, check_texts
 from engine.engine import Engine
 from engine.errors import (
@@ -34,7 +35,6 @@ from engine.errors import (
     UnsupportedModelError,
 )
 from engine.models import resolve_model
-from engine.models.declared import DeclaredModel, declared_model
 from engine.models.embedding_model import DEFAULT_EMBEDDING_NAME, embedding_model_name
 from engine.registry import get_embedding_engine, get_engine
 from engine.requests.inbound.chat import (

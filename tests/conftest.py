@@ -192,8 +192,12 @@ def prompt_renderer(eng: Engine) -> PromptRenderer:
     ``submit`` encodes a prompt with)."""
     import json
 
+    from engine.requests.dialects.dialect import TokenizerFacts
+    from engine.requests.dialects.registry import dialect_for
+
     vocab = json.loads((eng.model_path / "config.json").read_text())["vocab_size"]
-    return PromptRenderer(eng.tokenizer, eng.model_path, vocab)
+    formats = dialect_for(TokenizerFacts.of(eng.tokenizer)).tool_formats
+    return PromptRenderer(eng.tokenizer, eng.model_path, vocab, formats)
 
 
 def prompts_of_lengths(eng: Engine, lengths: list[int], seed: int = 0) -> list[list[int]]:

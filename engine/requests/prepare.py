@@ -51,10 +51,11 @@ class Preparer:
     def __init__(self, tokenizer: Any, model_path: Path, vocab_size: int,
                  json_string_ngram: int = DEFAULT_NGRAM) -> None:
         self.tokenizer = tokenizer
-        self.prompts = PromptRenderer(tokenizer, model_path, vocab_size)
+        self.dialect = dialect_for(TokenizerFacts.of(tokenizer))
+        self.prompts = PromptRenderer(tokenizer, model_path, vocab_size,
+                                      self.dialect.tool_formats)
         self.compiler = GrammarCompiler(tokenizer._tokenizer, vocab_size,
                                         string_ngram=json_string_ngram)
-        self.dialect = dialect_for(TokenizerFacts.of(tokenizer))
         self.turn_grammar = TurnGrammar(self.dialect, self.compiler.lark_text)
 
     def prepare(self, request: Request) -> PreparedRequest:

@@ -15,13 +15,14 @@ import hashlib
 import inspect
 import json
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
 from testkit import architectures
-from testkit.families import assets, catalog, vocabularies
+from testkit.families import assets, vocabularies
 from testkit.families.catalog import Family
 
 
@@ -46,9 +47,15 @@ def _key(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 
+# A family's fields that the tests read and no build does: editing them rebuilds nothing.
+_NOT_BUILT = frozenset({"title", "expected"})
+
+
 def _source_key(family: Family) -> str:
-    """Changes when the family's entry or the code building it does."""
-    return _key(repr(family), inspect.getsource(vocabularies), inspect.getsource(catalog),
+    """Changes when what builds the family's model does: its entry's build fields, or the
+    code building it."""
+    built = {f.name: getattr(family, f.name) for f in fields(family) if f.name not in _NOT_BUILT}
+    return _key(repr(built), inspect.getsource(vocabularies), inspect.getsource(Family),
                 inspect.getsource(architectures), inspect.getsource(_model_config))
 
 

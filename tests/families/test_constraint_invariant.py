@@ -46,6 +46,7 @@ from engine import (
 )
 from engine.requests.prepare import Preparer
 from testkit.families import FAMILIES, AssetUnavailable, built_family_model
+from testkit.families.catalog import one_per_dialect
 from tests.conftest import _built, _cache_root
 
 EXAMPLES = max(2, int(os.environ.get("MLX_PROVIDERS_FUZZ_EXAMPLES", "120")) // 30)
@@ -204,10 +205,9 @@ def face_problem(request: ChatRequest, kind: str, done: Completion) -> str | Non
 
 # ----- the models ------------------------------------------------------------------------
 
-# One model per dialect (qwen3: tagged JSON after a prompt-opened reasoning block), every
-# family when more examples are asked for.
-ONE_PER_DIALECT = ["tiny-smollm2", "qwen3", "qwen3_5", "llama3_2", "gemma4", "gpt_oss",
-                   "mistral_small_3_2", "lfm2", "deepseek_r1_qwen"]
+# One model per dialect (the catalog's first of each; qwen3: tagged JSON after a
+# prompt-opened reasoning block), every family when more examples are asked for.
+ONE_PER_DIALECT = ["tiny-smollm2", *one_per_dialect()]
 MODELS = ["tiny-smollm2", *sorted(FAMILIES)] if EXAMPLES > 4 else ONE_PER_DIALECT
 
 

@@ -6,11 +6,11 @@ engine for the model's path, which the adapters look up; the server is given it)
 forces a ``get_weather`` call and gets it back parsed in its own types, with no call markup
 in the content; LangChain sends a second turn with the ``ToolMessage``, whose result the real
 template renders; the server streams the same forced call to the same arguments; a LangChain
-``batch`` equals the same calls made alone. For the families that reason (Qwen3, Qwen3.5,
-DeepSeek-R1, gpt-oss, Gemma 4, Ministral 3), the tiny model is first fitted for seconds to
-reason then answer in the family's own syntax; each door then puts the reasoning where it
-keeps reasoning (``reasoning_content``, a ``ThinkingBlock``, the server's
-``reasoning_content``) and only the answer in content.
+``batch`` equals the same calls made alone. For the families that reason (the catalog's
+``Expected.reasoning``), the tiny model is first fitted for seconds to reason then answer in
+the family's own syntax; each door then puts the reasoning where it keeps reasoning
+(``reasoning_content``, a ``ThinkingBlock``, the server's ``reasoning_content``) and only the
+answer in content.
 """
 
 from __future__ import annotations
@@ -55,18 +55,12 @@ MAX_TOKENS = 64
 MARKUP = ("<tool_call>", "[TOOL_CALLS]", "<|channel", "<|message|>", "<|tool_call",
           "to=functions", "<think>", "</think>", "[THINK]", "<\uff5ctool")
 
-# family -> (the opener of its reasoning, reasoning + answer + end of turn): what the fitted
-# model writes after its prompt (the opener only where the prompt has not written it).
-_DS_END = "<\uff5cend\u2581of\u2581sentence\uff5c>"
-REASONS: dict[str, tuple[str, str]] = {
-    "qwen3": ("<think>\n", "Hmm.\n</think>\n\nFour.<|im_end|>"),
-    "qwen3_5": ("<think>\n", "Hmm.\n</think>\n\nFour.<|im_end|>"),
-    "deepseek_r1_qwen": ("<think>\n", f"Hmm.\n</think>\n\nFour.{_DS_END}"),
-    "ministral3_reasoning": ("[THINK]", "Hmm.[/THINK]Four.</s>"),
-    "gpt_oss": ("<|channel|>analysis<|message|>",
-                "Hmm.<|end|><|start|>assistant<|channel|>final<|message|>Four.<|return|>"),
-    "gemma4": ("<|channel>thought\n", "Hmm.<channel|>Four.<turn|>"),
-}
+# What a fitted reasoning family writes after its prompt: a thought, then the answer.
+THOUGHT, ANSWER = "Hmm.", "Four."
+
+
+def _reasons(name: str) -> bool:
+    return FAMILIES[name].expected.reasoning is not None
 
 
 class WeatherArgs(BaseModel):
@@ -83,8 +77,9 @@ def get_weather(city: str) -> str:
 def _renderer(eng: Engine) -> tuple[PromptRenderer, Callable[..., Any]]:
     """The engine's prompt rendering (as its thread does it) and its dialect's history."""
     tok = eng.tokenizer
-    return (PromptRenderer(tok, eng.model_path, len(tok.vocab)),
-            dialect_for(TokenizerFacts.of(tok)).history)
+    dialect = dialect_for(TokenizerFacts.of(tok))
+    return (PromptRenderer(tok, eng.model_path, len(tok.vocab), dialect.tool_formats),
+            dialect.history)
 
 
 def rendered(eng: Engine, request: ChatRequest) -> tuple[str, bool]:
@@ -98,15 +93,16 @@ def rendered(eng: Engine, request: ChatRequest) -> tuple[str, bool]:
 def _fitted(source: Path, name: str, out: Path) -> Path:
     """A copy of the family's model fitted to reason then answer ``THINK_QUESTION``."""
     fitted = Path(shutil.copytree(source, out / name))
-    opener, rest = REASONS[name]
+    expected = FAMILIES[name].expected
+    assert expected.reasoning is not None
     eng = Engine(fitted, EngineConfig()).start()
     try:
         request = ChatRequest.from_openai([{"role": "user", "content": THINK_QUESTION}],
                                           chat_template_kwargs=THINKING)
         renderer, history = _renderer(eng)
         encoded = renderer.encode_request(request.messages, (), THINKING, history=history)
-        completion = rest if encoded.opens_reasoning else opener + rest
-        ids = eng.tokenizer.encode(completion, add_special_tokens=False)
+        completion = expected.reasoning.turn(THOUGHT, ANSWER, opened=encoded.opens_reasoning)
+        ids = eng.tokenizer.encode(completion + expected.end_of_turn, add_special_tokens=False)
     finally:
         eng.close()
     fit_to_transcripts(fitted, [Transcript(encoded.ids, ids)])
@@ -123,7 +119,7 @@ def model_dir(name: str, family_model_dir: Callable[[str], Path],
               tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The family's model; fitted to reason first where the family reasons."""
     source = family_model_dir(name)
-    if name not in REASONS:
+    if not _reasons(name):
         return source
     return _fitted(source, name, tmp_path_factory.mktemp("doors"))
 
@@ -245,28 +241,24 @@ def test_server_forced_call_streams_the_same_arguments(name: str,
 
 # ----- reasoning at every door ------------------------------------------------------------
 
-def _reasons(name: str) -> None:
-    if name not in REASONS:
-        pytest.skip(f"{name} has no reasoning syntax")
-
-
 def test_reasoning_is_split_at_every_door(name: str, chat: ChatMLXBatch,
                                           index_llm: MLXBatchLLM,
                                           client: openai.OpenAI) -> None:
-    _reasons(name)
+    if not _reasons(name):
+        pytest.skip(f"{name} has no reasoning syntax")
     reply = chat.invoke(THINK_QUESTION, reasoning=True)
-    assert reply.additional_kwargs["reasoning_content"].strip() == "Hmm."
-    assert reply.content == "Four."
+    assert reply.additional_kwargs["reasoning_content"].strip() == THOUGHT
+    assert reply.content == ANSWER
 
     response = index_llm.chat([ChatMessage(role="user", content=THINK_QUESTION)],
                               chat_template_kwargs=THINKING)
     thinking = [b.content for b in response.message.blocks if isinstance(b, ThinkingBlock)]
-    assert [(t or "").strip() for t in thinking] == ["Hmm."]
-    assert response.message.content == "Four."
+    assert [(t or "").strip() for t in thinking] == [THOUGHT]
+    assert response.message.content == ANSWER
 
     served = client.chat.completions.create(
         model=name, messages=[{"role": "user", "content": THINK_QUESTION}],
         max_tokens=MAX_TOKENS, temperature=0, extra_body={"chat_template_kwargs": THINKING})
     message = served.choices[0].message
-    assert (message.model_extra or {})["reasoning_content"].strip() == "Hmm."
-    assert message.content == "Four."
+    assert (message.model_extra or {})["reasoning_content"].strip() == THOUGHT
+    assert message.content == ANSWER

@@ -2,8 +2,8 @@
 
 The transcript is rendered by the family's real template (an assistant message holding a
 ``get_weather`` call); after fitting, the engine's greedy decode of the prompt is exactly
-that call in the family's own syntax. Later tests build on this to check that each family's
-calls are parsed (qwen3's ``<tool_call>`` JSON is; Llama 3.1's JSON stays content today).
+that call in the family's own syntax. ``test_fitted_own_syntax.py`` builds on this: every
+fitted family's unforced call comes back parsed.
 """
 
 from __future__ import annotations
@@ -15,21 +15,22 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, EngineConfig, FinishReason, TextRequest
+from testkit.families import FAMILIES
 from testkit.families.fitting import Transcript, fit_to_transcripts
 from testkit.families.transcripts import tool_call_turn
 from tests.conftest import greedy
 
-NATIVE = {
-    "qwen3": ("<|im_end|>",
-              '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
-    "llama3_1": ("<|eot_id|>", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
-}
+# Two families whose templates render the call turn after their own generation prompt: the
+# fitting itself is what is checked (every fitted family's call is, in
+# test_fitted_own_syntax.py).
+SAMPLE = ("llama3_1", "qwen3")
 
 
-@pytest.mark.parametrize("name", sorted(NATIVE))
+@pytest.mark.parametrize("name", SAMPLE)
 def test_a_fitted_model_writes_its_familys_native_call(
         name: str, family_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
-    end_of_turn, call = NATIVE[name]
+    expected = FAMILIES[name].expected
+    end_of_turn, call = expected.call_ends_with, expected.native_call
     fitted = Path(shutil.copytree(family_model_dir(name), tmp_path / name))
     eng = Engine(fitted, EngineConfig()).start()
     try:

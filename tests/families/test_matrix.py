@@ -2,9 +2,10 @@
 
 For each family of ``testkit.families``: its tokenizer reproduces an independent reference
 tokenization (llama.cpp's vectors, or tiktoken on the same ranks); its published template
-renders tools, a tool-call turn and a tool result, or fails in the way recorded here; mlx-lm
-infers the tool parser and thinking markers it infers for the real checkpoint; and its tiny
-model of the real architecture loads through the engine, batched greedy equal to alone.
+renders tools, a tool-call turn and a tool result, or fails in the way the catalog records;
+mlx-lm infers the tool parser and thinking markers it infers for the real checkpoint (as the
+catalog records them); and its tiny model of the real architecture loads through the engine,
+batched greedy equal to alone.
 """
 
 from __future__ import annotations
@@ -20,37 +21,6 @@ from testkit.families import Family
 from testkit.families.references import match_rate
 from testkit.families.transcripts import QUESTION, WEATHER_TOOL, tool_call_message
 from tests.conftest import greedy
-
-# What mlx-lm 0.32.2 infers from each family's template and vocabulary (tool parser,
-# thinking start): None where it infers nothing, as for the real checkpoints.
-INFERRED: dict[str, tuple[str | None, str | None]] = {
-    "qwen3": ("json_tools", "<think>"),
-    "qwen3_5": ("qwen3_coder", "<think>"),
-    "llama3_1": (None, None),
-    "llama3_2": (None, None),
-    "gemma4": ("gemma4", "<|channel>thought"),
-    "gemma3": (None, None),
-    "gpt_oss": (None, None),
-    "mistral_small_3_2": ("mistral", None),
-    "ministral3_reasoning": ("mistral", None),
-    "phi3_5": (None, None),
-    "granite4": ("json_tools", None),
-    "lfm2": ("pythonic", None),
-    "smollm3": (None, "<think>"),
-    "deepseek_r1_qwen": (None, "<think>"),
-}
-
-# What each published template renders: tools passed as ``tools=``, an assistant message's
-# ``tool_calls``, a ``tool`` message's result. Anything not listed renders all three.
-CANNOT_RENDER: dict[str, dict[str, str]] = {
-    "phi3_5": {"tools": "dropped", "call": "dropped", "result": "dropped"},
-    "gemma3": {"tools": "dropped", "call": "dropped", "result": "raises"},
-    # The sdist's SmolLM3 template (Unsloth's edit) reads neither tools= nor the published
-    # template's xml_tools=: the engine lists tools in the system prompt (SmolLM's format).
-    "smollm3": {"tools": "dropped", "xml_tools": "dropped", "call": "dropped"},
-    "lfm2": {"call": "dropped (LFM2 writes calls in the content)"},
-    "deepseek_r1_qwen": {"tools": "dropped"},
-}
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> str:
@@ -94,7 +64,9 @@ def _renders(tokenizer: Any) -> dict[str, str]:
 def test_tokenizer_ids_equal_the_reference(family: Family, family_dir: Path) -> None:
     tokenizer = Tokenizer.from_file(str(family_dir / "tokenizer.json"))
     same, total = match_rate(family, tokenizer)
-    assert total >= 40, f"{family.name}: only {total} reference texts"
+    assert total == family.expected.reference_texts >= 40, (
+        f"{family.name}: {total} reference texts, the catalog says "
+        f"{family.expected.reference_texts}")
     assert same == total, f"{family.name}: {same}/{total} texts tokenized as the reference"
 
 
@@ -118,7 +90,7 @@ def test_mlx_lm_infers_what_it_infers_for_the_real_checkpoint(
     tokenizer = family_engine.tokenizer
     parser = tokenizer._tokenizer.init_kwargs.get("tool_parser_type")
     think = tokenizer.think_start if tokenizer.has_thinking else None
-    assert (parser, think) == INFERRED[family.name]
+    assert (parser, think) == (family.expected.tool_parser, family.expected.think_start)
 
 
 def test_the_template_renders_a_tool_round_trip_or_fails_as_recorded(
@@ -126,7 +98,7 @@ def test_the_template_renders_a_tool_round_trip_or_fails_as_recorded(
 ) -> None:
     expected = {"tools": "rendered", "call": "rendered", "result": "rendered"}
     expected.update(
-        {what: how.split(" ")[0] for what, how in CANNOT_RENDER.get(family.name, {}).items()}
+        {what: how.split(" ")[0] for what, how in family.expected.cannot_render.items()}
     )
     expected.setdefault("xml_tools", expected["tools"])  # as tools= unless recorded
     assert _renders(family_engine.tokenizer) == expected

@@ -106,7 +106,7 @@ def test_a_harmony_vocabulary_speaks_harmony() -> None:
 
 def test_the_forced_call_is_written_as_gpt_oss_writes_it() -> None:
     lark = Harmony(TokenizerFacts()).forced_calls(TOOLS, "required", True, json.dumps)
-    assert lark.startswith("calls: call_0\n")
+    assert lark.startswith("calls: call\ncall: call_0\n")  # one call, parallel or not
     assert '"<|channel|>" "commentary to=functions." "get_weather" " " "<|constrain|>" ' \
            '"json" "<|message|>" args_0 "<|call|>"' in lark
     assert '"additionalProperties": false' in lark

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from engine.requests.dialects.dialect import Dialect
 from engine.requests.inbound.prompts import PromptRenderer
 from engine.requests.inbound.tool_prompts import (
     SMOLLM2,
@@ -29,9 +30,11 @@ SMOL_TEMPLATE = ("{% for message in messages %}{% if loop.first and message['rol
 
 
 def test_detects_smollm2_from_its_default_system_prompt() -> None:
-    assert detect_tool_format(SMOL_TEMPLATE) is SMOLLM2
-    assert detect_tool_format("{{ messages }}") is None
-    assert detect_tool_format(None) is None
+    formats = Dialect.tool_formats  # the default dialect declares SmolLM2's
+    assert detect_tool_format(SMOL_TEMPLATE, formats) is SMOLLM2
+    assert detect_tool_format("{{ messages }}", formats) is None
+    assert detect_tool_format(None, formats) is None
+    assert detect_tool_format(SMOL_TEMPLATE, ()) is None  # only declared formats are known
 
 
 def test_system_prompt_is_the_trained_one_and_user_system_is_kept() -> None:
@@ -117,7 +120,7 @@ class FakeTokenizer:
 
 def test_encode_request_uses_the_family_format_when_the_template_renders_no_tools() -> None:
     tok = FakeTokenizer(SMOL_TEMPLATE)
-    renderer = PromptRenderer(tok, Path("."), 200_000)
+    renderer = PromptRenderer(tok, Path("."), 200_000, Dialect.tool_formats)
     encoded = renderer.encode_request([{"role": "user", "content": "weather?"}], [WEATHER], {})
     text = "".join(chr(i) for i in encoded.ids)
     assert "You are an expert in composing functions." in text
@@ -126,7 +129,7 @@ def test_encode_request_uses_the_family_format_when_the_template_renders_no_tool
 
 def test_encode_request_keeps_the_generic_fallback_for_unknown_families() -> None:
     tok = FakeTokenizer("{{ messages }}")
-    renderer = PromptRenderer(tok, Path("."), 200_000)
+    renderer = PromptRenderer(tok, Path("."), 200_000, Dialect.tool_formats)
     encoded = renderer.encode_request([{"role": "user", "content": "weather?"}], [WEATHER], {})
     text = "".join(chr(i) for i in encoded.ids)
     assert "composing functions" not in text

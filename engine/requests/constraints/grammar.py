@@ -101,6 +101,11 @@ class GrammarCompiler:
             )
         return self._tokenizer
 
+    def token_ids(self, text: str) -> list[int]:
+        """``text`` as the grammar reads it in tokens: special tokens as themselves, and no
+        prefix space a sentencepiece tokenizer's ``encode`` would add (what a model writes)."""
+        return list(self._llg_tokenizer().tokenize_str(text))
+
     def lark_text(self, text: str) -> str:
         """Lark for ``text``: its special tokens as tokens (``<[id]>``; llguidance matches a
         special token only when the grammar names it so), the text between them as quoted

@@ -13,10 +13,9 @@ No mlx here.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
-from engine.requests.constraints.forced_calls import arguments_schema, chosen_tools
+from engine.requests.dialects.call_rules import calls_lark, json_arguments
 from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
 from engine.requests.dialects.marked_calls import CallSyntax, MarkedCallSplitter
 from engine.requests.inbound.tool_specs import ToolSpec
@@ -49,6 +48,8 @@ class DeepSeekR1(Dialect):
     """DeepSeek-R1 and its distills (their tool-call tokens)."""
 
     name = "deepseek-r1"
+    priority = 50  # above the Qwen and Llama families its distills are built on
+    writes_json_calls = True
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:
@@ -58,23 +59,15 @@ class DeepSeekR1(Dialect):
     def markers(self) -> dict[str, tuple[str, str]]:
         return {**self.facts.markers, TOOL: (CALLS_BEGIN, CALLS_END)}
 
-    @property
-    def parser(self) -> None:
-        return None  # calls are handed over as JSON call objects
-
     def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return MarkedCallSplitter(SYNTAX, self.markers.get(REASONING), start)
 
     def forced_calls(self, tools: Sequence[ToolSpec], choice: str, parallel: bool,
                      literal: Literal) -> str:
         """The calls block as the template writes it; parallel calls one a line."""
-        lines, names = [], []
-        for i, tool in enumerate(chosen_tools(tools, choice)):
-            names.append(f"call_{i}")
+        def body(i: int, tool: ToolSpec, rules: list[str]) -> str:
             head = literal(f"function{SEP}{tool.name}\n{_FENCE}\n")
-            lines.append(f"call_{i}: {literal(CALL_BEGIN)} {head} args_{i} "
-                         f"{literal(chr(10) + '```')} {literal(CALL_END)}")
-            lines.append(f"args_{i}: %json {json.dumps(arguments_schema(tool))}")
-        repeat = ' ("\\n" call)*' if parallel else ""
-        return "\n".join([f"calls: {literal(CALLS_BEGIN)} call{repeat} {literal(CALLS_END)}",
-                          f"call: {' | '.join(names)}", *lines]) + "\n"
+            return (f"{literal(CALL_BEGIN)} {head} {json_arguments(i, tool, rules)} "
+                    f"{literal(chr(10) + '```')} {literal(CALL_END)}")
+        return calls_lark(tools, choice, parallel, body, between='"\\n"',
+                          around=(literal(CALLS_BEGIN), literal(CALLS_END)))

@@ -12,17 +12,28 @@ side: the Lark rule ``calls`` that admits only well-formed calls to the chosen t
 written as this family writes them, so a forced call is text the model was trained to
 write and its own parser reads back. ``new_call_id`` is what the family's chat template
 accepts as a call id, and ``history`` adapts a past conversation to what that template
-renders. No mlx here.
+renders.
+
+A family declares, as class attributes, what the rest of the engine reads without an
+instance: its detection ``priority`` (the registry checks families highest first), the
+``reasoning_tokens`` whose presence in a vocabulary says the model reasons
+(``engine.declared``), and the ``tool_formats`` its models were trained on where the chat
+template renders no tools (``PromptRenderer``). No mlx here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from engine.requests.constraints.forced_calls import tagged_json_calls
-from engine.requests.inbound.tool_prompts import TOOL_CALL_END, TOOL_CALL_START
+from engine.requests.inbound.tool_prompts import (
+    SMOLLM2,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    ToolFormat,
+)
 from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.channels import CONTENT, REASONING, TOOL, ChannelSplitter, Splitter
 from engine.requests.outbound.tool_calls import ToolParser, new_call_id
@@ -78,6 +89,26 @@ class Dialect:
 
     name = "tagged-json"
 
+    # ----- declarations (read from the class, before any tokenizer) ------------------------
+
+    # Detection order: the registry checks families highest first, so a family whose marks
+    # another's include goes above it. 0 is the default's: never checked, picked last.
+    priority: ClassVar[int] = 0
+
+    # Token pairs that open and close reasoning: a vocabulary holding both of a pair is a
+    # thinking model's (``engine.declared``). The default's are mlx-lm's thinking tokens.
+    reasoning_tokens: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"),
+        ("<|think:start|>", "<|think:end|>"))
+
+    # The tool prompts this dialect's models were trained on, each recognised by a marker in
+    # the chat template, for templates that render no tools (SmolLM2's, in tagged JSON).
+    tool_formats: ClassVar[tuple[ToolFormat, ...]] = (SMOLLM2,)
+
+    # Whether the family's splitter hands its calls over as JSON call objects itself, so
+    # the tool parser mlx-lm inferred (if any) is not used.
+    writes_json_calls: ClassVar[bool] = False
+
     def __init__(self, facts: TokenizerFacts) -> None:
         self.facts = facts
 
@@ -98,8 +129,9 @@ class Dialect:
     @property
     def parser(self) -> ToolParser | None:
         """The parser of a closed tool block; None when blocks are JSON call objects (the
-        tagged-JSON fallback, SmolLM2's list, mlx-lm's ``json_tools``), read as they stream."""
-        if self.facts.parser_name == "json_tools":
+        tagged-JSON fallback, SmolLM2's list, mlx-lm's ``json_tools``, a family's splitter
+        that writes them), read as they stream."""
+        if self.writes_json_calls or self.facts.parser_name == "json_tools":
             return None
         return self.facts.tool_parser
 

@@ -18,14 +18,10 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.requests.constraints.forced_calls import (
-    BOUNDED_INTEGER,
-    BOUNDED_NUMBER,
-    chosen_tools,
-    separated,
-)
+from engine.requests.constraints.forced_calls import separated
+from engine.requests.dialects.call_rules import calls_lark
 from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
-from engine.requests.dialects.xml_calls import main_type
+from engine.requests.dialects.schema_values import bare_value, enum_value, main_type
 from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.channels import TOOL
 
@@ -38,6 +34,8 @@ class Gemma4(Dialect):
     """Gemma 4 (mlx-lm's ``gemma4`` parser)."""
 
     name = "gemma4"
+    priority = 30
+    reasoning_tokens = (("<|channel>", "<channel|>"),)  # its thought channel's tokens
     json_arguments = False  # its values are written in Gemma's literal syntax, by property
 
     @classmethod
@@ -53,39 +51,34 @@ class Gemma4(Dialect):
         """``calls``: one block (several, back to back, when ``parallel``)."""
         start, end = (literal(marker) for marker in self.markers[TOOL])
         values = GemmaValues(literal(QUOTE))
-        names = []
-        for i, tool in enumerate(chosen_tools(tools, choice)):
-            names.append(f"call_{i}")
+
+        def body(i: int, tool: ToolSpec, rules: list[str]) -> str:
             head = json.dumps(f"call:{tool.name}")
-            values.rules.append(f"call_{i}: {start} {head} {values.of(tool.parameters)} {end}")
-        repeat = "+" if parallel else ""
-        return "\n".join([f"calls: call{repeat}", f"call: {' | '.join(names)}",
-                          *values.rules]) + "\n"
+            return f"{start} {head} {values.of(tool.parameters, rules)} {end}"
+        return calls_lark(tools, choice, parallel, body)
 
 
 class GemmaValues:
-    """Lark for values in Gemma 4's literal syntax, by schema; nested values get rules."""
+    """Lark for values in Gemma 4's literal syntax, by schema; nested values get rules,
+    numbered across every call of one grammar."""
 
     def __init__(self, quote: str) -> None:
         self.quote = quote
-        self.rules: list[str] = []
+        self._count = 0
 
-    def of(self, schema: Mapping[str, Any]) -> str:
+    def of(self, schema: Mapping[str, Any], rules: list[str]) -> str:
+        """Lark for a value of ``schema``; the rules of its nested values go to ``rules``."""
         kind, _ = main_type(schema)
-        if isinstance(schema.get("enum"), list) and schema["enum"]:
-            return "(" + " | ".join(self.constant(v) for v in schema["enum"]) + ")"
+        enum = enum_value(schema, self.constant)
+        if enum is not None:
+            return enum
         if kind == "object" or (kind is None and "properties" in schema):
-            return self._object(schema)
+            return self._object(schema, rules)
         if kind == "array":
-            item = self._rule(self.of(schema.get("items") or {}))
+            item = self._rule(self.of(schema.get("items") or {}, rules), rules)
             return f'"[" ({item} ("," {item})*)? "]"'
-        if kind == "integer":
-            return BOUNDED_INTEGER
-        if kind == "number":
-            return BOUNDED_NUMBER
-        if kind == "boolean":
-            return '("true" | "false")'
-        return f"{self.quote} {_TEXT}? {self.quote}"  # strings, and what has no one type
+        # Strings, and what has no one type, between quote tokens.
+        return bare_value(kind) or f"{self.quote} {_TEXT}? {self.quote}"
 
     def constant(self, value: Any) -> str:
         """Lark for one literal value, as the template's ``format_argument`` writes it."""
@@ -94,14 +87,16 @@ class GemmaValues:
                 f"{self.quote} {self.quote}"
         return json.dumps(json.dumps(value))  # numbers, true/false as JSON spells them
 
-    def _object(self, schema: Mapping[str, Any]) -> str:
+    def _object(self, schema: Mapping[str, Any], rules: list[str]) -> str:
         properties = schema.get("properties") or {}
         required = set(schema.get("required") or ())
-        entries = [(f"{json.dumps(key + ':')} {self._rule(self.of(properties[key]))}",
-                    key in required) for key in sorted(properties)]  # dictsort
+        entries = [(f"{json.dumps(key + ':')} {self._rule(self.of(value, rules), rules)}",
+                    key in required)
+                   for key, value in sorted(properties.items())]  # dictsort
         return f'"{{" {separated(entries, json.dumps(","))} "}}"'
 
-    def _rule(self, body: str) -> str:
-        name = f"v_{len(self.rules)}"
-        self.rules.append(f"{name}: {body}")
+    def _rule(self, body: str, rules: list[str]) -> str:
+        name = f"v_{self._count}"
+        self._count += 1
+        rules.append(f"{name}: {body}")
         return name

@@ -23,9 +23,10 @@ import json
 import re
 from collections.abc import Sequence
 
-from engine.requests.constraints.forced_calls import arguments_schema, chosen_tools
+from engine.requests.dialects.call_rules import calls_lark, json_arguments
 from engine.requests.dialects.dialect import Dialect, Literal, ReasoningMarks, TokenizerFacts
-from engine.requests.dialects.scanning import first_marker, partial_suffix
+from engine.requests.dialects.scanning import first_marker
+from engine.requests.dialects.state_splitter import StateSplitter
 from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.channels import CONTENT, REASONING, TOOL, Splitter
 
@@ -41,14 +42,13 @@ class Harmony(Dialect):
     """gpt-oss (``openai/gpt-oss-*``)."""
 
     name = "harmony"
+    priority = 70  # its channel tokens are checked before any other family's marks
+    reasoning_tokens = ((CHANNEL, MESSAGE),)  # the analysis channel is its reasoning
+    writes_json_calls = True
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:
         return all(token in facts.vocab for token in (CHANNEL, MESSAGE, CALL, START))
-
-    @property
-    def parser(self) -> None:
-        return None  # calls are handed over as JSON call objects
 
     @property
     def reasoning_close(self) -> None:
@@ -71,58 +71,30 @@ class Harmony(Dialect):
         gpt-oss writes it: to the commentary channel, JSON constrained."""
         head = f'{literal(CHANNEL)} "commentary to={_FUNCTIONS}"'
         mid = f'" " {literal(CONSTRAIN)} "json" {literal(MESSAGE)}'
-        lines, names = [], []
-        for i, tool in enumerate(chosen_tools(tools, choice)):
-            names.append(f"call_{i}")
-            lines.append(f"call_{i}: {head} {json.dumps(tool.name)} {mid} args_{i} "
-                         f"{literal(CALL)}")
-            lines.append(f"args_{i}: %json {json.dumps(arguments_schema(tool))}")
-        return "\n".join([f"calls: {' | '.join(names)}", *lines]) + "\n"
+
+        def body(i: int, tool: ToolSpec, rules: list[str]) -> str:
+            return (f"{head} {json.dumps(tool.name)} {mid} {json_arguments(i, tool, rules)} "
+                    f"{literal(CALL)}")
+        return calls_lark(tools, choice, False, body)
 
 
-class HarmonySplitter:
+class HarmonySplitter(StateSplitter):
     """Harmony messages into channels: headers are read whole and never emitted; bodies
     stream to their channel; a call's body streams inside its JSON call object."""
 
     def __init__(self) -> None:
-        self._channel = CONTENT
-        self._in_body = False
+        super().__init__({"header": self._read_header, "body": self._read_body}, "header")
         self._header = ""
-        self._held = ""  # body text that may be the start of an end marker
         self._calling = False  # the open body is a call's arguments
-
-    @property
-    def channel(self) -> str:
-        return self._channel
-
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        pieces: list[tuple[str, str]] = []
-        buffer = self._held + text
-        self._held = ""
-        while buffer:
-            if not self._in_body:
-                buffer = self._read_header(buffer, pieces)
-                continue
-            index, marker = first_marker(buffer, _BODY_ENDS)
-            if index < 0:
-                keep = partial_suffix(buffer, _BODY_ENDS)
-                body, self._held = buffer[:len(buffer) - keep], buffer[len(buffer) - keep:]
-                if body:
-                    pieces.append((self._channel, body))
-                break
-            if index:
-                pieces.append((self._channel, buffer[:index]))
-            self._end_body(pieces)
-            buffer = buffer[index + len(marker):]
-        return pieces
 
     def flush(self) -> list[tuple[str, str]]:
         """The row ended. ``<|call|>`` and ``<|return|>`` are stop tokens, never text: the
         open body ends here, a call's object closes (cut short, its JSON stays incomplete:
         an invalid call). An unfinished header is dropped."""
         held, self._held = self._held, ""
-        pieces = [(self._channel, held)] if held and self._in_body else []
-        if self._in_body:
+        in_body = self._state == "body"
+        pieces = [(self._channel, held)] if held and in_body else []
+        if in_body:
             self._end_body(pieces)
         self._header = ""
         return pieces
@@ -138,8 +110,18 @@ class HarmonySplitter:
         self._open_body(header, pieces)
         return rest
 
+    def _read_body(self, buffer: str, pieces: list[tuple[str, str]]) -> str:
+        """Body text to its channel up to an end marker (a tail that may start one held)."""
+        index, marker = first_marker(buffer, _BODY_ENDS)
+        if index < 0:
+            return self._emit_holding(buffer, _BODY_ENDS, pieces)
+        if index:
+            pieces.append((self._channel, buffer[:index]))
+        self._end_body(pieces)
+        return buffer[index + len(marker):]
+
     def _open_body(self, header: str, pieces: list[tuple[str, str]]) -> None:
-        self._in_body = True
+        self._state = "body"
         recipient = _RECIPIENT.search(header)
         channel = _CHANNEL.search(header)
         name = channel.group(1) if channel else ""
@@ -156,12 +138,7 @@ class HarmonySplitter:
         if self._calling:
             pieces.append((TOOL, "}"))
             self._calling = False
-        self._in_body = False
+        self._state = "header"
         self._switch(CONTENT, pieces)
-
-    def _switch(self, channel: str, pieces: list[tuple[str, str]]) -> None:
-        if channel != self._channel:
-            self._channel = channel
-            pieces.append((channel, ""))
 
 

@@ -17,9 +17,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from engine.requests.constraints.forced_calls import arguments_schema, chosen_tools
+from engine.requests.dialects.call_rules import calls_lark, json_arguments
 from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
-from engine.requests.dialects.scanning import JsonEnd, partial_suffix
+from engine.requests.dialects.scanning import JsonEnd
+from engine.requests.dialects.state_splitter import StateSplitter
 from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.channels import CONTENT, TOOL, Splitter
 
@@ -33,6 +34,9 @@ class Llama3(Dialect):
     ``"parameters"`` call format)."""
 
     name = "llama3-json"
+    priority = 10  # the last family checked: its marks are a token and template text
+    reasoning_tokens = ()
+    writes_json_calls = True  # calls are JSON objects, read as they stream
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:
@@ -43,10 +47,6 @@ class Llama3(Dialect):
     @property
     def markers(self) -> dict[str, tuple[str, str]]:
         return {TOOL: (PYTHON_TAG, "")}
-
-    @property
-    def parser(self) -> None:
-        return None  # calls are JSON objects, read as they stream
 
     @property
     def reasoning_close(self) -> None:
@@ -74,40 +74,22 @@ class Llama3(Dialect):
                      literal: Literal) -> str:
         """``{"name": "NAME", "parameters": {...}}`` as the template renders a call;
         parallel calls separated by ``; ``."""
-        lines, names = [], []
-        for i, tool in enumerate(chosen_tools(tools, choice)):
-            names.append(f"call_{i}")
+        def body(i: int, tool: ToolSpec, rules: list[str]) -> str:
             head = literal(f'{{"name": {json.dumps(tool.name)}, "parameters": ')
-            lines.append(f'call_{i}: {head} args_{i} "}}"')
-            lines.append(f"args_{i}: %json {json.dumps(arguments_schema(tool))}")
-        repeat = ' ("; " call)*' if parallel else ""
-        return "\n".join([f"calls: call{repeat}", f"call: {' | '.join(names)}", *lines]) + "\n"
+            return f'{head} {json_arguments(i, tool, rules)} "}}"'
+        return calls_lark(tools, choice, parallel, body, between='"; "')
 
 
-class Llama3Splitter:
+class Llama3Splitter(StateSplitter):
     """A Llama 3 answer into content and calls. The output is a call when it opens with a
     JSON object whose first key is ``name``, or with ``<|python_tag|>``; then each JSON object
     is one call (``;`` and whitespace between them are separators), and text that follows
     the calls is content. ``<|python_tag|>`` later in an answer starts calls too."""
 
     def __init__(self) -> None:
-        self._channel = CONTENT
-        self._state = "start"  # start | content | calls | args
-        self._held = ""
+        super().__init__({"start": self._start, "content": self._content, "calls": self._calls,
+                          "args": self._args}, "start")
         self._json = JsonEnd()
-
-    @property
-    def channel(self) -> str:
-        return self._channel
-
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        pieces: list[tuple[str, str]] = []
-        buffer, self._held = self._held + text, ""
-        readers = {"start": self._start, "content": self._content, "calls": self._calls,
-                   "args": self._args}
-        while buffer:
-            buffer = readers[self._state](buffer, pieces)
-        return pieces
 
     def flush(self) -> list[tuple[str, str]]:
         """The row ended (``<|eot_id|>``, ``<|eom_id|>``: no closing marker): the open call
@@ -139,11 +121,7 @@ class Llama3Splitter:
     def _content(self, buffer: str, pieces: list[tuple[str, str]]) -> str:
         index = buffer.find(PYTHON_TAG)
         if index < 0:
-            keep = partial_suffix(buffer, [PYTHON_TAG])
-            if len(buffer) > keep:
-                pieces.append((CONTENT, buffer[:len(buffer) - keep]))
-            self._held = buffer[len(buffer) - keep:]
-            return ""
+            return self._emit_holding(buffer, [PYTHON_TAG], pieces)
         if index:
             pieces.append((CONTENT, buffer[:index]))
         self._state = "calls"
@@ -180,8 +158,3 @@ class Llama3Splitter:
         self._switch(CONTENT, pieces)
         self._state = "calls"
         return buffer[end:]
-
-    def _switch(self, channel: str, pieces: list[tuple[str, str]]) -> None:
-        if channel != self._channel:
-            self._channel = channel
-            pieces.append((channel, ""))

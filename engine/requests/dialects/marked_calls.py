@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.requests.dialects.scanning import JsonEnd, first_marker, partial_suffix
+from engine.requests.dialects.state_splitter import StateSplitter
 from engine.requests.outbound.channels import CONTENT, REASONING, TOOL
 
 
@@ -33,33 +34,19 @@ class CallSyntax:
     json_list: bool = False  # a header that starts with "[" or "{" is JSON call objects
 
 
-class MarkedCallSplitter:
+class MarkedCallSplitter(StateSplitter):
     """A row's text into content, reasoning (between the ``reasoning`` markers) and calls
     written in a ``CallSyntax``."""
 
     def __init__(self, syntax: CallSyntax, reasoning: tuple[str, str] | None,
                  start: str = CONTENT) -> None:
+        super().__init__({"text": self._text, "header": self._read_header, "args": self._args,
+                          "tail": self._tail}, "text", start)
         self._syntax = syntax
         self._reasoning = reasoning if reasoning and all(reasoning) else None
-        self._channel = start
-        self._state = "text"  # text | header | args | tail
-        self._held = ""  # text that may be the start of a marker
         self._header = ""
         self._json = JsonEnd()
         self._wrapped = False  # the arguments sit in a call object this splitter opened
-
-    @property
-    def channel(self) -> str:
-        return self._channel
-
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        pieces: list[tuple[str, str]] = []
-        buffer, self._held = self._held + text, ""
-        readers = {"text": self._text, "header": self._read_header, "args": self._args,
-                   "tail": self._tail}
-        while buffer:
-            buffer = readers[self._state](buffer, pieces)
-        return pieces
 
     def flush(self) -> list[tuple[str, str]]:
         """The row ended (its end-of-turn token is never text). A call's header left
@@ -83,11 +70,7 @@ class MarkedCallSplitter:
         markers = self._text_markers()
         index, marker = first_marker(buffer, markers)
         if index < 0:
-            keep = partial_suffix(buffer, markers)
-            if len(buffer) > keep:
-                pieces.append((self._channel, buffer[:len(buffer) - keep]))
-            self._held = buffer[len(buffer) - keep:]
-            return ""
+            return self._emit_holding(buffer, markers, pieces)
         if index:
             pieces.append((self._channel, buffer[:index]))
         if self._channel == REASONING:
@@ -147,8 +130,3 @@ class MarkedCallSplitter:
             return [self._reasoning[1]] if self._reasoning else []
         opens = [self._reasoning[0]] if self._reasoning else []
         return [*opens, self._syntax.open, *self._syntax.dropped]
-
-    def _switch(self, channel: str, pieces: list[tuple[str, str]]) -> None:
-        if channel != self._channel:
-            self._channel = channel
-            pieces.append((channel, ""))

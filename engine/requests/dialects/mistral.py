@@ -12,14 +12,13 @@ the template sees it. No mlx here.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import secrets
 import string
 from collections.abc import Sequence
 from typing import Any
 
-from engine.requests.constraints.forced_calls import arguments_schema, chosen_tools
+from engine.requests.dialects.call_rules import calls_lark, json_arguments
 from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
 from engine.requests.dialects.marked_calls import CallSyntax, MarkedCallSplitter
 from engine.requests.inbound.tool_specs import ToolSpec
@@ -47,6 +46,11 @@ class Mistral(Dialect):
     """Mistral Small 3.x and Ministral 3 (their ``[TOOL_CALLS]`` and ``[ARGS]`` tokens)."""
 
     name = "mistral"
+    priority = 60
+    # Every Tekken vocabulary has [THINK]: only the chat template says whether the model
+    # reasons (``reasons``), so the vocabulary alone declares nothing.
+    reasoning_tokens = ()
+    writes_json_calls = True  # mlx-lm 0.32.2's parser misreads ids
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:
@@ -69,10 +73,6 @@ class Mistral(Dialect):
         """Whether the template renders ``[CALL_ID]`` (Mistral Small 3.2; not Ministral 3)."""
         return CALL_ID in self.facts.chat_template
 
-    @property
-    def parser(self) -> None:
-        return None  # calls are handed over as JSON call objects (mlx-lm 0.32.2's misreads ids)
-
     def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return MarkedCallSplitter(SYNTAX, self.markers.get(REASONING), start)
 
@@ -90,14 +90,11 @@ class Mistral(Dialect):
         """``[TOOL_CALLS]NAME[ARGS]{json}``, with ``[CALL_ID]`` and 9 alphanumerics where
         the template renders ids; parallel calls follow one another."""
         call_id = f' {literal(CALL_ID)} /[A-Za-z0-9]{{9}}/' if self.writes_call_ids else ""
-        lines, names = [], []
-        for i, tool in enumerate(chosen_tools(tools, choice)):
-            names.append(f"call_{i}")
-            lines.append(f"call_{i}: {literal(TOOL_CALLS)} {literal(tool.name)}{call_id} "
-                         f"{literal(ARGS)} args_{i}")
-            lines.append(f"args_{i}: %json {json.dumps(arguments_schema(tool))}")
-        repeat = "+" if parallel else ""
-        return "\n".join([f"calls: call{repeat}", f"call: {' | '.join(names)}", *lines]) + "\n"
+
+        def body(i: int, tool: ToolSpec, rules: list[str]) -> str:
+            return (f"{literal(TOOL_CALLS)} {literal(tool.name)}{call_id} {literal(ARGS)} "
+                    f"{json_arguments(i, tool, rules)}")
+        return calls_lark(tools, choice, parallel, body)
 
 
 def template_call_id(call_id: str) -> str:

@@ -19,8 +19,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.requests.constraints.forced_calls import chosen_tools, compact_schema, separated
+from engine.requests.constraints.forced_calls import compact_schema, separated
 from engine.requests.dialects.call_blocks import CallBlockSplitter
+from engine.requests.dialects.call_rules import calls_lark
 from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
 from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.channels import CONTENT, TOOL, Splitter
@@ -33,15 +34,13 @@ class Pythonic(Dialect):
     """LFM2 (mlx-lm's ``pythonic`` parser)."""
 
     name = "pythonic"
+    priority = 20
+    writes_json_calls = True  # blocks are rewritten into JSON call objects at their close
     json_arguments = False  # its keyword arguments are written property by property
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:
         return facts.parser_name == "pythonic"
-
-    @property
-    def parser(self) -> None:
-        return None  # blocks are rewritten into JSON call objects at their close
 
     def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return CallBlockSplitter(self.markers, start, PythonCallWriter)
@@ -67,18 +66,15 @@ class Pythonic(Dialect):
         """``calls``: one block holding one call (several, comma separated, when
         ``parallel``)."""
         start, end = (literal(marker) for marker in self.markers[TOOL])
-        names, lines = [], []
-        for i, tool in enumerate(chosen_tools(tools, choice)):
-            names.append(f"call_{i}")
+
+        def body(i: int, tool: ToolSpec, rules: list[str]) -> str:
             properties = tool.parameters.get("properties") or {}
             required = set(tool.parameters.get("required") or ())
             entries = [(f"{json.dumps(key + '=')} %json {json.dumps(compact_schema(value))}",
                         key in required) for key, value in properties.items()]
-            lines.append(f'call_{i}: {json.dumps(tool.name + "(")} '
-                         f'{separated(entries, json.dumps(", "))} ")"')
-        repeat = ' (", " call)*' if parallel else ""
-        return "\n".join([f'calls: {start} "[" call{repeat} "]" {end}',
-                          f"call: {' | '.join(names)}", *lines]) + "\n"
+            return f'{json.dumps(tool.name + "(")} {separated(entries, json.dumps(", "))} ")"'
+        return calls_lark(tools, choice, parallel, body, between='", "',
+                          around=(f'{start} "["', f'"]" {end}'))
 
 
 class PythonCallWriter:

@@ -24,15 +24,12 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.requests.constraints.forced_calls import (
-    BOUNDED_INTEGER,
-    BOUNDED_NUMBER,
-    chosen_tools,
-    compact_schema,
-)
+from engine.requests.constraints.forced_calls import compact_schema
 from engine.requests.dialects.call_blocks import CallBlockSplitter
+from engine.requests.dialects.call_rules import calls_lark
 from engine.requests.dialects.dialect import Dialect, Literal, TokenizerFacts
-from engine.requests.dialects.xml_calls import XmlCallWriter, main_type
+from engine.requests.dialects.schema_values import bare_value, enum_value, main_type
+from engine.requests.dialects.xml_calls import XmlCallWriter
 from engine.requests.inbound.tool_specs import ToolSpec
 from engine.requests.outbound.channels import CONTENT, TOOL, Splitter
 
@@ -45,15 +42,13 @@ class QwenXml(Dialect):
     """Qwen3.5, Qwen3-Coder (mlx-lm's ``qwen3_coder`` parser)."""
 
     name = "qwen-xml"
+    priority = 40
+    writes_json_calls = True  # blocks are rewritten into JSON call objects as they stream
     json_arguments = False  # its parameters are XML elements, property by property
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:
         return facts.parser_name == "qwen3_coder"
-
-    @property
-    def parser(self) -> None:
-        return None  # blocks are rewritten into JSON call objects as they stream
 
     def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return CallBlockSplitter(self.markers, start, lambda: XmlCallWriter(tools))
@@ -62,16 +57,12 @@ class QwenXml(Dialect):
                      literal: Literal) -> str:
         """``calls``: one XML call block (several, a newline apart, when ``parallel``)."""
         start, end = (literal(marker) for marker in self.markers[TOOL])
-        names: list[str] = []
-        lines: list[str] = []
-        for i, tool in enumerate(chosen_tools(tools, choice)):
-            names.append(f"call_{i}")
+
+        def body(i: int, tool: ToolSpec, rules: list[str]) -> str:
             head = json.dumps(f"\n<function={tool.name}>\n")
-            params = _parameters(tool, f"p{i}", lines)
-            lines.append(f'call_{i}: {start} {head} {params} "</function>\\n" {end}')
-        repeat = ' ("\\n" call)*' if parallel else ""
-        return "\n".join([f"calls: call{repeat}", f"call: {' | '.join(names)}",
-                          *lines]) + "\n"
+            params = _parameters(tool, f"p{i}", rules)
+            return f'{start} {head} {params} "</function>\\n" {end}'
+        return calls_lark(tools, choice, parallel, body, between='"\\n"')
 
 
 def _parameters(tool: ToolSpec, prefix: str, lines: list[str]) -> str:
@@ -91,15 +82,15 @@ def _parameters(tool: ToolSpec, prefix: str, lines: list[str]) -> str:
 def xml_value(schema: Mapping[str, Any]) -> str:
     """Lark for one parameter's value as Qwen's template writes it (raw, not JSON quoted)."""
     kind, _ = main_type(schema)
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        values = [v if isinstance(v, str) else json.dumps(v) for v in schema["enum"]]
-        return "(" + " | ".join(json.dumps(v) for v in values) + ")"
+    enum = enum_value(schema, _raw_constant)
+    if enum is not None:
+        return enum
     if kind == "string" or not schema:
         return _ONE_LINE
-    if kind == "integer":
-        return BOUNDED_INTEGER
-    if kind == "number":
-        return BOUNDED_NUMBER
-    if kind == "boolean":
-        return '("true" | "false")'
-    return f"%json {json.dumps(compact_schema(dict(schema)))}"
+    # Objects, arrays and what has no one type are JSON.
+    return bare_value(kind) or f"%json {json.dumps(compact_schema(dict(schema)))}"
+
+
+def _raw_constant(value: Any) -> str:
+    """Lark for an enum value as the template writes it: a string raw, others as JSON."""
+    return json.dumps(value if isinstance(value, str) else json.dumps(value))

@@ -23,6 +23,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine.requests.dialects.schema_values import main_type
 from engine.requests.inbound.tool_specs import ToolSpec
 
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -37,15 +38,6 @@ def property_schema(tools: Sequence[ToolSpec], tool: str, name: str) -> Mapping[
             found = properties.get(name) if isinstance(properties, Mapping) else None
             return found if isinstance(found, Mapping) else {}
     return {}
-
-
-def main_type(schema: Mapping[str, Any]) -> tuple[str | None, bool]:
-    """(the schema's one non-null type or None, whether null is allowed)."""
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        named = [k for k in kind if k != "null"]
-        return (named[0] if len(named) == 1 else None), "null" in kind
-    return (kind if isinstance(kind, str) else None), kind == "null"
 
 
 def streams_as_string(schema: Mapping[str, Any]) -> bool:

@@ -75,10 +75,12 @@ class EncodedPrompt:
 class PromptRenderer:
     """Encodes prompts for one tokenizer (mlx-lm's TokenizerWrapper)."""
 
-    def __init__(self, tokenizer: Any, model_path: Path, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, model_path: Path, vocab_size: int,
+                 tool_formats: Sequence[ToolFormat] = ()) -> None:
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.vocab_size = vocab_size
+        self.tool_formats = tuple(tool_formats)  # the dialect's (``Dialect.tool_formats``)
         self._renders_tools: dict[str, bool] = {}
         self._renders_results: bool | None = None
         self._takes_system: bool | None = None
@@ -107,7 +109,7 @@ class PromptRenderer:
 
         Tools are rendered by the chat template when it knows how; otherwise they are
         described in the system message: in the family's trained format where it is known
-        (``engine.requests.inbound.tool_prompts``), else
+        (``tool_formats``, the dialect's declaration), else
         ``fallback_tool_prompt``. ``history`` adapts the messages to what the model
         family's template accepts first (``Dialect.history``); a template that drops tool
         results gets past calls and results as plain text (``with_plain_tool_history``),
@@ -202,7 +204,8 @@ class PromptRenderer:
     def tool_format(self) -> ToolFormat | None:
         """The model family's known tool format, for templates that render no tools."""
         template = getattr(self.tokenizer, "chat_template", None)
-        return detect_tool_format(template if isinstance(template, str) else None)
+        return detect_tool_format(template if isinstance(template, str) else None,
+                                  self.tool_formats)
 
     def render_chat(self, messages: list[ChatMessage], **template_kwargs: Any) -> list[int]:
         return list(self.tokenizer.encode(self.chat_text(messages, **template_kwargs),

@@ -5,13 +5,14 @@ When a chat template ignores ``tools=``, the engine describes the tools in the s
 message. For families whose published tool format is known, that description is the
 family's own, and past tool calls and results are rewritten into the family's format,
 since such a template cannot render them. Otherwise the tagged-JSON fallback
-(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) is described. No mlx.
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) is described. Which formats
+are known is each dialect's declaration (``Dialect.tool_formats``). No mlx.
 
-Known: SmolLM2 (HuggingFaceTB's 135M/360M/1.7B Instruct models). Its template carries
-the default system prompt "You are a helpful AI assistant named SmolLM, trained by
-Hugging Face"; its tool format is the one in Ollama's smollm2 template: the calls as a
-JSON list inside one ``<tool_call>...</tool_call>``, results as a user turn in
-``<tool_response>``.
+Defined here, as the default dialect's: SmolLM2 (HuggingFaceTB's 135M/360M/1.7B Instruct
+models). Its template carries the default system prompt "You are a helpful AI assistant
+named SmolLM, trained by Hugging Face"; its tool format is the one in Ollama's smollm2
+template: the calls as a JSON list inside one ``<tool_call>...</tool_call>``, results as a
+user turn in ``<tool_response>``.
 """
 
 from __future__ import annotations
@@ -174,14 +175,13 @@ SMOLLM2 = ToolFormat(
 )
 
 
-KNOWN_FORMATS: tuple[ToolFormat, ...] = (SMOLLM2,)
-
-
-def detect_tool_format(chat_template: str | None) -> ToolFormat | None:
-    """The known family format whose marker the chat template carries, if any."""
+def detect_tool_format(chat_template: str | None,
+                       formats: Sequence[ToolFormat]) -> ToolFormat | None:
+    """Of ``formats`` (those a model's dialect declares, ``Dialect.tool_formats``), the one
+    whose marker the chat template carries, if any."""
     if not chat_template:
         return None
-    for fmt in KNOWN_FORMATS:
+    for fmt in formats:
         if fmt.marker in chat_template:
             return fmt
     return None

@@ -6,6 +6,8 @@ tokenizer has reasoning markers. Both come from files already on this machine: a
 directory's ``config.json`` and ``tokenizer.json``, a GGUF file's header (no tensors are
 read), the default model's GGUF where it is installed or cached, a hub id's cached config.
 Anything else is unknown (None), never a download; the loaded engine knows the rest.
+Reasoning is read against the token pairs the dialects declare (``Dialect.reasoning_tokens``),
+so it lives above both the model files (``engine.models``) and the dialects.
 """
 
 from __future__ import annotations
@@ -20,13 +22,7 @@ from typing import Any
 from engine.models.default_model import default_model_gguf_here
 from engine.models.gguf import read_header
 from engine.models.resolve import config_context_limit, looks_like_path
-
-# Token pairs that open and close reasoning, as mlx-lm infers thinking models (single
-# tokens, or Gemma 4's channel tokens), and gpt-oss's harmony channels (its analysis
-# channel is its reasoning).
-_REASONING_PAIRS = (("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"),
-                    ("<|think:start|>", "<|think:end|>"), ("<|channel>", "<channel|>"),
-                    ("<|channel|>", "<|message|>"))
+from engine.requests.dialects.registry import reasoning_tokens
 
 
 @dataclass(frozen=True)
@@ -90,4 +86,4 @@ def _dir_reasoning(path: Path) -> bool | None:
 
 def _marks_reasoning(tokens: Iterable[Any]) -> bool:
     vocab: Collection[Any] = tokens if isinstance(tokens, set) else set(tokens)
-    return any(start in vocab and end in vocab for start, end in _REASONING_PAIRS)
+    return any(start in vocab and end in vocab for start, end in reasoning_tokens())
