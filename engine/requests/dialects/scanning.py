@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from engine.requests.outbound.channels import JsonStrings
 from engine.requests.outbound.text import partial_suffix
 
 __all__ = ["JsonEnd", "first_marker", "partial_suffix"]
@@ -34,8 +35,7 @@ class JsonEnd:
         self.depth = 0
         self.started = False
         self.malformed = False
-        self._in_string = False
-        self._escape = False
+        self._strings = JsonStrings()
 
     def feed(self, text: str) -> int:
         """Offset in ``text`` just after the value's last character; -1 if it has not ended."""
@@ -51,16 +51,11 @@ class JsonEnd:
                     return -1
                 self.depth = 1
                 continue
-            if self._in_string:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
+            was_inside = self._strings.inside
+            self._strings.step(ch)
+            if was_inside or self._strings.inside:
+                continue  # string text, or the quote that opened it
+            if ch in "{[":
                 self.depth += 1
             elif ch in "}]":
                 self.depth -= 1
