@@ -109,11 +109,15 @@ class OptionalNativeBuild(build_ext):
 
 def _mlx_runpaths(mlx_root: Path) -> list[str]:
     """Where the loader finds libmlx: beside the installed package (site-packages/engine/
-    device -> site-packages/mlx/lib), and the wheel's directory at build time (an editable
-    install's extension sits in the checkout). The extension then loads on its own, not
-    only because ``mlx.core`` was imported first."""
+    device -> site-packages/mlx/lib); for an editable install, whose extension sits in the
+    checkout, the installing environment's mlx (pip builds in an isolated environment whose
+    own mlx is deleted afterwards, but with the target's interpreter, so its site-packages
+    is the one the package runs from), then the mlx the build saw. The extension then loads
+    on its own, not only because ``mlx.core`` was imported first."""
     origin = "@loader_path" if sys.platform == "darwin" else "$ORIGIN"
-    return [f"{origin}/../../mlx/lib", str(mlx_root / "lib")]
+    target = Path(sysconfig.get_paths()["platlib"]) / "mlx" / "lib"
+    paths = [f"{origin}/../../mlx/lib", str(target), str(mlx_root / "lib")]
+    return list(dict.fromkeys(paths))
 
 
 setup(
