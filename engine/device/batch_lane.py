@@ -37,17 +37,12 @@ from engine.device.batch_row import BatchRow, BatchRows, OutRow
 from engine.device.first_tokens import FirstToken, SamplerTap
 from engine.device.forced_span_runner import ForcedSpanRunner
 from engine.device.forced_spans import spans_supported
+from engine.device.grammar_step import GrammarProcessor, MaskFiller, install
 from engine.device.logprobs import token_logprobs
 from engine.device.prefix_reuse import PrefixReuse
 from engine.device.rejoin import decoding, direct_join_supported, join_decoding, next_inputs
 from engine.device.row_cache import copied, trims_exactly
-from engine.device.sampling import (
-    GrammarMask,
-    SamplerCache,
-    grammar_processor,
-    guarded,
-    penalty_processors,
-)
+from engine.device.sampling import GrammarMask, SamplerCache, guarded, penalty_processors
 from engine.device.speculator import Speculator
 from engine.device.speedups import cache_kinds
 from engine.requests.constraints.grammar import GrammarCompiler
@@ -79,6 +74,7 @@ class BatchLane:
         self._options = dict(completion_batch_size=max_batch,
                              prefill_batch_size=planner.group_size,
                              prefill_step_size=planner.chunk, max_kv_size=max_kv_size)
+        self.masks = MaskFiller(compiler.words)
         self._generator = self._new_generator()
         self._no_stops = StopSequences(None)
         self.rows = BatchRows()
@@ -100,7 +96,14 @@ class BatchLane:
                        constrained=self.fast_forward) if self.speculation else None)
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(self._model, stream=self._stream, **self._options)
+        generator = BatchGenerator(self._model, stream=self._stream, **self._options)
+        # Constrained rows masked together, while the forward runs (``grammar_step``).
+        self.masks_batched = install(generator, self.masks)
+        return generator
+
+    def close(self) -> None:
+        """The lane is going away: its mask worker thread ends."""
+        self.masks.close()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -157,8 +160,8 @@ class BatchLane:
     def _processors(self, row: BatchRow) -> list[LogitsProcessor]:
         processors = [guarded(row, p) for p in penalty_processors(row.row.params)]
         if row.grammar is not None:  # last: the mask applies to the final logits
-            mask = GrammarMask(row.grammar, self._compiler.words)
-            processors.append(guarded(row, grammar_processor(mask)))
+            processors.append(GrammarProcessor(row, GrammarMask(row.grammar,
+                                                                 self._compiler.words)))
         return processors
 
     def _prefill_plan(self, row: BatchRow) -> tuple[list[list[int]], list[Any] | None,

@@ -2,9 +2,9 @@
 
 - Samplers: rows with the same settings share one sampler object, so mlx-lm makes one
   batched call whenever the whole batch agrees (the common all-greedy case).
-- Grammar masks: a constrained row gets a logits processor, mlx-lm's public
-  ``(tokens, logits) -> logits`` contract. It advances the row's matcher by the last
-  token (``tokens[-1]``) and masks the row's logits.
+- Grammar masks: ``GrammarMask`` fills one row's mask and applies it (the serial lane,
+  fast-forward, a group's first step); the decoding batch's rows are masked together
+  (``grammar_step``).
 - A row's own code (its processors, its grammar) failing fails that row only: the
   failure is recorded on the row and the batch step goes on.
 """
@@ -87,24 +87,6 @@ class GrammarMask:
         self.grammar.fill(self._bitmask, 0)
         allowed = unpack_bitmask(self._bitmask, logits.shape[-1])
         return mx.where(allowed, logits, -mx.inf)
-
-
-def grammar_processor(mask: GrammarMask) -> LogitsProcessor:
-    """The batch lane's constrained row: consume the last token, then mask.
-
-    mlx-lm pipelines one step ahead, so the token sampled for this row at the previous
-    step arrives here as ``tokens[-1]``; the first call sees the prompt's last token.
-    """
-
-    def process(tokens: mx.array, logits: mx.array) -> mx.array:
-        grammar = mask.grammar
-        if grammar.started:
-            last: int = tokens[-1].item()  # type: ignore[assignment]
-            grammar.consume(last)
-        grammar.started = True
-        return mask.apply(logits)
-
-    return process
 
 
 def guarded(slot: FailureSlot, processor: LogitsProcessor) -> LogitsProcessor:

@@ -233,6 +233,11 @@ class RowGrammar:
         import llguidance.numpy
 
         llguidance.numpy.fill_next_token_bitmask(self._matcher, bitmask, row)
+        self.check_filled(bitmask, row)
+
+    def check_filled(self, bitmask: np.ndarray[Any, Any], row: int) -> None:
+        """After llguidance filled ``bitmask[row]``: a dead state fails the row (see
+        ``fill``); the string-loop guard's refusals are taken out of the mask."""
         if self._matcher.is_error() or not bitmask[row].any():
             raise InvalidConstraintError(
                 f"the {self.name} reached a state no token can continue: "
@@ -243,6 +248,11 @@ class RowGrammar:
                 refuse_in_bitmask(bitmask[row:row + 1], refused)
 
     @property
+    def matcher(self) -> Any:
+        """The llguidance matcher (for a batched fill: ``fill_rows``)."""
+        return self._matcher
+
+    @property
     def done(self) -> bool:
         """The grammar is complete: only end-of-sequence may follow."""
         return bool(self._matcher.is_stopped())
@@ -251,6 +261,23 @@ class RowGrammar:
         if self._matcher is not None:
             self._matcher = None
             self._compiler.live_matchers -= 1
+
+
+def fill_rows(executor: Any, rows: Sequence[tuple[RowGrammar, int]],
+              bitmask: np.ndarray[Any, Any]) -> dict[int, InvalidConstraintError]:
+    """Every row's allowed next tokens in one call (llguidance's threads, the GIL
+    released); returns the failures by bitmask row, as ``RowGrammar.fill`` raises them."""
+    import llguidance.numpy
+
+    llguidance.numpy.fill_next_token_bitmask_par(
+        executor, [(grammar.matcher, row) for grammar, row in rows], bitmask)
+    failed: dict[int, InvalidConstraintError] = {}
+    for grammar, row in rows:
+        try:
+            grammar.check_filled(bitmask, row)
+        except InvalidConstraintError as exc:
+            failed[row] = exc
+    return failed
 
 
 def writes_json(constraint: Constraint) -> bool:

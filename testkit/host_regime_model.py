@@ -1,0 +1,51 @@
+"""A model whose forward is as cheap as this machine allows, with a real vocabulary.
+
+The default model's tokenizer and chat template (SmolLM2, 49,152 tokens) on a llama of
+2 layers, hidden 128, random weights: a step costs about MLX's CPU dispatch floor, so what
+the engine adds on the host shows, as it would beside a GPU's 1.5-5 ms step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "generation_config.json")
+_VERSION = "v1"
+
+
+def host_regime_model(root: Path, *, layers: int = 2, hidden: int = 128,
+                      seed: int = 0) -> Path:
+    """The model directory under ``root`` (built once, then reused)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from engine.models.default_model import default_model_gguf
+    from engine.models.user_cache import converted_gguf_dir
+
+    target = root / f"host-regime-{layers}x{hidden}-s{seed}-{_VERSION}"
+    if (target / "model.safetensors").is_file():
+        return target
+    source = converted_gguf_dir(default_model_gguf(), quantized=True)
+    config = json.loads((source / "config.json").read_text())
+    for key in ("quantization", "quantization_config"):
+        config.pop(key, None)
+    config.update(hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4)
+    building = target.with_name(target.name + ".building")
+    shutil.rmtree(building, ignore_errors=True)
+    building.mkdir(parents=True)
+    for name in _TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, building / name)
+    (building / "config.json").write_text(json.dumps(config, indent=2))
+    mx.random.seed(seed)
+    model, _ = load_model(building, lazy=True, strict=False)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(building / "model.safetensors"), weights)
+    shutil.rmtree(target, ignore_errors=True)
+    building.rename(target)
+    return target
