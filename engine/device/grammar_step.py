@@ -75,15 +75,21 @@ class MaskFiller:
     """
 
     def __init__(self, words: int, threads: int | None = None) -> None:
-        import llguidance
-
         self._words = words
-        self._executor = llguidance.LLExecutor(threads)
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx-providers-masks")
+        self._threads = threads
+        # Both made at the first constrained step: a text-only engine starts no threads, and
+        # an engine still loading at interpreter exit starts none either.
+        self._executor: Any = None
+        self._worker: ThreadPoolExecutor | None = None
 
     def fill(self, rows: Sequence[tuple[int, GrammarProcessor]], tokens: list[int] | None,
              width: int, vocab: int) -> Future[np.ndarray[Any, Any] | None]:
         """``width`` rows in the batch, ``vocab`` logits a row; ``tokens`` by batch row."""
+        if self._worker is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor(self._threads)
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlx-providers-masks")
         return self._worker.submit(self._fill, list(rows), tokens, width, vocab)
 
     def _fill(self, rows: list[tuple[int, GrammarProcessor]], tokens: list[int] | None,
@@ -117,7 +123,8 @@ class MaskFiller:
         return allowed
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
 
 
 class LaneGenerationBatch(GenerationBatch):  # type: ignore[misc]
