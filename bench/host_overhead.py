@@ -38,6 +38,8 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--blas-threads", type=int, default=None,
                         help="BLAS threads (1: one core plays the device)")
+    parser.add_argument("--speculation", type=int, default=0,
+                        help="the engine's speculation (0: off, as the raw generator has none)")
     parser.add_argument("--streams", type=int, default=0,
                         help="also stream this many rows through ChatMLXBatch and the server")
     return parser.parse_args()
@@ -211,7 +213,8 @@ def main() -> None:
     model = ARGS.model or str(host_regime_path())
     levels = [int(x) for x in ARGS.rows.split(",")]
     width = max([*levels, ARGS.streams])
-    eng = Engine(model, EngineConfig(max_batch=width, prefill_batch=width)).start()
+    eng = Engine(model, EngineConfig(max_batch=width, prefill_batch=width,
+                                     speculation=ARGS.speculation)).start()
     print(f"model: {eng.model_path}\nBLAS: {blas_info().name} "
           f"(threads: {ARGS.blas_threads or 'default'})\n")
     through_engine(eng, 2, 1.0, 8)  # warm-up, and compiles the grammars once
