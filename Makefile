@@ -51,10 +51,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check engine mlx_providers tests testkit bench examples
 	$(BIN)/mypy
 
-# BENCH_ARGS go to both scripts (tests/engine/test_bench.py runs them small, on a tiny model).
+# BENCH_ARGS go to every script (tests/engine/test_bench.py runs them small, on a tiny model);
+# host_overhead builds its own cheap-forward model unless BENCH_ARGS names one.
 bench: $(STAMP)
 	$(BIN)/python bench/engine_throughput.py $(BENCH_ARGS) $(THROUGHPUT_ARGS)
 	$(BIN)/python bench/blas.py $(BENCH_ARGS) $(BLAS_ARGS)
+	$(BIN)/python bench/host_overhead.py $(BENCH_ARGS) $(HOST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -27,7 +27,8 @@ def test_make_bench_runs_and_prints_its_tables(tiny_model_dir: Path) -> None:
         ["make", "-C", str(ROOT), "-o", str(stamp), "bench", f"VENV={venv}",
          f"BENCH_ARGS={small}",
          "THROUGHPUT_ARGS=--tokens 4 --concurrency 1,2 --repeats 1",
-         "BLAS_ARGS=--rows 1 --repeat 1 --matmuls 16x256x256 --tokens 4"],
+         "BLAS_ARGS=--rows 1 --repeat 1 --matmuls 16x256x256 --tokens 4",
+         "HOST_ARGS=--rows 1,2 --tokens 6 --repeats 1"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     out = done.stdout
@@ -36,6 +37,16 @@ def test_make_bench_runs_and_prints_its_tables(tiny_model_dir: Path) -> None:
     assert "\n| 1 | " in out and "\n| 2 | " in out, out[-2000:]
     # blas: the reference BLAS against the fast one, with the ratio.
     assert "matmul 16x256x256" in out and "fast/ref" in out, out[-2000:]
+    # host_overhead: raw against the engine with 0/50/100% of rows constrained, and the
+    # syncs a step (the lane's one wait on the device; prefill and row ends add a few).
+    header = "| rows | raw tok/s | engine 0% | / raw | host us/step |"
+    assert header in out, out[-2000:]
+    table = out[out.index(header):].splitlines()
+    rows = {line.split("|")[1].strip(): line for line in table
+            if line.startswith("| 1 |") or line.startswith("| 2 |")}
+    assert "1" in rows and "2" in rows, out[-2000:]
+    syncs = float(rows["2"].split("|")[-2])
+    assert 0 < syncs < 5, rows["2"]
 
 
 def test_the_logprobs_bench_runs_small_and_prints_its_table(tiny_model_dir: Path) -> None:
