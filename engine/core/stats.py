@@ -21,11 +21,15 @@ class SpeedUp:
     ``name``: ``fast_forward``, ``speculation``, ``prefix_reuse`` or ``prefix_disk``.
     ``detail`` says how it works on this model's caches when on (trimming, rolling back,
     reusing at stored boundaries), and why not when off (a setting, a cache kind).
+    ``measured``: what the engine measured on this device since it loaded and decided by
+    it (fast-forward: what a span and a step cost, spans taken and declined); the detail
+    stays fixed (a /metrics label), this changes as the engine runs.
     """
 
     name: str
     on: bool
     detail: str
+    measured: str = ""
 
 
 @dataclass

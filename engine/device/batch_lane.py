@@ -24,6 +24,7 @@ generator and rejoins it (``RowSeam``). Around that:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ from engine.device.prefix_reuse import PrefixReuse
 from engine.device.rejoin import decoding, direct_join_supported, join_decoding, next_inputs
 from engine.device.row_cache import copied, trims_exactly
 from engine.device.sampling import GrammarMask, SamplerCache, guarded, penalty_processors
+from engine.device.span_costs import SpanCosts
 from engine.device.speculator import Speculator
 from engine.device.speedups import cache_kinds
 from engine.requests.constraints.grammar import GrammarCompiler
@@ -90,7 +92,8 @@ class BatchLane:
         self.trims = trims_exactly(layers)
         words = compiler.words
         self.forced_spans: ForcedSpanRunner | None = (
-            ForcedSpanRunner(model, stream, self, words) if self.fast_forward else None)
+            ForcedSpanRunner(model, stream, self, words, SpanCosts()) if self.fast_forward
+            else None)
         self.speculator: Speculator | None = (
             Speculator(model, stream, self, words, limit=self.speculation, trims=self.trims,
                        constrained=self.fast_forward) if self.speculation else None)
@@ -250,6 +253,7 @@ class BatchLane:
     def step(self) -> LaneStep:
         """One decode step for decoding rows plus one prefill chunk for prefilling rows;
         then the rows it produced tokens for go to fast-forward and speculation."""
+        started = time.perf_counter()
         self._tap.arm()
         try:
             progress, responses = self._generator.next()
@@ -284,6 +288,7 @@ class BatchLane:
             result.tokens.append(RowToken(row.request_id, token, logprob, grammar_done=done))
         if self.forced_spans is not None:
             self.forced_spans.run(self.rows, result)
+            self._time_step(started, result, prefilled=bool(progress or firsts))
         if self.speculator is not None:
             self.speculator.run(self.rows, decoded, result)
         self._feed()  # the group ahead has its first tokens: the next one prefills now
@@ -295,6 +300,19 @@ class BatchLane:
                 result.cached_tokens[row.request_id] = row.cached_tokens
         self.reuse.tick()
         return result
+
+    def _time_step(self, started: float, result: LaneStep, *, prefilled: bool) -> None:
+        """A decode step's time, with or without spans, for the span decision; steps that
+        also prefilled say nothing about either."""
+        assert self.forced_spans is not None
+        if prefilled or not result.width:
+            return
+        seconds = time.perf_counter() - started
+        forced = sum(token.forced for token in result.tokens)
+        if forced:
+            self.forced_spans.costs.spanned(result.width, forced, seconds)
+        else:
+            self.forced_spans.costs.stepped(result.width, seconds)
 
     def _collect(self, responses: Sequence[Any],
                  sampled: list[tuple[BatchRow, int, Any]]) -> list[BatchRow]:

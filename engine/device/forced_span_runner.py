@@ -21,43 +21,32 @@ from engine.device.batch_row import BatchRow, BatchRows, OutRow, RowSeam
 from engine.device.forced_spans import forward_spans
 from engine.device.logprobs import forced_logprob, token_logprob
 from engine.device.sampling import GrammarMask, penalty_processors
+from engine.device.span_costs import SpanCosts, min_span
 
 # Rounds bound how long one step may be held by span forwards.
 SPAN_ROUNDS = 4
-
-
-def min_span(rows: int) -> int:
-    """The shortest forced span worth a forward of its own with ``rows`` in the lane.
-
-    A span costs its rows a forward of their own and, to rejoin mlx-lm's generator, a
-    second one, and only the rows with the span advance. Measured here (SmolLM2-135M
-    f32, 2 cores): a lone row's 5-token span forward ~120 ms and its rejoin ~75 ms against
-    ~70 ms a step, so alone three forced tokens repay them. Beside a batch the rows reach
-    their spans at different steps, the batch keeps stepping for the others, and the two
-    forwards are added to its steps: with spans of four or more taken, schema answers
-    (4-5 token spans) lost 13-14% at 4-8 rows (bench/agent_decoding.py), while the
-    envelope of a tool call (8-15 tokens) still won.
-    """
-    return 3 if rows <= 1 else 8
 
 
 @dataclass(frozen=True)
 class ForcedSpanRunner:
     """Feeds rows their grammar's forced spans; the lane hands it each step's tokens.
 
-    ``shortest(rows)``: the shortest span worth taking a row out for, with ``rows`` in
-    the lane; ``rounds``: span forwards a row may chain in one step.
+    ``costs``: what steps and spans measure on this device, which decides whether the
+    rows reaching a span take it; ``shortest(rows)``: the shortest span a row already out
+    chains, with ``rows`` in the lane; ``rounds``: span forwards a row may chain in a step.
     """
 
     model: Any
     stream: Any  # the engine thread's MLX stream
     seam: RowSeam
     words: int  # the grammar bitmask's width (32-bit words)
+    costs: SpanCosts
     shortest: Callable[[int], int] = min_span
     rounds: int = SPAN_ROUNDS
 
     def run(self, rows: BatchRows, result: LaneStep) -> None:
-        """Rows whose grammar now forces a span: feed it at once, sample, rejoin."""
+        """Rows whose grammar now forces a span: feed it at once if its measured cost is
+        below the steps it saves (``costs``), sample, rejoin."""
         last: dict[int, RowToken] = {token.request_id: token for token in result.tokens}
         starting: list[tuple[BatchRow, list[int]]] = []
         shortest = self.shortest(len(rows))
@@ -68,8 +57,11 @@ class ForcedSpanRunner:
                     or row.uid is None):
                 continue
             span = row.grammar.forced(_budget(row))
-            if len(span) >= shortest:
+            if len(span) >= 2:
                 starting.append((row, span))
+        least = self.costs.shortest([len(span) for _, span in starting], result.width,
+                                    len(rows))
+        starting = [(row, span) for row, span in starting if len(span) >= least]
         if not starting:
             return
         spanning = self.seam.take_out([row for row, _ in starting])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,12 +105,22 @@ class Lanes:
         why they are off (``serial``: every row runs on the serial lane)."""
         batch = self.batch
         fast_forward_asked, speculation_asked = batch.asked
-        return report(batch.cache_kinds, serial=serial, fast_forward=batch.fast_forward,
-                      fast_forward_asked=fast_forward_asked, speculation=batch.speculation,
-                      speculation_asked=speculation_asked, trims=batch.trims,
-                      reuse_policy=batch.reuse.policy, reuse_bytes=self.store.max_bytes,
-                      sharded=self.channel is not None, disk=self.disk_dir,
-                      disk_off=None if batch.reuse.disk is not None else self.disk_off)
+        found = report(batch.cache_kinds, serial=serial, fast_forward=batch.fast_forward,
+                       fast_forward_asked=fast_forward_asked, speculation=batch.speculation,
+                       speculation_asked=speculation_asked, trims=batch.trims,
+                       reuse_policy=batch.reuse.policy, reuse_bytes=self.store.max_bytes,
+                       sharded=self.channel is not None, disk=self.disk_dir,
+                       disk_off=None if batch.reuse.disk is not None else self.disk_off)
+        runner = batch.forced_spans
+        if serial or runner is None:
+            return found
+        return tuple(replace(s, measured=runner.costs.summary()) if s.name == "fast_forward"
+                     else s for s in found)
+
+    def speedups_version(self) -> int:
+        """Moves when ``speedups()``' measured figures would (a report rebuilt only then)."""
+        runner = self.batch.forced_spans
+        return -1 if runner is None else runner.costs.version
 
     def rows_held(self) -> dict[str, int]:
         """Rows each lane holds now (the local lanes; a probe's ``TurnReport``)."""

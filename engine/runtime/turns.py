@@ -19,6 +19,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core.keep_alive import KeepAlive
 from engine.core.memory import resident_bytes
+from engine.core.scheduler import BatchMode
 from engine.core.stats import StatsBook
 from engine.core.step_probe import StepProbe, TurnReport
 from engine.distributed.protocol import heartbeat_seconds
@@ -43,6 +44,7 @@ class Turns:
         self._chat_weights, self._chat_bound = bounds.weights_bytes, bounds.resident_bound
         self._book.set(**self.weights())
         self._started = 0.0  # when the current turn took its commands
+        self._speedups_version = -1
 
     @property
     def idle(self) -> bool:
@@ -142,6 +144,11 @@ class Turns:
             prefix_bytes=store.nbytes, prefix_entries=len(store),
             mlx_active_bytes=active, mlx_cache_bytes=cached, resident_bytes=resident_bytes(),
             **lanes.disk_figures())
+        version = lanes.speedups_version()
+        if version != self._speedups_version:  # the span decision's figures moved
+            self._speedups_version = version
+            self._book.set(speedups=lanes.speedups(
+                serial=scheduler.mode is BatchMode.SERIAL))
 
 
 def embedding_figures(embeddings: EmbeddingService) -> dict[str, Any]:

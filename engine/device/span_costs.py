@@ -1,0 +1,142 @@
+"""Whether a forced span pays for itself, decided by what steps and spans cost here.
+
+A span of ``k`` forced tokens fed in one forward saves the row ``k`` decode steps, but
+what those steps are worth depends on the device and the batch: with every row of the
+lane in a span the batch skips whole steps; beside rows that keep decoding it saves only
+the row's share of each step (on a CPU, a row's share is most of its cost; on a GPU,
+little). The span's forward, and the row's way out of and back into mlx-lm's generator,
+cost what their tokens cost on this device. Fixed thresholds got this wrong in both
+directions (a forced call 1.33x faster at 1 row, 0.92x at 8 rows on the CPU), so:
+
+- each plain decode step is timed by its width (rows decoding), and each step with spans
+  by its extra time over a plain step of that width, per forced token fed;
+- spans are taken where the measured saving exceeds the measured cost; until both have
+  been measured the shipped thresholds (``min_span``) decide, and their spans are the
+  first measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Recent observations weigh more: the batch, the prompts and the machine's load move.
+FORGET = 0.95
+# Span observations before the measured costs decide (the thresholds gather them).
+WARM_SPANS = 4
+
+
+def min_span(rows: int) -> int:
+    """The shortest forced span worth a forward of its own with ``rows`` in the lane,
+    before anything is measured.
+
+    Measured on SmolLM2-135M f32, 2 cores: a lone row's 5-token span forward ~120 ms
+    and its rejoin ~75 ms against ~70 ms a step, so alone three forced tokens repay them;
+    beside a batch, spans of 4-5 tokens lost 13-14% at 4-8 rows while a tool call's
+    envelope (8-15 tokens) still won.
+    """
+    return 3 if rows <= 1 else 8
+
+
+@dataclass
+class _Mean:
+    """An exponentially forgetting mean."""
+
+    value: float = 0.0
+    weight: float = 0.0
+
+    def add(self, sample: float) -> None:
+        self.weight = self.weight * FORGET + 1.0
+        self.value += (sample - self.value) / self.weight
+
+
+@dataclass
+class _Line:
+    """y = fixed + per_unit * x, fitted by forgetting least squares. With one x seen so
+    far (the same span again and again) the line cannot be told from a slope: half of
+    its cost is read as fixed, half as per token, so a shorter span is neither always
+    taken nor never (and, taken, gives the second x)."""
+
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, wx, wy, wxx, wxy
+    seen: int = 0
+
+    def add(self, x: float, y: float) -> None:
+        w, sx, sy, sxx, sxy = (value * FORGET for value in self.sums)
+        self.sums = [w + 1, sx + x, sy + y, sxx + x * x, sxy + x * y]
+        self.seen += 1
+
+    def fit(self) -> tuple[float, float]:
+        w, sx, sy, sxx, sxy = self.sums
+        spread = sxx - sx * sx / w
+        if spread <= 1e-6 * max(1.0, sxx):
+            mean_x, mean_y = sx / w, sy / w
+            return mean_y / 2, mean_y / 2 / max(mean_x, 1.0)
+        slope = max(0.0, (sxy - sx * sy / w) / spread)
+        return max(0.0, (sy - slope * sx) / w), slope
+
+
+class SpanCosts:
+    """Measured step and span costs, and the decision they give (``take``)."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, _Mean] = {}  # by width: seconds a plain decode step
+        self._spans = _Line()  # forced tokens fed -> seconds added to the step
+        self.taken = 0  # span sets taken and declined by measured cost (for the report)
+        self.declined = 0
+        self.version = 0  # moves when the summary would: a report rebuilt only then
+
+    def stepped(self, width: int, seconds: float) -> None:
+        """A decode step of ``width`` rows with no prefill, span or draft in it."""
+        self._steps.setdefault(width, _Mean()).add(seconds)
+
+    def spanned(self, width: int, tokens: int, seconds: float) -> None:
+        """A decode step of ``width`` rows that also fed ``tokens`` forced tokens."""
+        step = self._steps.get(width)
+        if step is not None and step.weight >= 1:
+            self._spans.add(tokens, max(0.0, seconds - step.value))
+            self.version += 1
+
+    def shortest(self, spans: list[int], width: int, rows: int) -> int:
+        """The shortest of these forced spans (two or more tokens each) to feed now, with
+        ``width`` rows decoding and ``rows`` held by the lane; above them all: none."""
+        if not spans:
+            return 2
+        step = self._steps.get(width)
+        if self._spans.seen < WARM_SPANS or step is None:
+            return min_span(rows)
+        return 2 if self._pays(spans, width, step.value) else max(spans) + 1
+
+    def _pays(self, spans: list[int], width: int, step: float) -> bool:
+        fixed, per_token = self._spans.fit()
+        cost = fixed + per_token * sum(spans)
+        # Every row spans: the batch skips whole steps. Others keep stepping: the rows
+        # save only their share of each step.
+        saving = (min(spans) * step if len(spans) >= width
+                  else self._share(width) * sum(spans))
+        taken = saving > cost
+        self.taken += taken
+        self.declined += not taken
+        self.version += 1
+        return taken
+
+    def _share(self, width: int) -> float:
+        """What one row adds to a step of ``width`` rows: from the nearest narrower width
+        measured, or the step's mean per row if none was."""
+        step = self._steps[width].value
+        narrower = [w for w, mean in self._steps.items() if w < width and mean.weight >= 1]
+        if not narrower:
+            return step / width
+        nearest = max(narrower)
+        return max(0.0, (step - self._steps[nearest].value) / (width - nearest))
+
+    def summary(self) -> str:
+        """The costs as measured, for ``stats().speedups``."""
+        if self._spans.seen < WARM_SPANS:
+            return (f"spans taken at >= {min_span(1)} forced tokens alone, >= {min_span(2)} "
+                    f"in a batch until their cost is measured ({self._spans.seen} of "
+                    f"{WARM_SPANS} spans so far)")
+        fixed, per_token = self._spans.fit()
+        steps = ", ".join(f"{w} rows {1e3 * m.value:.1f} ms"
+                          for w, m in sorted(self._steps.items())[:4])
+        return (f"spans taken when they cost less than the steps they save: a span "
+                f"{1e3 * fixed:.1f} ms + {1e3 * per_token:.2f} ms a token, a step {steps}; "
+                f"{self.taken} taken, {self.declined} declined")
