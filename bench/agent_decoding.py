@@ -290,6 +290,8 @@ def fast_forward_table(model: str | None, rows_list: list[int], repeats: int,
                       f"{run.tokens} | {run.forced} | {run.steps} | {run.rate:.1f} | {ratio} |")
     sample = load(engines[True], "tool", 1, short=short).sample
     print(f"\nsample answers (fast-forward on): {sample!r}")
+    measured = {s.name: s.measured for s in engines[True].stats().speedups}["fast_forward"]
+    print(f"fast-forward's decision (stats().speedups): {measured}")
     for eng in engines.values():
         eng.close()
 

@@ -16,9 +16,13 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 _VERSION = "v1"
 
 
-def host_regime_model(root: Path, *, layers: int = 2, hidden: int = 128,
+def host_regime_model(root: Path, *, layers: int = 2, hidden: int = 128, heads: int = 4,
                       seed: int = 0) -> Path:
-    """The model directory under ``root`` (built once, then reused)."""
+    """The model directory under ``root`` (built once, then reused).
+
+    ``layers``/``hidden``/``heads`` size it: the defaults are the host regime; 24 x 1280
+    with 20 heads is a ~0.5B llama, a GPU's small model (``bench/device_check.sh``).
+    """
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
@@ -26,7 +30,8 @@ def host_regime_model(root: Path, *, layers: int = 2, hidden: int = 128,
     from engine.models.default_model import default_model_gguf
     from engine.models.user_cache import converted_gguf_dir
 
-    target = root / f"host-regime-{layers}x{hidden}-s{seed}-{_VERSION}"
+    shape = f"{layers}x{hidden}" + (f"h{heads}" if heads != 4 else "")
+    target = root / f"host-regime-{shape}-s{seed}-{_VERSION}"
     if (target / "model.safetensors").is_file():
         return target
     source = converted_gguf_dir(default_model_gguf(), quantized=True)
@@ -34,7 +39,8 @@ def host_regime_model(root: Path, *, layers: int = 2, hidden: int = 128,
     for key in ("quantization", "quantization_config"):
         config.pop(key, None)
     config.update(hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4)
+                  num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                  head_dim=hidden // heads)
     building = target.with_name(target.name + ".building")
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir(parents=True)
@@ -49,3 +55,23 @@ def host_regime_model(root: Path, *, layers: int = 2, hidden: int = 128,
     shutil.rmtree(target, ignore_errors=True)
     building.rename(target)
     return target
+
+
+def _main() -> None:
+    import argparse
+    import os
+
+    import engine  # noqa: F401 - its fast BLAS loads before mlx does
+
+    parser = argparse.ArgumentParser(description="Build (once) and print a host-regime model.")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    args = parser.parse_args()
+    root = Path(os.environ.get("MLX_PROVIDERS_BENCH_CACHE",
+                               Path.home() / ".cache" / "mlx-providers" / "bench"))
+    print(host_regime_model(root, layers=args.layers, hidden=args.hidden, heads=args.heads))
+
+
+if __name__ == "__main__":
+    _main()
