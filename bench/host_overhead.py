@@ -15,7 +15,8 @@ Decode rate = generated tokens / (last token time - first token time). Host work
 a step = the engine's step time minus the raw generator's (time per step = rows / rate).
 Syncs a step = ``mx.eval`` calls per lane step (the raw generator makes one).
 ``--streams N`` adds N plain rows streamed through ``ChatMLXBatch.astream`` and through the
-server (``openai`` SDK, loopback), against the engine's own rate in the same run.
+server (``openai`` SDK, loopback), against ``Engine.submit`` in the same run, each as every
+row's tokens over the time from the requests to the last token.
 
     python bench/host_overhead.py [--rows 1,4,16,32] [--tokens 64] [--repeats 3]
                                   [--blas-threads 1] [--streams 16] [--model DIR]
@@ -24,6 +25,7 @@ server (``openai`` SDK, loopback), against the engine's own rate in the same run
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 from pathlib import Path
@@ -58,7 +60,7 @@ from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import engine  # noqa: E402, F401 - loads the fast BLAS before mlx
-from engine import ChatRequest, Engine, EngineConfig, SamplingParams, blas_info  # noqa: E402
+from engine import ChatRequest, Engine, SamplingParams, blas_info, get_engine  # noqa: E402
 from engine.requests.inbound.output_constraint import JsonSchema  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -182,45 +184,104 @@ def engine_table(eng: Engine, levels: list[int], tokens: int, repeats: int) -> N
               flush=True)
 
 
-async def _astream_rate(model: str, rows: int, tokens: int) -> float:
-    import asyncio
-
+# The stream table's rate: every row's tokens over the wall time from the requests to the
+# last event. Doors may merge text into fewer chunks (a server holds back what could open a
+# tool call), so chunks are not counted; the model never ends a row early, so each row
+# decodes exactly ``tokens``.
+async def _astream_wall(model: str, settings: dict[str, int], rows: int, tokens: int) -> float:
     from mlx_providers import ChatMLXBatch
 
-    chat = ChatMLXBatch(model=model, temperature=0.0, max_tokens=tokens)
+    chat = ChatMLXBatch(model=model, engine_config=settings, temperature=0.0, max_tokens=tokens)
     await chat.ainvoke("warm up")
-    stamps: list[float] = []
+    run = next(_runs)
 
     async def one(i: int) -> None:
-        async for _ in chat.astream(f"List fruits, please (stream {i})."):
-            stamps.append(time.perf_counter())
+        async for _ in chat.astream(messages(i, run)):
+            pass
 
+    start = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(rows)))
-    return len(stamps) / (max(stamps) - min(stamps))
+    return time.perf_counter() - start
 
 
-def stream_table(model: str, rows: int, tokens: int, eng: Engine) -> None:
-    import asyncio
+async def _server_wall(eng: Engine, rows: int, tokens: int) -> float:
+    """``rows`` streams through the server on this engine (uvicorn on loopback in a thread,
+    as ``mlx-providers serve`` runs it), driven by the ``openai`` SDK."""
+    import socket
 
-    plain = through_engine(eng, rows, 0.0, tokens)[0]
-    lc = asyncio.run(_astream_rate(model, rows, tokens))
-    print(f"\n| {rows} plain rows | tok/s | / engine |\n|---|---:|---:|\n"
+    import uvicorn
+    from openai import AsyncOpenAI
+
+    from mlx_providers.server.app import create_app, served_name
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(eng), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        await asyncio.sleep(0.02)
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+    run = next(_runs)
+    counted: list[int] = []
+
+    async def one(i: int) -> None:
+        stream = await client.chat.completions.create(
+            model=served_name(eng), messages=messages(i, run),  # type: ignore[arg-type]
+            max_tokens=tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.usage is not None:
+                counted.append(chunk.usage.completion_tokens)
+
+    try:
+        await one(-1)  # warm-up
+        counted.clear()
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(rows)))
+        wall = time.perf_counter() - start
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert counted == [tokens] * rows, counted  # every row decoded the whole window
+    return wall
+
+
+def _submit_wall(eng: Engine, rows: int, tokens: int) -> float:
+    run = next(_runs)
+    start = time.perf_counter()
+    handles = [eng.submit(request(i, run, False, tokens)) for i in range(rows)]
+    for handle in handles:
+        handle.result()
+    return time.perf_counter() - start
+
+
+def stream_table(model: str, settings: dict[str, int], rows: int, tokens: int,
+                 eng: Engine) -> None:
+    plain = rows * tokens / _submit_wall(eng, rows, tokens)
+    lc = rows * tokens / asyncio.run(_astream_wall(model, settings, rows, tokens))
+    http = rows * tokens / asyncio.run(_server_wall(eng, rows, tokens))
+    print(f"\n| {rows} plain rows, requests to last token | tok/s | / engine |\n"
+          f"|---|---:|---:|\n"
           f"| Engine.submit | {plain:.1f} | 1.000 |\n"
-          f"| ChatMLXBatch.astream | {lc:.1f} | {lc / plain:.3f} |", flush=True)
+          f"| ChatMLXBatch.astream | {lc:.1f} | {lc / plain:.3f} |\n"
+          f"| server, openai SDK streams | {http:.1f} | {http / plain:.3f} |", flush=True)
 
 
 def main() -> None:
     model = ARGS.model or str(host_regime_path())
     levels = [int(x) for x in ARGS.rows.split(",")]
     width = max([*levels, ARGS.streams])
-    eng = Engine(model, EngineConfig(max_batch=width, prefill_batch=width,
-                                     speculation=ARGS.speculation)).start()
+    # The shared engine ChatMLXBatch with the same settings also gets (--streams).
+    settings = dict(max_batch=width, prefill_batch=width, speculation=ARGS.speculation)
+    eng = get_engine(model, **settings)
     print(f"model: {eng.model_path}\nBLAS: {blas_info().name} "
           f"(threads: {ARGS.blas_threads or 'default'})\n")
     through_engine(eng, 2, 1.0, 8)  # warm-up, and compiles the grammars once
     engine_table(eng, levels, ARGS.tokens, ARGS.repeats)
     if ARGS.streams:
-        stream_table(model, ARGS.streams, ARGS.tokens, eng)
+        stream_table(model, settings, ARGS.streams, ARGS.tokens, eng)
     eng.close()
 
 

@@ -1,7 +1,7 @@
 """A model whose forward is as cheap as this machine allows, with a real vocabulary.
 
 The default model's tokenizer and chat template (SmolLM2, 49,152 tokens) on a llama of
-2 layers, hidden 128, random weights: a step costs about MLX's CPU dispatch floor, so what
+2 layers, hidden 128, random weights, end-of-sequence never the greedy choice: a step costs about MLX's CPU dispatch floor, so what
 the engine adds on the host shows, as it would beside a GPU's 1.5-5 ms step.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json")
-_VERSION = "v1"
+_VERSION = "v2"  # v2: the end-of-sequence rows zeroed
 
 
 def host_regime_model(root: Path, *, layers: int = 2, hidden: int = 128, heads: int = 4,
@@ -51,6 +51,16 @@ def host_regime_model(root: Path, *, layers: int = 2, hidden: int = 128, heads: 
     mx.random.seed(seed)
     model, _ = load_model(building, lazy=True, strict=False)
     weights = dict(tree_flatten(model.parameters()))
+    # A zero output row gives end-of-sequence a logit of 0, below the greedy maximum of 49k
+    # random logits: no row ends by itself, so every door decodes the whole window.
+    ends = config.get("eos_token_id", [])
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        if name in weights:
+            table = weights[name]
+            for end in ends if isinstance(ends, list) else [ends]:
+                table[end] = mx.zeros_like(table[end])
+            weights[name] = table
+            break
     mx.save_safetensors(str(building / "model.safetensors"), weights)
     shutil.rmtree(target, ignore_errors=True)
     building.rename(target)
