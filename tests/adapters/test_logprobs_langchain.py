@@ -221,8 +221,13 @@ def test_bad_call_options_are_refused_before_anything_runs(
 
 
 def alone_and_batched(model: Any, prompts: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    """Each prompt run alone, then all of them as rows of one batch."""
-    alone = [model.invoke(p) for p in prompts]
+    """Each prompt run alone, then all of them as rows of one batch. A prompt repeated to
+    fill the batch runs alone once: each of its rows is compared with that one run."""
+    once: dict[str, Any] = {}
+    for p in prompts:
+        if repr(p) not in once:
+            once[repr(p)] = model.invoke(p)
+    alone = [once[repr(p)] for p in prompts]
     batched = model.batch(list(prompts))
     return alone, batched
 

@@ -183,8 +183,13 @@ def test_bad_call_options_are_refused_before_anything_runs(
 
 def alone_and_batched(run: Callable[[Any], Any], prompts: Sequence[Any]) -> tuple[
         list[Any], list[Any]]:
-    """Each prompt run alone, then all of them at once (a thread each: one batch)."""
-    alone = [run(p) for p in prompts]
+    """Each prompt run alone, then all of them at once (a thread each: one batch). A prompt
+    repeated to fill the batch runs alone once: each of its rows is compared with that run."""
+    once: dict[str, Any] = {}
+    for p in prompts:
+        if repr(p) not in once:
+            once[repr(p)] = run(p)
+    alone = [once[repr(p)] for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
         return alone, list(pool.map(run, prompts))
 
