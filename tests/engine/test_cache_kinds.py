@@ -87,6 +87,19 @@ def tokens(eng: Engine, prompt: Any, params: SamplingParams, **kw: Any) -> tuple
     return eng.submit(request_for(prompt, params, **kw)).result(timeout=120).token_ids
 
 
+_references: dict[tuple[str, str], tuple[int, ...]] = {}
+
+
+def reference(pair: Pair, prompt: Any, params: SamplingParams, **kw: Any) -> tuple[int, ...]:
+    """The tokens of the engine with every speed-up off, decoded once per architecture and
+    request: it is greedy with nothing carried between requests, so a second run of the same
+    request only repeats the first (the tests ask for the same few requests many times)."""
+    key = (str(pair.off.model_path), repr((prompt, params, kw)))
+    if key not in _references:
+        _references[key] = tokens(pair.off, prompt, params, **kw)
+    return _references[key]
+
+
 FORCED = {"tools": [WEATHER, CLOCK], "tool_choice": "required", "parallel_tool_calls": False}
 
 
@@ -94,7 +107,7 @@ def test_fast_forward_forces_tokens_with_the_same_output(pair: Pair) -> None:
     before = pair.on.stats().forced_tokens
     for prompt, params, kw in [(ASK, greedy(80), FORCED),
                                ("plan", greedy(120, constraint=JsonSchema(NESTED)), {})]:
-        assert tokens(pair.on, prompt, params, **kw) == tokens(pair.off, prompt, params, **kw)
+        assert tokens(pair.on, prompt, params, **kw) == reference(pair, prompt, params, **kw)
     assert pair.on.stats().forced_tokens > before
     assert pair.off.stats().forced_tokens == 0
 
@@ -103,7 +116,7 @@ def test_speculation_drafts_tokens_with_the_same_output(pair: Pair) -> None:
     before = pair.on.stats().drafted_tokens
     for prompt in ("list", "pick some", "names:", "choose"):
         params = greedy(120, constraint=JsonSchema(ITEMS))
-        assert tokens(pair.on, prompt, params) == tokens(pair.off, prompt, params)
+        assert tokens(pair.on, prompt, params) == reference(pair, prompt, params)
     assert pair.on.stats().drafted_tokens > before
     assert pair.off.stats().drafted_tokens == 0
 
@@ -132,9 +145,9 @@ def _rejected_drafts_roll_back(pair: Pair, checks: list[int]) -> None:
     prompts.append([{"role": "user", "content": "say it again and again"}])
     for prompt in prompts:
         params = greedy(40, ignore_eos=True)
-        assert tokens(pair.on, prompt, params) == tokens(pair.off, prompt, params)
+        assert tokens(pair.on, prompt, params) == reference(pair, prompt, params)
     array = greedy(120, constraint=JsonSchema(ITEMS))
-    assert tokens(pair.on, "list", array) == tokens(pair.off, "list", array)
+    assert tokens(pair.on, "list", array) == reference(pair, "list", array)
     assert checks[0] > 0
 
 
@@ -174,8 +187,8 @@ def test_a_second_turn_reads_the_first_turns_prompt_from_the_store(pair: Pair) -
                    {"role": "user", "content": "And then?"}]
     second = pair.on.submit(request_for(second_turn, greedy(12))).result(timeout=120)
     assert second.usage.cached_tokens >= first.usage.prompt_tokens
-    assert first.token_ids == tokens(pair.off, first_turn, greedy(12))
-    assert second.token_ids == tokens(pair.off, second_turn, greedy(12))
+    assert first.token_ids == reference(pair, first_turn, greedy(12))
+    assert second.token_ids == reference(pair, second_turn, greedy(12))
 
 
 def test_batched_equals_alone_with_every_speed_up_on(pair: Pair) -> None:
@@ -190,7 +203,7 @@ def test_batched_equals_alone_with_every_speed_up_on(pair: Pair) -> None:
         ("free text", greedy(30), {}),
     ]
     alone = [tokens(pair.on, p, params, **kw) for p, params, kw in requests]
-    assert alone == [tokens(pair.off, p, params, **kw) for p, params, kw in requests]
+    assert alone == [reference(pair, p, params, **kw) for p, params, kw in requests]
     for order in (requests, requests[::-1]):
         handles = [pair.on.submit(request_for(p, params, **kw)) for p, params, kw in order]
         got = [h.result(timeout=120).token_ids for h in handles]
@@ -242,4 +255,4 @@ def test_a_restart_reads_the_head_back_from_disk(pair: Pair, tmp_path: Path) -> 
         second = restarted.submit(request_for(asked("Second?"), greedy(8))).result(timeout=120)
         stats = restarted.stats()
     assert stats.prefix_disk_hits == 1 and second.usage.cached_tokens > 40
-    assert second.token_ids == tokens(pair.off, asked("Second?"), greedy(8))
+    assert second.token_ids == reference(pair, asked("Second?"), greedy(8))
