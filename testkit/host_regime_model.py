@@ -1,8 +1,9 @@
 """A model whose forward is as cheap as this machine allows, with a real vocabulary.
 
 The default model's tokenizer and chat template (SmolLM2, 49,152 tokens) on a llama of
-2 layers, hidden 128, random weights, end-of-sequence never the greedy choice: a step costs about MLX's CPU dispatch floor, so what
-the engine adds on the host shows, as it would beside a GPU's 1.5-5 ms step.
+2 layers, hidden 128, random weights, end-of-sequence never the greedy choice: a step
+costs about MLX's CPU dispatch floor, so what the engine adds on the host shows, as it
+would beside a GPU's 1.5-5 ms step.
 """
 
 from __future__ import annotations
