@@ -104,10 +104,6 @@ class BatchLane:
         self.masks_batched = install(generator, self.masks)
         return generator
 
-    def close(self) -> None:
-        """The lane is going away: its mask worker thread ends."""
-        self.masks.close()
-
     def __len__(self) -> int:
         return len(self.rows)
 

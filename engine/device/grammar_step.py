@@ -117,9 +117,6 @@ class MaskFiller:
         bits = (words[:, :, None] >> self._shifts) & 1
         return bits.reshape(width, -1)[:, :vocab].astype(mx.bool_)
 
-    def close(self) -> None:
-        """Nothing to stop: llguidance's threads end with its executor."""
-
 
 class LaneGenerationBatch(GenerationBatch):  # type: ignore[misc]
     """mlx-lm's decoding batch, with its constrained rows masked together (``MaskFiller``).

@@ -144,14 +144,12 @@ class Lanes:
     def close(self) -> None:
         """The engine is going away: finish writing stored prefixes to disk."""
         self.batch.reuse.close()
-        self.batch.close()
 
     def unload(self) -> PrefixTiers:
         """The model is being unloaded (nothing runs): hand stored prefixes to the disk
         writer, drop the memory store's entries (KV arrays of this model), and return the
         tiers the next load builds its lanes over."""
         self.batch.reuse.flush()
-        self.batch.close()
         self.store.clear()
         return PrefixTiers(self.store, self.batch.reuse.disk, self.disk_off)
 
