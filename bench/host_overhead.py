@@ -151,9 +151,7 @@ def raw(eng: Engine, rows: int, tokens: int) -> float:
 def host_regime_path() -> Path:
     from testkit.host_regime_model import host_regime_model
 
-    root = Path(os.environ.get("MLX_PROVIDERS_BENCH_CACHE",
-                               Path.home() / ".cache" / "mlx-providers" / "bench"))
-    return host_regime_model(root)
+    return host_regime_model()
 
 
 def exposed_us(rows: int, raw_rate: float, rate: float) -> float:

@@ -9,6 +9,7 @@ would beside a GPU's 1.5-5 ms step.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -17,9 +18,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 _VERSION = "v2"  # v2: the end-of-sequence rows zeroed
 
 
-def host_regime_model(root: Path, *, layers: int = 2, hidden: int = 128, heads: int = 4,
-                      seed: int = 0) -> Path:
-    """The model directory under ``root`` (built once, then reused).
+def bench_cache() -> Path:
+    """Where benches keep what they build: ``MLX_PROVIDERS_BENCH_CACHE`` or the user cache."""
+    return Path(os.environ.get("MLX_PROVIDERS_BENCH_CACHE",
+                               Path.home() / ".cache" / "mlx-providers" / "bench"))
+
+
+def host_regime_model(root: Path | None = None, *, layers: int = 2, hidden: int = 128,
+                      heads: int = 4, seed: int = 0) -> Path:
+    """The model directory under ``root`` (default: ``bench_cache()``), built once, then
+    reused.
 
     ``layers``/``hidden``/``heads`` size it: the defaults are the host regime; 24 x 1280
     with 20 heads is a ~0.5B llama, a GPU's small model (``bench/device_check.sh``).
@@ -31,6 +39,7 @@ def host_regime_model(root: Path, *, layers: int = 2, hidden: int = 128, heads: 
     from engine.models.default_model import default_model_gguf
     from engine.models.user_cache import converted_gguf_dir
 
+    root = bench_cache() if root is None else root
     shape = f"{layers}x{hidden}" + (f"h{heads}" if heads != 4 else "")
     target = root / f"host-regime-{shape}-s{seed}-{_VERSION}"
     if (target / "model.safetensors").is_file():
@@ -70,7 +79,6 @@ def host_regime_model(root: Path, *, layers: int = 2, hidden: int = 128, heads: 
 
 def _main() -> None:
     import argparse
-    import os
 
     import engine  # noqa: F401 - its fast BLAS loads before mlx does
 
@@ -79,9 +87,7 @@ def _main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
     args = parser.parse_args()
-    root = Path(os.environ.get("MLX_PROVIDERS_BENCH_CACHE",
-                               Path.home() / ".cache" / "mlx-providers" / "bench"))
-    print(host_regime_model(root, layers=args.layers, hidden=args.hidden, heads=args.heads))
+    print(host_regime_model(layers=args.layers, hidden=args.hidden, heads=args.heads))
 
 
 if __name__ == "__main__":
