@@ -75,7 +75,7 @@ class _Line:
 
 
 class SpanCosts:
-    """Measured step and span costs, and the decision they give (``take``)."""
+    """Measured step and span costs, and the decision they give (``shortest``)."""
 
     def __init__(self) -> None:
         self._steps: dict[int, _Mean] = {}  # by width: seconds a plain decode step
