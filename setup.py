@@ -24,7 +24,7 @@ from setuptools.command.build_ext import build_ext
 
 NATIVE = Path("native")
 SOURCES = ["ops.cpp", "threads.cpp", "dispatch.cpp", "isa_generic.cpp", "isa_avx2.cpp",
-           "isa_avx512.cpp", "isa_neon.cpp"]
+           "isa_avx512.cpp", "isa_avx512_vnni.cpp", "isa_neon.cpp"]
 MACHINE = platform.machine().lower()
 X86 = MACHINE in ("x86_64", "amd64")
 ARM64 = MACHINE in ("arm64", "aarch64")  # NEON is baseline there: no flags
@@ -32,9 +32,12 @@ ARM64 = MACHINE in ("arm64", "aarch64")  # NEON is baseline there: no flags
 # Flags per unit; a unit whose flags the compiler refuses is built without them (it then
 # compiles to an empty table and the dispatcher skips it).
 ISA_FLAGS: dict[str, list[str]] = {
+    "ops.cpp": ["-ffp-contract=off"],  # RoPE keeps mx.fast.rope's separate products
     "isa_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"] if X86 else [],
     "isa_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                        "-mavx2", "-mfma", "-mf16c"] if X86 else [],
+    "isa_avx512_vnni.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                            "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"] if X86 else [],
 }
 COMMON_FLAGS = ["-std=c++20", "-O3", "-fvisibility=hidden", "-fno-strict-aliasing",
                 "-Wno-unused-function"]
@@ -86,9 +89,13 @@ class OptionalNativeBuild(build_ext):
                 return self.compiler.compile([source], output_dir=str(build_temp),
                                              macros=macros, include_dirs=includes,
                                              extra_postargs=COMMON_FLAGS + flags)
-            except Exception:
+            except Exception as exc:
                 if not flags:
                     raise
+                # This unit then builds without its instruction set: its table is absent and
+                # the CPU runs the next one down (stats().cpu_kernels names the one in use).
+                print(f"mlx-providers: {source} did not build with {' '.join(flags)} "
+                      f"({type(exc).__name__}); building it without them", file=sys.stderr)
                 return self.compiler.compile([source], output_dir=str(build_temp),
                                              macros=macros, include_dirs=includes,
                                              extra_postargs=COMMON_FLAGS)

@@ -18,6 +18,14 @@ bool cpu_has_avx512() {
 #endif
 }
 
+bool cpu_has_avx512_vnni() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
 bool cpu_has_avx2() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -82,6 +90,15 @@ const KernelTable& kernels_for(int K, int bits, int group) {
     }
   }
   return *l.tables[l.count - 1];
+}
+
+const KernelTable* int8_kernels_for(int K, int bits, int group) {
+  // Off where MLX_PROVIDERS_CPU_ISA caps the ladder below AVX-512.
+  static const KernelTable* const vnni =
+      cpu_has_avx512_vnni() && std::strcmp(best_kernels().name, "avx512") == 0
+          ? kernels_avx512_vnni()
+          : nullptr;
+  return vnni != nullptr && vnni->qmm_supports(K, bits, group) ? vnni : nullptr;
 }
 
 }  // namespace mlxp

@@ -12,4 +12,7 @@ const KernelTable& best_kernels();
 // The table that takes a matmul of this shape: the best one, else the next one down.
 const KernelTable& kernels_for(int K, int bits, int group);
 
+// The int8-activation matmul for this shape, or null where the CPU lacks it.
+const KernelTable* int8_kernels_for(int K, int bits, int group);
+
 }  // namespace mlxp

@@ -71,6 +71,9 @@ struct KernelTable {
 const KernelTable* kernels_generic();
 const KernelTable* kernels_avx2();
 const KernelTable* kernels_avx512();
+// The int8-activation matmul (qmm_* only; the other entries are null): not a rung of the
+// ladder, a second path asked for by name (int8_kernels_for).
+const KernelTable* kernels_avx512_vnni();
 const KernelTable* kernels_neon();
 
 }  // namespace mlxp

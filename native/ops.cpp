@@ -11,6 +11,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/allocator.h"
 #include "mlx/array.h"
@@ -114,8 +115,18 @@ int split(int total, int align, int per_thread) {
   return parts < most ? parts : (most > 0 ? most : 1);
 }
 
+// The table for a matmul: the int8-activation one where asked for and the CPU has it.
+const KernelTable& qmm_table(int K, int bits, int group, bool int8) {
+  if (int8) {
+    if (const KernelTable* t = int8_kernels_for(K, bits, group)) {
+      return *t;
+    }
+  }
+  return kernels_for(K, bits, group);
+}
+
 void run_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
-             const mx::array& biases, mx::array& out, int group, int bits) {
+             const mx::array& biases, mx::array& out, int group, int bits, bool int8) {
   std::vector<uint8_t> xs, ws, ss, bs;
   QmmProblem p{};
   p.K = x.shape(-1);
@@ -139,7 +150,7 @@ void run_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
   if (p.M == 0 || p.N == 0) {
     return;
   }
-  const KernelTable& t = kernels_for(p.K, bits, group);
+  const KernelTable& t = qmm_table(p.K, bits, group, int8);
   const size_t row_bytes = t.qmm_row_bytes(p.K, bits, group);
   uint8_t* buf = scratch(row_bytes * p.M);
   const int row_parts = p.M >= 16 ? split(p.M, 4, 1) : 1;
@@ -165,8 +176,8 @@ void run_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
 
 class QuantizedMatmulCpu : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmulCpu(mx::Stream stream, int group, int bits)
-      : mx::UnaryPrimitive(stream), group_(group), bits_(bits) {}
+  QuantizedMatmulCpu(mx::Stream stream, int group, int bits, bool int8)
+      : mx::UnaryPrimitive(stream), group_(group), bits_(bits), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -179,8 +190,8 @@ class QuantizedMatmulCpu : public mx::UnaryPrimitive {
                       w = mx::array::unsafe_weak_copy(inputs[1]),
                       s = mx::array::unsafe_weak_copy(inputs[2]),
                       b = mx::array::unsafe_weak_copy(inputs[3]),
-                      out = mx::array::unsafe_weak_copy(out), group = group_,
-                      bits = bits_]() mutable { run_qmm(x, w, s, b, out, group, bits); });
+                      out = mx::array::unsafe_weak_copy(out), group = group_, bits = bits_,
+                      int8 = int8_]() mutable { run_qmm(x, w, s, b, out, group, bits, int8); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -193,7 +204,7 @@ class QuantizedMatmulCpu : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatmulCpu&>(other);
-    return group_ == o.group_ && bits_ == o.bits_;
+    return group_ == o.group_ && bits_ == o.bits_ && int8_ == o.int8_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -205,6 +216,7 @@ class QuantizedMatmulCpu : public mx::UnaryPrimitive {
  private:
   int group_;
   int bits_;
+  bool int8_;
 };
 
 mx::Stream cpu_stream() {
@@ -215,8 +227,9 @@ mx::Stream cpu_stream() {
   return s;
 }
 
-mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits) {
+// Checks x against one weight of MLX's affine layout; the output's dtype.
+mx::Dtype checked_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+                      const mx::array& biases, int group_size, int bits) {
   if (w.ndim() != 2 || x.ndim() < 1 || w.dtype() != mx::uint32) {
     throw std::invalid_argument("quantized_matmul: w must be a 2-D uint32 array");
   }
@@ -230,12 +243,166 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   }
   dtype_of(x);
   dtype_of(scales);
+  if (biases.dtype() != scales.dtype()) {
+    throw std::invalid_argument("quantized_matmul: scales and biases must share a dtype");
+  }
+  return mx::promote_types(x.dtype(), scales.dtype());
+}
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                           const mx::array& biases, int group_size, int bits, bool int8) {
+  const mx::Dtype out_type = checked_qmm(x, w, scales, biases, group_size, bits);
   auto shape = x.shape();
   shape.back() = w.shape(0);
-  const mx::Dtype out_type = mx::promote_types(x.dtype(), scales.dtype());
   return mx::array(std::move(shape), out_type,
-                   std::make_shared<QuantizedMatmulCpu>(cpu_stream(), group_size, bits),
+                   std::make_shared<QuantizedMatmulCpu>(cpu_stream(), group_size, bits, int8),
                    {x, w, scales, biases});
+}
+
+// ---- several weights against one x (q/k/v, gate/up) --------------------------------------
+
+// x against each weight of a group sharing K, bits and group size: x staged once, the
+// columns of all the weights shared out in one parallel pass. Each column's arithmetic is
+// the single-weight kernel's, so every output has the bits run_qmm gives it alone.
+void run_qmm_many(const std::vector<mx::array>& in, std::vector<mx::array>& outs, int group,
+                  int bits, bool int8) {
+  const mx::array& x = in[0];
+  const size_t count = outs.size();
+  std::vector<uint8_t> xs;
+  std::vector<std::vector<uint8_t>> copies(3 * count);
+  std::vector<QmmProblem> ps(count);
+  std::vector<int> offsets(count + 1, 0);
+  QmmProblem base{};
+  base.K = x.shape(-1);
+  base.M = static_cast<int>(x.size() / base.K);
+  base.bits = bits;
+  base.group = group;
+  base.x_dtype = dtype_of(x);
+  if (uniform_rows(x, &base.x_row_stride)) {
+    base.x = x.data<void>();
+  } else {
+    base.x = row_major(x, xs);
+    base.x_row_stride = base.K;
+  }
+  for (size_t i = 0; i < count; i++) {
+    QmmProblem& p = ps[i];
+    p = base;
+    const mx::array& w = in[1 + 3 * i];
+    p.N = outs[i].shape(-1);
+    p.w = static_cast<const uint8_t*>(row_major(w, copies[3 * i]));
+    p.scales = row_major(in[2 + 3 * i], copies[3 * i + 1]);
+    p.biases = row_major(in[3 + 3 * i], copies[3 * i + 2]);
+    p.s_dtype = dtype_of(in[2 + 3 * i]);
+    p.out = outs[i].data<void>();
+    p.out_dtype = dtype_of(outs[i]);
+    offsets[i + 1] = offsets[i] + p.N;
+  }
+  const int total = offsets[count];
+  if (base.M == 0 || total == 0) {
+    return;
+  }
+  const KernelTable& t = qmm_table(base.K, bits, group, int8);
+  const size_t row_bytes = t.qmm_row_bytes(base.K, bits, group);
+  uint8_t* buf = scratch(row_bytes * base.M);
+  const int row_parts = base.M >= 16 ? split(base.M, 4, 1) : 1;
+  const int rows_each = (base.M + row_parts - 1) / row_parts;
+  parallel_for(row_parts, [&](int i) {
+    const int m0 = i * rows_each;
+    const int m1 = m0 + rows_each < base.M ? m0 + rows_each : base.M;
+    if (m0 < m1) {
+      t.qmm_prepare(ps[0], buf, m0, m1);
+    }
+  });
+  const double work = static_cast<double>(base.M) * total * base.K;
+  const int col_parts = split(total, 16, work > 4.0e6 ? 4 : 1);
+  const int cols_each = ((total + col_parts - 1) / col_parts + 15) / 16 * 16;
+  parallel_for(col_parts, [&](int part) {
+    const int c0 = part * cols_each;
+    const int c1 = c0 + cols_each < total ? c0 + cols_each : total;
+    for (size_t i = 0; i < count && c0 < c1; i++) {
+      const int a = c0 > offsets[i] ? c0 : offsets[i];
+      const int b = c1 < offsets[i + 1] ? c1 : offsets[i + 1];
+      if (a < b) {
+        t.qmm_compute(ps[i], buf, a - offsets[i], b - offsets[i]);
+      }
+    }
+  });
+}
+
+class QuantizedMatmulManyCpu : public mx::Primitive {
+ public:
+  QuantizedMatmulManyCpu(mx::Stream stream, int group, int bits, bool int8)
+      : mx::Primitive(stream), group_(group), bits_(bits), int8_(int8) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> in;
+    std::vector<mx::array> out;
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+      in.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    for (auto& o : outputs) {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
+      encoder.set_output_array(o);
+      out.push_back(mx::array::unsafe_weak_copy(o));
+    }
+    encoder.dispatch([in = std::move(in), out = std::move(out), group = group_, bits = bits_,
+                      int8 = int8_]() mutable { run_qmm_many(in, out, group, bits, int8); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlx_providers cpu kernels run on the CPU only");
+  }
+
+  const char* name() const override {
+    return "CpuQuantizedMatmulMany";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedMatmulManyCpu&>(other);
+    return group_ == o.group_ && bits_ == o.bits_ && int8_ == o.int8_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    std::vector<mx::Shape> shapes;
+    for (size_t i = 1; i < inputs.size(); i += 3) {
+      auto shape = inputs[0].shape();
+      shape.back() = inputs[i].shape(0);
+      shapes.push_back(std::move(shape));
+    }
+    return shapes;
+  }
+
+ private:
+  int group_;
+  int bits_;
+  bool int8_;
+};
+
+std::vector<mx::array> quantized_matmul_many(const mx::array& x, const std::vector<mx::array>& ws,
+                                             const std::vector<mx::array>& scales,
+                                             const std::vector<mx::array>& biases,
+                                             int group_size, int bits, bool int8) {
+  if (ws.empty() || ws.size() != scales.size() || ws.size() != biases.size()) {
+    throw std::invalid_argument("quantized_matmul_many: one scales and biases array per weight");
+  }
+  std::vector<mx::array> inputs = {x};
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (size_t i = 0; i < ws.size(); i++) {
+    dtypes.push_back(checked_qmm(x, ws[i], scales[i], biases[i], group_size, bits));
+    auto shape = x.shape();
+    shape.back() = ws[i].shape(0);
+    shapes.push_back(std::move(shape));
+    inputs.push_back(ws[i]);
+    inputs.push_back(scales[i]);
+    inputs.push_back(biases[i]);
+  }
+  return mx::array::make_arrays(std::move(shapes), dtypes,
+                                std::make_shared<QuantizedMatmulManyCpu>(cpu_stream(), group_size,
+                                                                         bits, int8),
+                                inputs);
 }
 
 // ---- attention -----------------------------------------------------------------------------
@@ -449,6 +616,270 @@ mx::array silu_mul(const mx::array& gate, const mx::array& up) {
                    {gate, up});
 }
 
+// ---- RMSNorm and RoPE ---------------------------------------------------------------------
+//
+// MLX's CPU backend runs mx.fast.rms_norm and mx.fast.rope as their fallbacks: ~7 and ~20
+// small ops each, 90 of these calls a decode step of a 30-layer model, most of a step's
+// ops. One op each here, float32, with the fallbacks' formulas.
+
+// x: rows of D floats, each `stride` apart; w: D floats or null.
+void rms_norm_rows(const float* x, int64_t stride, const float* w, float* out, int64_t r0,
+                   int64_t r1, int D, float eps) {
+  const float inv_n = static_cast<float>(1.0 / D);
+  for (int64_t r = r0; r < r1; r++) {
+    const float* row = x + r * stride;
+    float* dst = out + r * D;
+    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // 8 partial sums: a fixed order that vectorises
+    int k = 0;
+    for (; k + 8 <= D; k += 8) {
+      for (int j = 0; j < 8; j++) {
+        part[j] += row[k + j] * row[k + j];
+      }
+    }
+    for (; k < D; k++) {
+      part[0] += row[k] * row[k];
+    }
+    const float sum = ((part[0] + part[1]) + (part[2] + part[3])) +
+                      ((part[4] + part[5]) + (part[6] + part[7]));
+    const float scale = 1.0f / __builtin_sqrtf(sum * inv_n + eps);
+    for (int i = 0; i < D; i++) {
+      const float y = row[i] * scale;
+      dst[i] = w != nullptr ? y * w[i] : y;
+    }
+  }
+}
+
+class RmsNormCpu : public mx::UnaryPrimitive {
+ public:
+  RmsNormCpu(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> weak;
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+      weak.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    encoder.set_output_array(out);
+    encoder.dispatch([in = std::move(weak), out = mx::array::unsafe_weak_copy(out),
+                      eps = eps_]() mutable {
+      const mx::array& x = in[0];
+      const int D = x.shape(-1);
+      std::vector<uint8_t> xs, ws;
+      int64_t stride = D;
+      const float* xp;
+      if (uniform_rows(x, &stride)) {
+        xp = x.data<float>();
+      } else {
+        xp = static_cast<const float*>(row_major(x, xs));
+        stride = D;
+      }
+      const float* wp = in.size() > 1 ? static_cast<const float*>(row_major(in[1], ws)) : nullptr;
+      float* op = out.data<float>();
+      const int64_t rows = D > 0 ? static_cast<int64_t>(x.size() / D) : 0;
+      const int parts = rows * D >= (1 << 16) ? split(static_cast<int>(rows), 1, 1) : 1;
+      const int64_t each = (rows + parts - 1) / parts;
+      parallel_for(parts, [&](int i) {
+        const int64_t r0 = i * each;
+        const int64_t r1 = r0 + each < rows ? r0 + each : rows;
+        if (r0 < r1) {
+          rms_norm_rows(xp, stride, wp, op, r0, r1, D, eps);
+        }
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlx_providers cpu kernels run on the CPU only");
+  }
+
+  const char* name() const override {
+    return "CpuRmsNorm";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNormCpu&>(other).eps_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float eps_;
+};
+
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps) {
+  if (x.ndim() < 1 || x.dtype() != mx::float32) {
+    throw std::invalid_argument("rms_norm: x must be a float32 array of at least 1 axis");
+  }
+  std::vector<mx::array> inputs = {x};
+  if (weight.has_value()) {
+    if (weight->ndim() != 1 || weight->size() != static_cast<size_t>(x.shape(-1)) ||
+        weight->dtype() != mx::float32) {
+      throw std::invalid_argument("rms_norm: weight must be float32 of x's last axis' size");
+    }
+    inputs.push_back(*weight);
+  }
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNormCpu>(cpu_stream(), eps),
+                   std::move(inputs));
+}
+
+struct RopeParams {
+  int dims;
+  bool traditional;
+  float base;
+  float scale;
+  bool has_freqs;
+};
+
+// The rotated copy of x (any strides, rows along its last axis) into out (row-major, x's
+// shape): positions (t + offset[b]) * scale over axis -2, batch b over axis 0.
+void run_rope(const std::vector<mx::array>& in, mx::array& out, const RopeParams& rp) {
+  const mx::array& x = in[0];
+  const mx::array& offset = in[1];
+  const int nd = x.ndim();
+  const int D = x.shape(nd - 1);
+  const int T = x.shape(nd - 2);
+  const int B = x.shape(0);
+  const int half = rp.dims / 2;
+  std::vector<float> inv_freq(half);
+  if (rp.has_freqs) {
+    std::vector<uint8_t> fs;
+    const float* f = static_cast<const float*>(row_major(in[2], fs));
+    for (int i = 0; i < half; i++) {
+      inv_freq[i] = 1.0f / f[i];
+    }
+  } else {
+    const float step = __builtin_logf(rp.base) / static_cast<float>(half);
+    for (int i = 0; i < half; i++) {
+      inv_freq[i] = __builtin_expf(static_cast<float>(-i) * step);
+    }
+  }
+  // cos and sin per (batch, position): every head of a row shares them.
+  const int offsets = static_cast<int>(offset.size());
+  const int tb = offsets > 1 ? B : 1;
+  std::vector<float> cs(static_cast<size_t>(tb) * T * half * 2);
+  const int32_t* off = offset.data<int32_t>();
+  const int64_t off_stride = offset.ndim() == 1 ? offset.strides()[0] : 0;
+  for (int b = 0; b < tb; b++) {
+    const float o = static_cast<float>(off[b * off_stride]);
+    for (int t = 0; t < T; t++) {
+      const float pos = (static_cast<float>(t) + o) * rp.scale;
+      float* row = cs.data() + (static_cast<size_t>(b) * T + t) * half * 2;
+      for (int i = 0; i < half; i++) {
+        const float theta = pos * inv_freq[i];
+        row[2 * i] = __builtin_cosf(theta);
+        row[2 * i + 1] = __builtin_sinf(theta);
+      }
+    }
+  }
+  const float* src = x.data<float>();
+  float* dst = out.data<float>();
+  const auto& shape = x.shape();
+  const auto& strides = x.strides();
+  const int64_t rows = static_cast<int64_t>(x.size() / D);
+  const int64_t last = strides[nd - 1];
+  std::vector<int> index(nd - 1, 0);
+  for (int64_t r = 0; r < rows; r++) {
+    int64_t at = 0;
+    for (int d = 0; d < nd - 1; d++) {
+      at += static_cast<int64_t>(index[d]) * strides[d];
+    }
+    const float* xr = src + at;
+    float* yr = dst + r * D;
+    const int b = tb > 1 ? index[0] : 0;
+    const float* c = cs.data() + (static_cast<size_t>(b) * T + index[nd - 2]) * half * 2;
+    for (int i = 0; i < half; i++) {
+      const int i1 = rp.traditional ? 2 * i : i;
+      const int i2 = rp.traditional ? 2 * i + 1 : i + half;
+      const float x1 = xr[i1 * last];
+      const float x2 = xr[i2 * last];
+      // The fallback's separate products, then the difference (no fused multiply-add).
+      const float a = x1 * c[2 * i];
+      const float bsin = x2 * c[2 * i + 1];
+      yr[i1] = a - bsin;
+      const float e = x1 * c[2 * i + 1];
+      const float f = x2 * c[2 * i];
+      yr[i2] = e + f;
+    }
+    for (int i = rp.dims; i < D; i++) {
+      yr[i] = xr[i * last];
+    }
+    for (int d = nd - 2; d >= 0; d--) {
+      if (++index[d] < shape[d]) {
+        break;
+      }
+      index[d] = 0;
+    }
+  }
+}
+
+class RopeCpu : public mx::UnaryPrimitive {
+ public:
+  RopeCpu(mx::Stream stream, RopeParams params) : mx::UnaryPrimitive(stream), p_(params) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> weak;
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+      weak.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    encoder.set_output_array(out);
+    encoder.dispatch([in = std::move(weak), out = mx::array::unsafe_weak_copy(out),
+                      params = p_]() mutable { run_rope(in, out, params); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlx_providers cpu kernels run on the CPU only");
+  }
+
+  const char* name() const override {
+    return "CpuRope";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const RopeCpu&>(other).p_;
+    return p_.dims == o.dims && p_.traditional == o.traditional && p_.base == o.base &&
+        p_.scale == o.scale && p_.has_freqs == o.has_freqs;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  RopeParams p_;
+};
+
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale,
+               const mx::array& offset, const std::optional<mx::array>& freqs) {
+  if (x.ndim() < 3 || x.dtype() != mx::float32) {
+    throw std::invalid_argument("rope: x must be a float32 array of at least 3 axes");
+  }
+  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(-1)) {
+    throw std::invalid_argument("rope: dims must be even, positive and at most x's last axis");
+  }
+  if (offset.ndim() > 1 || (offset.size() != 1 && offset.size() != static_cast<size_t>(x.shape(0))) ||
+      offset.dtype() != mx::int32) {
+    throw std::invalid_argument("rope: offset must be int32, one value or one a batch row");
+  }
+  std::vector<mx::array> inputs = {x, offset};
+  if (freqs.has_value()) {
+    if (freqs->ndim() != 1 || freqs->size() != static_cast<size_t>(dims / 2) ||
+        freqs->dtype() != mx::float32) {
+      throw std::invalid_argument("rope: freqs must be float32 of size dims / 2");
+    }
+    inputs.push_back(*freqs);
+  }
+  RopeParams params{dims, traditional, base, scale, freqs.has_value()};
+  return mx::array(x.shape(), mx::float32, std::make_shared<RopeCpu>(cpu_stream(), params),
+                   std::move(inputs));
+}
+
 // Reads an evaluated array's bytes with the pool's threads (what a memory-bound kernel can
 // get); the benchmark times it. Returns a checksum so the reads cannot be skipped.
 uint64_t read_through(const mx::array& a) {
@@ -484,6 +915,8 @@ nb::dict info() {
   d["isa"] = std::string(best_kernels().name);
   d["threads"] = pool_threads();
   d["mlx_version"] = std::string(MLX_BUILT_VERSION);
+  const KernelTable* int8 = int8_kernels_for(64, 4, 32);
+  d["int8"] = std::string(int8 != nullptr ? int8->name : "");
   return d;
 }
 
@@ -493,12 +926,23 @@ nb::dict info() {
 NB_MODULE(cpu_native, m) {
   m.doc() = "CPU kernels for mlx-providers: quantized matmul and decode attention";
   m.def("quantized_matmul", &mlxp::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a,
-        "x @ dequantize(w).T for MLX's affine 4/8-bit layout, as an op of the graph.");
+        "group_size"_a, "bits"_a, "int8"_a = false,
+        "x @ dequantize(w).T for MLX's affine 4/8-bit layout, as an op of the graph; int8: "
+        "x rounded to int8 blocks where the CPU has the int8 path (info()['int8']).");
+  m.def("quantized_matmul_many", &mlxp::quantized_matmul_many, "x"_a, "ws"_a, "scales"_a,
+        "biases"_a, "group_size"_a, "bits"_a, "int8"_a = false,
+        "x against several weights of one layout in one op: one output per weight, each with "
+        "the bits quantized_matmul gives it.");
   m.def("attention", &mlxp::attention, "q"_a, "k"_a, "v"_a, "scale"_a,
         "mask"_a = nb::none(), "causal"_a = false,
         "Fused attention of (B, Hq, Lq, D) queries over (B, Hkv, Lk, D) keys and values.");
   m.def("silu_mul", &mlxp::silu_mul, "gate"_a, "up"_a, "silu(gate) * up (mlx-lm's swiglu).");
+  m.def("rms_norm", &mlxp::rms_norm, "x"_a, "weight"_a = nb::none(), "eps"_a,
+        "mx.fast.rms_norm's formula, float32, as one op.");
+  m.def("rope", &mlxp::rope, "x"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
+        "offset"_a, "freqs"_a = nb::none(),
+        "mx.fast.rope's formula (offset: int32, one value or one a batch row), float32, as "
+        "one op.");
   m.def("read_through", &mlxp::read_through, "a"_a,
         "Reads an evaluated array's bytes on the kernels' threads (memory bandwidth).");
   m.def("info", &mlxp::info, "The kernel set in use, its threads and the mlx it was built on.");

@@ -148,8 +148,104 @@ def check_silu_mul(seed: int = 5) -> None:
         assert err.max().item() < (1e-5 if dtype == mx.float32 else 1e-2), (n, dtype)
 
 
+def check_many_equals_one(seed: int = 6) -> None:
+    """``quantized_matmul_many`` (q/k/v, gate/up in one op) gives each weight the bits its own
+    ``quantized_matmul`` gives, on the float path and, where the CPU has it, the int8 one."""
+    rng = np.random.default_rng(seed)
+    paths = (False, True) if cpu_kernels.int8_path() else (False,)
+    for bits, group, dtype, int8 in itertools.product((4, 8), (32, 64), FLOATS, paths):
+        weights = [quantized_weights(rng, n, 128, bits, group, dtype) for n in (40, 16, 33)]
+        for m in (1, 5, 70):
+            x = mx.array(rng.standard_normal((m, 128)).astype(np.float32)).astype(dtype)
+            many = cpu_kernels.quantized_matmul_many(
+                x, [w[0] for w in weights], [w[1] for w in weights], [w[2] for w in weights],
+                group, bits, int8)
+            for got, (wq, scales, biases) in zip(many, weights):
+                one = cpu_kernels.quantized_matmul(x, wq, scales, biases, group, bits, int8)
+                assert got.dtype == one.dtype and got.shape == one.shape
+                assert mx.array_equal(got, one).item(), (bits, group, dtype, int8, m)
+
+
+def check_int8_matmul(seed: int = 7) -> None:
+    """The int8 path (where the CPU has it) computes its formula: activations rounded to
+    int8 in blocks of 32 (scale max|x| / 127), integer products scaled per block, the
+    weights' biases against the exact block sums; a row's bits never depend on its batch.
+    Elsewhere ``int8=True`` is the float path, bit for bit."""
+    rng = np.random.default_rng(seed)
+    for bits, group in itertools.product((4, 8), (32, 64)):
+        wq, scales, biases = quantized_weights(rng, 37, 192, bits, group, mx.float32)
+        x = mx.array(rng.standard_normal((70, 192)).astype(np.float32))
+        out = cpu_kernels.quantized_matmul(x, wq, scales, biases, group, bits, int8=True)
+        if not cpu_kernels.int8_path():
+            same = cpu_kernels.quantized_matmul(x, wq, scales, biases, group, bits)
+            assert mx.array_equal(out, same).item()
+            continue
+        s = np.repeat(_np(scales), group, axis=1)
+        b = np.repeat(_np(biases), group, axis=1)
+        codes = np.round((_np(mx.dequantize(wq, scales, biases, group_size=group,
+                                            bits=bits)) - b) / s)
+        blocks = _np(x).reshape(70, -1, 32)
+        x_scale = np.abs(blocks).max(-1, keepdims=True) / 127
+        x_codes = np.round(blocks / x_scale)
+        formula = ((x_codes * x_scale).reshape(70, 192) @ (codes * s).T
+                   + _np(x) @ b.T)
+        err = np.abs(_np(out) - formula).max() / np.abs(formula).max()
+        assert err < 1e-5, (bits, group, err)
+        for start, stop in ((0, 1), (5, 6), (3, 7), (64, 70), (13, 30)):
+            part = cpu_kernels.quantized_matmul(x[start:stop], wq, scales, biases, group, bits,
+                                                int8=True)
+            assert mx.array_equal(part, out[start:stop]).item(), (bits, group, start, stop)
+
+
+def check_rms_norm(seed: int = 8) -> None:
+    """Against ``mx.fast.rms_norm`` (MLX's CPU fallback): with and without a weight, over
+    views, to a few float32 ulps (only the order of the sum of squares differs)."""
+    rng = np.random.default_rng(seed)
+    for shape in ((1, 1, 576), (4, 576), (3, 7, 100), (600, 64)):
+        x = mx.array((3 * rng.standard_normal(shape)).astype(np.float32))
+        weight = mx.array(rng.standard_normal(shape[-1]).astype(np.float32))
+        for w in (weight, None):
+            out = cpu_kernels.rms_norm(x, w, 1e-5)
+            ref = mx.fast.rms_norm(x, w, 1e-5)
+            assert out.dtype == mx.float32 and out.shape == ref.shape
+            assert mx.abs(out - ref).max().item() < 1e-5, (shape, w is None)
+    x = mx.array(rng.standard_normal((8, 256)).astype(np.float32))[:, ::2]
+    assert mx.abs(cpu_kernels.rms_norm(x, None, 1e-6)
+                  - mx.fast.rms_norm(x, None, 1e-6)).max().item() < 1e-5
+
+
+def check_rope(seed: int = 9) -> None:
+    """Against ``mx.fast.rope``: both layouts, partial dims, a base or frequencies, 3-5 axes,
+    one offset or one a row, a transposed view as attention hands it over; a row of a batch
+    gets the bits it gets alone at its own offset."""
+    rng = np.random.default_rng(seed)
+    for shape, dims, traditional, freqs_given in itertools.product(
+            ((1, 9, 1, 64), (3, 4, 17, 64), (2, 5, 32), (2, 3, 2, 4, 48)), (32, 0),
+            (False, True), (False, True)):
+        dims = dims or shape[-1]
+        x = mx.array(rng.standard_normal(shape).astype(np.float32))
+        freqs = (mx.array((0.5 + np.abs(rng.standard_normal(dims // 2))).astype(np.float32))
+                 if freqs_given else None)
+        base = None if freqs_given else 10000.0
+        for offset in (0, 37, mx.array(list(range(5, 5 + shape[0])), dtype=mx.int32)):
+            out = cpu_kernels.rope(x, dims, traditional, base, 0.5, offset, freqs)
+            ref = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=0.5,
+                               offset=offset, freqs=freqs)
+            assert mx.abs(out - ref).max().item() < 2e-5, (shape, dims, traditional, offset)
+    heads = mx.array(rng.standard_normal((3, 17, 9, 64)).astype(np.float32)).transpose(0, 2, 1, 3)
+    offsets = [3, 900, 41]
+    batched = cpu_kernels.rope(heads, 64, False, 10000.0, 1.0, mx.array(offsets, dtype=mx.int32))
+    ref = mx.fast.rope(heads, 64, traditional=False, base=10000.0, scale=1.0,
+                       offset=mx.array(offsets))
+    assert mx.abs(batched - ref).max().item() < 5e-4  # cos/sin of ~900 in float32
+    for row, offset in enumerate(offsets):
+        alone = cpu_kernels.rope(heads[row:row + 1], 64, False, 10000.0, 1.0, offset)
+        assert mx.array_equal(alone, batched[row:row + 1]).item(), row
+
+
 ALL = (check_quantized_matmul, check_rows_are_independent, check_strided_activations,
-       check_attention, check_attention_batched_equals_alone, check_silu_mul)
+       check_attention, check_attention_batched_equals_alone, check_silu_mul,
+       check_many_equals_one, check_int8_matmul, check_rms_norm, check_rope)
 
 
 if __name__ == "__main__":

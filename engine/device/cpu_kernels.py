@@ -108,9 +108,42 @@ def qmm_supported(bits: int, group_size: int, mode: str = "affine") -> bool:
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
-                     group_size: int, bits: int) -> mx.array:
-    """``x @ dequantize(w).T`` (``mx.quantized_matmul(..., transpose=True)``), on the CPU."""
-    return _ext().quantized_matmul(x, w, scales, biases, group_size, bits)  # type: ignore[no-any-return]
+                     group_size: int, bits: int, int8: bool = False) -> mx.array:
+    """``x @ dequantize(w).T`` (``mx.quantized_matmul(..., transpose=True)``), on the CPU;
+    ``int8``: ``x`` rounded to int8 blocks of 32 where ``int8_path()`` names a path."""
+    return _ext().quantized_matmul(x, w, scales, biases, group_size, bits, int8)  # type: ignore[no-any-return]
+
+
+def quantized_matmul_many(x: mx.array, ws: list[mx.array], scales: list[mx.array],
+                          biases: list[mx.array], group_size: int, bits: int,
+                          int8: bool = False) -> list[mx.array]:
+    """``quantized_matmul`` of one ``x`` against several weights of one layout, as one op:
+    ``x`` staged once, one parallel pass over all their columns; each output has the bits
+    ``quantized_matmul`` gives it alone."""
+    return list(_ext().quantized_matmul_many(x, ws, scales, biases, group_size, bits, int8))
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """``mx.fast.rms_norm`` as one op (float32): MLX's CPU backend runs it as ~7 ops."""
+    return _ext().rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+
+
+def rope(x: mx.array, dims: int, traditional: bool, base: float | None, scale: float,
+         offset: int | mx.array, freqs: mx.array | None = None) -> mx.array:
+    """``mx.fast.rope`` as one op (float32 ``x`` of at least 3 axes): MLX's CPU backend runs
+    it as ~20 ops. ``offset``: one position or one per batch row, as ``mx.fast.rope``."""
+    if isinstance(offset, mx.array):
+        offset = offset.astype(mx.int32) if offset.dtype != mx.int32 else offset
+    else:
+        offset = mx.array(offset, dtype=mx.int32)
+    return _ext().rope(x, dims, traditional, 1.0 if base is None else base, scale,  # type: ignore[no-any-return]
+                       offset, freqs)
+
+
+def int8_path() -> str:
+    """The int8-activation matmul this CPU runs (``"avx512-vnni"``), or ``""`` for none."""
+    ext = _loaded()[0]
+    return str(ext.info().get("int8", "")) if ext is not None else ""
 
 
 def silu_mul(gate: mx.array, up: mx.array) -> mx.array:

@@ -32,9 +32,11 @@ def _in_kernel_forward() -> bool:
 class KernelQuantizedLinear(nn.QuantizedLinear):  # type: ignore[misc]
     """``nn.QuantizedLinear`` whose product runs the CPU kernel."""
 
+    _mlx_providers_int8 = False  # install(int8=True) sets it on the instance
+
     def __call__(self, x: mx.array) -> mx.array:
         y = cpu_kernels.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
-                                         self.group_size, self.bits)
+                                         self.group_size, self.bits, self._mlx_providers_int8)
         if "bias" in self:
             y = y + self["bias"]
         return y
@@ -43,9 +45,100 @@ class KernelQuantizedLinear(nn.QuantizedLinear):  # type: ignore[misc]
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):  # type: ignore[misc]
     """``nn.QuantizedEmbedding`` whose tied output projection runs the CPU kernel."""
 
+    _mlx_providers_int8 = False
+
     def as_linear(self, x: mx.array) -> mx.array:
         return cpu_kernels.quantized_matmul(x, self["weight"], self["scales"], self["biases"],
-                                            self.group_size, self.bits)
+                                            self.group_size, self.bits, self._mlx_providers_int8)
+
+
+class KernelSiblingLinear(KernelQuantizedLinear):
+    """A quantized projection that shares its input with siblings (q/k/v, gate/up): the first
+    of them called with an input computes all their products in one kernel call."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        siblings: Siblings = self._mlx_providers_siblings
+        return siblings.output(self, x)
+
+
+class Siblings:
+    """Projections of one parent that mlx-lm calls one after another on the same input.
+
+    The first member called with an input ``x`` runs one ``quantized_matmul_many`` for all
+    of them and keeps the others' outputs for their calls with that same ``x`` (the same
+    array object: mlx-lm passes one ``x`` to each). A member called with another input
+    computes afresh, so a parent that feeds its siblings different inputs stays correct; one
+    that keeps doing so (outputs computed and never asked for) makes the group fall back to
+    one product per member."""
+
+    GIVE_UP_AFTER = 3  # computed-but-unused outputs before the group stops fusing
+
+    def __init__(self, members: list[nn.Module]) -> None:
+        self.members = members
+        self.fusing = True
+        self._wasted = 0
+        self._pending = threading.local()  # .x and .outputs (None where handed out)
+
+    def output(self, member: nn.Module, x: mx.array) -> mx.array:
+        index: int = member._mlx_providers_index
+        pending = self._pending
+        outputs: list[mx.array | None] | None = getattr(pending, "outputs", None)
+        if outputs is not None and pending.x is x and outputs[index] is not None:
+            out = outputs[index]
+            assert out is not None
+            outputs[index] = None
+            if all(o is None for o in outputs):
+                pending.outputs = pending.x = None
+            return out
+        if outputs is not None and any(o is not None for o in outputs):
+            self._wasted += 1
+            if self._wasted >= self.GIVE_UP_AFTER:
+                self.fusing = False
+        pending.outputs = pending.x = None
+        if not self.fusing:
+            return KernelQuantizedLinear.__call__(member, x)
+        lead = self.members[0]
+        products = cpu_kernels.quantized_matmul_many(
+            x, [m["weight"] for m in self.members], [m["scales"] for m in self.members],
+            [m["biases"] for m in self.members], lead.group_size, lead.bits,
+            lead._mlx_providers_int8)
+        results: list[mx.array | None] = [
+            y + m["bias"] if "bias" in m else y for m, y in zip(self.members, products)]
+        mine = results[index]
+        assert mine is not None
+        results[index] = None
+        pending.x, pending.outputs = x, results
+        return mine
+
+
+# Children of one parent that mlx-lm's families call on the same input, in this order.
+SIBLING_NAMES: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"),
+                                              ("gate_proj", "up_proj"))
+
+
+def _group_siblings(model: nn.Module) -> int:
+    """Join each parent's kernel projections of ``SIBLING_NAMES`` (same bits and group size);
+    the number of groups made."""
+    groups = 0
+    for _, parent in model.named_modules():
+        for names in SIBLING_NAMES:
+            found = [parent.get(name) if isinstance(parent, dict) else None for name in names]
+            members: list[nn.Module] = [m for m in found if type(m) is KernelQuantizedLinear]
+            if len(members) != len(names):
+                continue
+            lead = members[0]
+            if any(m.bits != lead.bits or m.group_size != lead.group_size
+                   or m["scales"].dtype != lead["scales"].dtype
+                   or m["weight"].shape[1] != lead["weight"].shape[1] for m in members):
+                continue
+            siblings = Siblings(members)
+            for index, member in enumerate(members):
+                member.__class__ = KernelSiblingLinear
+                # Plain attributes (not arrays or modules): no parameter or child is added.
+                object.__setattr__(member, "_mlx_providers_siblings", siblings)
+                object.__setattr__(member, "_mlx_providers_index", index)
+            groups += 1
+    return groups
 
 
 _SWAPS: dict[type, type] = {
@@ -61,14 +154,23 @@ class Installed:
     kernel_layers: int
     quantized_layers: int
     attention: bool
+    sibling_groups: int = 0
+    int8: str = ""  # the int8-activation path the products take, "" for float32
+    norm_and_rope: bool = False  # mx.fast.rms_norm and mx.fast.rope on the kernels
 
     def describe(self) -> str:
         """For ``stats().cpu_kernels``, after the instruction set."""
         parts = []
         if self.quantized_layers:
             parts.append(f"matmul {self.kernel_layers}/{self.quantized_layers} quantized layers")
+        if self.int8:
+            parts.append(f"int8 activations ({self.int8})")
+        if self.sibling_groups:
+            parts.append(f"{self.sibling_groups} sibling groups in one call each")
         if self.attention:
             parts.append("decode attention")
+        if self.norm_and_rope:
+            parts.append("RMSNorm and RoPE")
         return ", ".join(parts) if parts else "nothing to run"
 
 
@@ -84,8 +186,11 @@ def _takes_kernel(module: nn.Module) -> bool:
                                           getattr(module, "mode", "affine")))
 
 
-def install(model: nn.Module) -> Installed:
-    """Put the model's quantized layers and attention on the CPU kernels (see module doc)."""
+def install(model: nn.Module, int8: bool = False) -> Installed:
+    """Put the model's quantized layers and attention on the CPU kernels (see module doc);
+    ``int8``: their products take int8 activations where the CPU has that path
+    (``cpu_kernels.int8_path()``; else the float kernels, silently: ``Installed`` says)."""
+    int8 = int8 and bool(cpu_kernels.int8_path())
     quantized = swapped = 0
     for module in _modules(model):
         replacement = _SWAPS.get(type(module))
@@ -94,9 +199,13 @@ def install(model: nn.Module) -> Installed:
         quantized += 1
         if _takes_kernel(module):
             module.__class__ = replacement
+            if int8:
+                object.__setattr__(module, "_mlx_providers_int8", True)
             swapped += 1
     attention = _route_attention(model)
-    return Installed(swapped, quantized, attention)
+    _route_fast_ops(model)
+    return Installed(swapped, quantized, attention, _group_siblings(model),
+                     cpu_kernels.int8_path() if int8 and swapped else "", True)
 
 
 # ---- attention -----------------------------------------------------------------------------
@@ -150,7 +259,7 @@ _marked: dict[type, type] = {}
 
 
 def _marked_class(cls: type) -> type:
-    """A subclass of a model class whose forward lets the attention wrapper take the kernel."""
+    """A subclass of a model class whose forward lets the wrapped functions take the kernels."""
     found = _marked.get(cls)
     if found is not None:
         return found
@@ -173,6 +282,55 @@ _WRAPPERS: dict[str, Callable[[Callable[..., mx.array]], Callable[..., mx.array]
     "scaled_dot_product_attention": _wrap,
     "swiglu": _wrap_swiglu,
 }
+
+
+def _wrap_rms_norm(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def rms_norm(x: mx.array, weight: mx.array | None, eps: float, *,
+                 stream: Any = None) -> mx.array:
+        if (_in_kernel_forward() and stream is None and x.dtype == mx.float32 and x.ndim >= 1
+                and (weight is None or (weight.dtype == mx.float32 and weight.ndim == 1))):
+            return cpu_kernels.rms_norm(x, weight, eps)
+        return original(x, weight, eps, stream=stream)
+
+    rms_norm.__wrapped__ = original  # type: ignore[attr-defined]
+    rms_norm._mlx_providers_kernel = True  # type: ignore[attr-defined]
+    return rms_norm
+
+
+def _wrap_rope(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def rope(a: mx.array, dims: int, *, traditional: bool, base: float | None, scale: float,
+             offset: int | mx.array, freqs: mx.array | None = None,
+             stream: Any = None) -> mx.array:
+        if (_in_kernel_forward() and stream is None and a.dtype == mx.float32 and a.ndim >= 3
+                and (freqs is None or (freqs.dtype == mx.float32 and base is None))
+                and (freqs is not None or base is not None)
+                and (not isinstance(offset, mx.array) or offset.ndim <= 1)):
+            return cpu_kernels.rope(a, dims, traditional, base, scale, offset, freqs)
+        return original(a, dims, traditional=traditional, base=base, scale=scale,
+                        offset=offset, freqs=freqs, stream=stream)
+
+    rope.__wrapped__ = original  # type: ignore[attr-defined]
+    rope._mlx_providers_kernel = True  # type: ignore[attr-defined]
+    return rope
+
+
+# mx.fast's functions, wrapped once per process: every family reaches RMSNorm and RoPE
+# through them (nn.RMSNorm, nn.RoPE, mlx-lm's own norm and scaled-RoPE classes).
+_FAST_WRAPPERS: dict[str, Callable[[Callable[..., mx.array]], Callable[..., mx.array]]] = {
+    "rms_norm": _wrap_rms_norm,
+    "rope": _wrap_rope,
+}
+
+
+def _route_fast_ops(model: nn.Module) -> None:
+    """Wrap ``mx.fast.rms_norm`` and ``mx.fast.rope`` (once) and mark this model's forwards."""
+    with _route_lock:
+        for name, wrap in _FAST_WRAPPERS.items():
+            current = getattr(mx.fast, name)
+            if not getattr(current, "_mlx_providers_kernel", False):
+                setattr(mx.fast, name, wrap(current))
+        if type(model) not in _marked.values():
+            model.__class__ = _marked_class(type(model))
 
 
 def _route_attention(model: nn.Module) -> bool:

@@ -199,7 +199,7 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
             model, tokenizer = mlx_load(str(path))[:2]
     except ValueError as exc:  # weights that do not fit the config, a refused model_file
         raise InvalidModelError(f"mlx-lm could not build the model in {path}: {exc}") from exc
-    weights = apply_weight_policy(model, config.quantized)
+    weights = apply_weight_policy(model, config.quantized, config.cpu_int8)
     cache = make_prompt_cache(model, config.max_kv_size)
     with mx.stream(stream):
         logits = model(mx.array([[0]]), cache=cache)

@@ -119,8 +119,10 @@ def _float_format(model: nn.Module) -> str:
     return "float"
 
 
-def apply_weight_policy(model: nn.Module, quantized: bool | None) -> WeightChoice:
-    """Put ``model`` (just loaded, on this thread's device) in the form the policy picks."""
+def apply_weight_policy(model: nn.Module, quantized: bool | None,
+                        int8: bool = False) -> WeightChoice:
+    """Put ``model`` (just loaded, on this thread's device) in the form the policy picks;
+    ``int8``: the kernels' products take int8 activations where the CPU can."""
     modules = _quantized_modules(model)
     if on_accelerator():
         return WeightChoice(_describe_quantized(modules) if modules else _float_format(model), "")
@@ -135,4 +137,4 @@ def apply_weight_policy(model: nn.Module, quantized: bool | None) -> WeightChoic
         form = _describe_quantized(modules) if modules else _float_format(model)
     if not status.available:
         return WeightChoice(form, status.describe())
-    return WeightChoice(form, f"{status.describe()}: {install(model).describe()}")
+    return WeightChoice(form, f"{status.describe()}: {install(model, int8).describe()}")

@@ -46,7 +46,9 @@ def test_a_quantized_model_runs_quantized_on_the_kernels(
     assert stats.weight_format == "quantized 4-bit g32"
     assert stats.cpu_kernels.startswith(STATUS.describe())
     assert "matmul 15/15 quantized layers" in stats.cpu_kernels  # 2 layers x 7, the embedding
+    assert "4 sibling groups in one call each" in stats.cpu_kernels  # q/k/v, gate/up a layer
     assert "decode attention" in stats.cpu_kernels
+    assert "int8" not in stats.cpu_kernels  # only when asked for
 
 
 @needs_kernels
@@ -56,7 +58,7 @@ def test_quantized_false_dequantizes_and_keeps_the_attention_kernel(
     dense = make_engine(quantized_model_dir, quantized=False).stats()
     assert dense.weight_format == "dequantized float32"
     assert dense.weights_bytes > 3 * quantized.weights_bytes  # 32 bits a weight, not ~6
-    assert dense.cpu_kernels == f"{STATUS.describe()}: decode attention"
+    assert dense.cpu_kernels == f"{STATUS.describe()}: decode attention, RMSNorm and RoPE"
 
 
 def test_a_float_model_reports_its_dtype(tiny_engine: Engine) -> None:
@@ -76,6 +78,22 @@ def test_batched_equals_alone_with_the_kernels(make_engine: Callable[..., Engine
     handles = [eng.submit(TextRequest(p, params)) for p in prompts]
     assert [h.result(timeout=120).token_ids for h in handles] == reference
     assert eng.stats().peak_running >= 6
+
+
+@needs_kernels
+def test_int8_activations_keep_batched_equal_to_alone(make_engine: Callable[..., Engine],
+                                                      quantized_model_dir: Path) -> None:
+    """cpu_int8 rounds activations (the tokens may differ from the float path's) but a row's
+    tokens still never depend on the rows beside it; stats() says whether the path runs."""
+    eng = make_engine(quantized_model_dir, max_batch=8, prefill_chunk=64, cpu_int8=True)
+    path = cpu_kernels.int8_path()
+    assert (f"int8 activations ({path})" in eng.stats().cpu_kernels) is bool(path)
+    prompts = prompts_of_lengths(eng, [3, 17, 64, 130, 7, 41], seed=22)
+    params = greedy(24)
+    reference = alone(eng, prompts, params)
+    handles = [eng.submit(TextRequest(p, params)) for p in prompts]
+    assert [h.result(timeout=120).token_ids for h in handles] == reference
+    assert eng.stats().peak_running >= 4
 
 
 _REFERENCE_RUN = """
