@@ -7,13 +7,16 @@ directory (``bench/llamacpp_build.py``: ``-DGGML_NATIVE=ON``, ~15 min on 2 cores
    the engine on the same file (64-token prompts, 64 tokens a row, all rows prefilled
    together, decode rate = tokens / (last token time - first token time)), the engine with
    its CPU kernels and, as "before", with ``MLX_PROVIDERS_CPU_KERNELS=0`` (float32 weights
-   through BLAS); each side runs in its own process, in turn, ``--repeats`` times, best kept;
+   through BLAS), and with ``cpu_int8=True`` (activations rounded to int8 blocks of 32, as
+   llama.cpp rounds them for its Q4_1 x Q8_1 products; where the CPU has the int8 path);
+   each side runs in its own process, in turn, ``--repeats`` times, best kept;
 2. the servers: ``llama-server -np STREAMS`` against ``mlx-providers serve``, each driven by
    ``--streams`` concurrent openai-SDK streams of ``--tokens`` tokens (aggregate tokens/s,
    mean time to first token).
 
     python bench/vs_llamacpp.py [--gguf FILE] [--rows 1,4,8,16,32] [--threads 2]
         [--repeats 2] [--streams 16] [--tokens 64] [--skip-server] [--skip-before]
+        [--skip-int8]
 """
 
 from __future__ import annotations
@@ -100,13 +103,14 @@ def llama_server(bin_dir: Path, gguf: Path, streams: int, threads: int) -> Itera
 # ---- the engine (run in a child process: one per side, kernels on or off) --------------------
 
 
-def engine_rates(gguf: str, rows: list[int], tokens: int) -> dict[int, float]:
+def engine_rates(gguf: str, rows: list[int], tokens: int, int8: bool) -> dict[int, float]:
     """Decode tokens/s per row count through ``Engine`` on the GGUF file (this process)."""
     import engine  # noqa: F401 - the fast BLAS before mlx
     from engine import Engine, EngineConfig, SamplingParams, TextRequest
 
     width = max(rows)
-    eng = Engine(gguf, EngineConfig(max_batch=width, prefill_batch=width)).start()
+    eng = Engine(gguf, EngineConfig(max_batch=width, prefill_batch=width,
+                                    cpu_int8=int8)).start()
     story = list(eng.tokenizer.encode(STORY, add_special_tokens=False))
     rates: dict[int, float] = {}
     for run, n in enumerate([2, *rows]):  # the first, 2 rows, warms up
@@ -132,12 +136,14 @@ def engine_rates(gguf: str, rows: list[int], tokens: int) -> dict[int, float]:
     return rates
 
 
-def engine_side(gguf: Path, rows: list[int], tokens: int, kernels: bool) -> dict[str, object]:
+def engine_side(gguf: Path, rows: list[int], tokens: int, kernels: bool,
+                int8: bool = False) -> dict[str, object]:
     env = dict(os.environ)
     if not kernels:
         env["MLX_PROVIDERS_CPU_KERNELS"] = "0"
     run = subprocess.run([sys.executable, __file__, "--engine-child", str(gguf), "--rows",
-                          ",".join(map(str, rows)), "--tokens", str(tokens)],
+                          ",".join(map(str, rows)), "--tokens", str(tokens),
+                          *(["--int8"] if int8 else [])],
                          capture_output=True, text=True, env=env, check=True)
     result: dict[str, object] = json.loads(run.stdout.strip().splitlines()[-1])
     result["rates"] = {int(k): v for k, v in dict(result["rates"]).items()}  # type: ignore[call-overload]
@@ -155,26 +161,34 @@ def decode_table(args: argparse.Namespace, bin_dir: Path, gguf: Path, rows: list
     peer: list[dict[int, float]] = []
     after: list[dict[int, float]] = []
     before: list[dict[int, float]] = []
+    rounded: list[dict[int, float]] = []
     info: dict[str, object] = {}
+    int8_info: dict[str, object] = {}
     for _ in range(args.repeats):  # in turn, so a slower stretch of the machine hits all
         peer.append(llama_batched(bin_dir, gguf, rows, args.threads))
         info = engine_side(gguf, rows, 64, kernels=True)
         after.append(info["rates"])  # type: ignore[arg-type]
         if not args.skip_before:
             before.append(engine_side(gguf, rows, 64, kernels=False)["rates"])  # type: ignore[arg-type]
+        if not args.skip_int8:
+            int8_info = engine_side(gguf, rows, 64, kernels=True, int8=True)
+            rounded.append(int8_info["rates"])  # type: ignore[arg-type]
     print(f"engine: weights {info['weights']}; CPU kernels {info['kernels']}")
+    if int8_info:
+        print(f"engine int8: CPU kernels {int8_info['kernels']}")
     print(f"llama.cpp: {args.threads} threads, llama-batched-bench -npp 64 -ntg 64\n")
     peer_best, after_best = best(peer), best(after)
     before_best = best(before) if before else {}
+    int8_best = best(rounded) if rounded else {}
     print("| rows | llama.cpp tok/s | engine before (f32, MLX ops) | engine (kernels) "
-          "| before / llama.cpp | engine / llama.cpp |")
-    print("|---:|---:|---:|---:|---:|---:|")
+          "| engine cpu_int8 | before / llama.cpp | engine / llama.cpp | int8 / llama.cpp |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in rows:
-        b = before_best.get(n)
-        b_text = f"{b:.1f}" if b else "-"
-        b_ratio = f"{b / peer_best[n]:.2f}" if b else "-"
-        print(f"| {n} | {peer_best[n]:.1f} | {b_text} | {after_best[n]:.1f} | {b_ratio} "
-              f"| {after_best[n] / peer_best[n]:.2f} |", flush=True)
+        b, q = before_best.get(n), int8_best.get(n)
+        print(f"| {n} | {peer_best[n]:.1f} | {f'{b:.1f}' if b else '-'} | {after_best[n]:.1f} "
+              f"| {f'{q:.1f}' if q else '-'} | {f'{b / peer_best[n]:.2f}' if b else '-'} "
+              f"| {after_best[n] / peer_best[n]:.2f} "
+              f"| {f'{q / peer_best[n]:.2f}' if q else '-'} |", flush=True)
 
 
 def server_table(args: argparse.Namespace, bin_dir: Path, gguf: Path) -> None:
@@ -210,11 +224,14 @@ def main() -> None:
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--skip-before", action="store_true",
                         help="do not run the engine without its kernels")
+    parser.add_argument("--skip-int8", action="store_true",
+                        help="do not run the engine with cpu_int8=True (int8 activations)")
+    parser.add_argument("--int8", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     rows = [int(x) for x in args.rows.split(",")]
     if args.engine_child:
-        engine_rates(args.engine_child, rows, args.tokens)
+        engine_rates(args.engine_child, rows, args.tokens, args.int8)
         return
     from engine.models.default_model import default_model_gguf
 

@@ -385,6 +385,7 @@ class BatchLane:
                 self.rows.joined(out.row, uid)
                 out.row.echo = out.unfed[0]
             rows = [out for out in rows if len(out.unfed) != 1]
+            self._settle_batch()
         if not rows:
             return
         uids = self._generator.insert_segments(
@@ -398,6 +399,16 @@ class BatchLane:
         )
         for uid, out in zip(uids, rows):
             self.rows.joined(out.row, uid)
+
+    def _settle_batch(self) -> None:
+        """Evaluate the decoding batch's cache now that rows were cut out and merged in: the
+        work is this step's, and span costs are measured per step (left lazy, it landed in
+        the next plain step, which then looked dearer and made spans look cheaper)."""
+        batch = getattr(self._generator, "_generation_batch", None)
+        cache = getattr(batch, "prompt_cache", None)
+        if cache:
+            with mx.stream(self._stream):
+                mx.eval([layer.state for layer in cache])
 
     def decoding(self, row: BatchRow) -> bool:
         return row.uid is not None and decoding(self._generator, row.uid)
