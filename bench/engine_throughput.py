@@ -49,7 +49,7 @@ def raw_batch_generator(eng: Engine, prompts: list[list[int]], tokens: int) -> t
     from engine.device.weight_policy import apply_weight_policy
 
     model, _ = load(str(eng.model_path))
-    apply_weight_policy(model, eng.config.quantized)
+    apply_weight_policy(model, eng.config.quantized, eng.config.cpu_int8)
     gen = BatchGenerator(model, max_tokens=tokens, completion_batch_size=len(prompts),
                          prefill_batch_size=len(prompts))
     gen.insert(prompts, max_tokens=[tokens] * len(prompts))
