@@ -8,7 +8,9 @@ rotated over enough copies to outgrow the caches, so each call reads them from m
 decode step does. The bound is the call's bytes (weights, scales, biases) over the bandwidth
 measured here by reading a 512 MB array on the kernels' threads. Then the fused attention
 of a decode step (16 rows, 9 query heads over 3 KV heads, 64-wide) at a short and a long
-context, against ``mx.fast.scaled_dot_product_attention``.
+context, against ``mx.fast.scaled_dot_product_attention``; the int8-activation path
+(``EngineConfig.cpu_int8``) against the float path; RMSNorm and RoPE as one op each against
+MLX's CPU fallbacks (``x + i`` in each: the add is timed on both sides).
 
     python bench/cpu_kernels.py [--repeats 30]
 
@@ -134,6 +136,71 @@ def attention_table(repeats: int, bytes_per_s: float) -> None:
               f"| {bound:.3f} |", flush=True)
 
 
+def many_in_one(calls: Callable[[], list[mx.array]], copies: int, repeats: int) -> float:
+    """Median µs a call of ``copies`` independent calls evaluated together (no Python
+    between them: the kernel's own time, dispatch included)."""
+    mx.eval(calls())
+    times = []
+    for _ in range(repeats):
+        outs = calls()
+        start = time.perf_counter()
+        mx.eval(outs)
+        times.append((time.perf_counter() - start) / copies)
+    return 1e6 * statistics.median(times)
+
+
+def int8_table(repeats: int) -> None:
+    """The int8-activation path (EngineConfig.cpu_int8) against the float path, per call."""
+    path = cpu_kernels.int8_path()
+    if not path:
+        print("\nno int8-activation path on this CPU (it needs AVX-512 VNNI)")
+        return
+    print(f"\n| weight (N x K, bits) | rows | float path us | int8 path ({path}) us | speed-up |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (n, k) in SHAPES.items():
+        bits = 8 if name.startswith("lm_head") else 4
+        copies = max(1, min(40, 200_000_000 // (n * k)))
+        weights = [mx.quantize(mx.random.normal((n, k)), group_size=32, bits=bits)
+                   for _ in range(copies)]
+        mx.eval(weights)
+        for m in (1, 16):
+            x = mx.random.normal((m, k))
+            mx.eval(x)
+            took = {}
+            for int8 in (False, True):
+                took[int8] = many_in_one(
+                    lambda x=x, int8=int8, weights=weights: [
+                        cpu_kernels.quantized_matmul(x, *w, 32, bits, int8) for w in weights],
+                    copies, max(3, repeats // 4))
+            print(f"| {name} {n} x {k}, {bits} | {m} | {took[False]:.1f} | {took[True]:.1f} "
+                  f"| {took[False] / took[True]:.2f}x |", flush=True)
+
+
+def norm_rope_table(repeats: int) -> None:
+    """RMSNorm and RoPE as one kernel op against MLX's CPU fallbacks (~7 and ~20 ops)."""
+    print("\n| op (one decode row, the default model's shapes) | kernel us | MLX us | vs MLX |")
+    print("|---|---:|---:|---:|")
+    x = mx.random.normal((1, 1, 576))
+    w = mx.random.normal((576,))
+    q = mx.random.normal((1, 9, 1, 64))
+    offset = mx.array([70], dtype=mx.int32)
+    copies = 60
+    cases = {
+        "rms_norm (1 x 576)": (lambda: [cpu_kernels.rms_norm(x + i, w, 1e-5)
+                                        for i in range(copies)],
+                               lambda: [mx.fast.rms_norm(x + i, w, 1e-5) for i in range(copies)]),
+        "rope (9 heads x 64)": (lambda: [cpu_kernels.rope(q + i, 64, False, 100000.0, 1.0, offset)
+                                         for i in range(copies)],
+                                lambda: [mx.fast.rope(q + i, 64, traditional=False, base=100000.0,
+                                                      scale=1.0, offset=offset)
+                                         for i in range(copies)]),
+    }
+    for name, (ours, theirs) in cases.items():
+        t_ours = many_in_one(ours, copies, repeats)
+        t_mlx = many_in_one(theirs, copies, repeats)
+        print(f"| {name} | {t_ours:.1f} | {t_mlx:.1f} | {t_mlx / t_ours:.1f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=30)
@@ -147,6 +214,8 @@ def main() -> None:
     with mx.stream(mx.cpu):
         matmul_table(args.repeats, bytes_per_s)
         attention_table(args.repeats, bytes_per_s)
+        int8_table(args.repeats)
+        norm_rope_table(args.repeats)
 
 
 if __name__ == "__main__":
