@@ -169,7 +169,7 @@ def int8_table(repeats: int) -> None:
             took = {}
             for int8 in (False, True):
                 took[int8] = many_in_one(
-                    lambda x=x, int8=int8, weights=weights: [
+                    lambda x=x, int8=int8, weights=weights, bits=bits: [
                         cpu_kernels.quantized_matmul(x, *w, 32, bits, int8) for w in weights],
                     copies, max(3, repeats // 4))
             print(f"| {name} {n} x {k}, {bits} | {m} | {took[False]:.1f} | {took[True]:.1f} "
