@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,5 +125,21 @@ def resident_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
-__all__ = ["MemoryBounds", "auto_buffer_cache", "auto_kv_budget", "auto_prefix_cap",
-           "physical_memory_bytes", "resident_bytes", "resolve_bounds"]
+class ResidentSampler:
+    """``resident_bytes()`` read at most every ``every`` seconds unless asked fresh: reading
+    /proc costs ~50-100 µs, which a decode step on a cheap forward (a GPU's) cannot hide."""
+
+    def __init__(self, every: float = 0.25) -> None:
+        self._every = every
+        self._value = 0
+        self._read_at = -float("inf")
+
+    def read(self, fresh: bool = False) -> int:
+        now = time.monotonic()
+        if fresh or now - self._read_at >= self._every:
+            self._value, self._read_at = resident_bytes(), now
+        return self._value
+
+
+__all__ = ["MemoryBounds", "ResidentSampler", "auto_buffer_cache", "auto_kv_budget",
+           "auto_prefix_cap", "physical_memory_bytes", "resident_bytes", "resolve_bounds"]

@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.keep_alive import KeepAlive
-from engine.core.memory import resident_bytes
+from engine.core.memory import ResidentSampler
 from engine.core.scheduler import BatchMode
 from engine.core.stats import StatsBook
 from engine.core.step_probe import StepProbe, TurnReport
@@ -45,6 +45,7 @@ class Turns:
         self._book.set(**self.weights())
         self._started = 0.0  # when the current turn took its commands
         self._speedups_version = -1
+        self._resident = ResidentSampler()
 
     @property
     def idle(self) -> bool:
@@ -78,7 +79,7 @@ class Turns:
             self._keep_alive.used(time.monotonic())
         stepping = turn.step_seconds
         stepping += self.run_embeddings(stepping)  # between steps, never beside one
-        self.publish_stats(time.perf_counter() - self._started - stepping)
+        self.publish_stats(time.perf_counter() - self._started - stepping, fresh_memory=False)
         if self._probe is not None:
             lanes = self.composition.built.lanes
             self._probe.turn_ended(TurnReport(turn.admitted, turn.kv_bytes_projected,
@@ -129,7 +130,9 @@ class Turns:
             self.composition.built.lanes.release_memory()
             self.publish_stats()  # the memory figures after the collection
 
-    def publish_stats(self, overhead: float = 0.0) -> None:
+    def publish_stats(self, overhead: float = 0.0, fresh_memory: bool = True) -> None:
+        """The stats book's figures now; a busy turn (``fresh_memory=False``) reuses a
+        resident-set reading up to a quarter second old."""
         scheduler, lanes = self.composition.scheduler, self.composition.built.lanes
         store = lanes.store
         active, cached = lanes.device_memory()
@@ -142,7 +145,8 @@ class Turns:
             prefix_hit_tokens=store.stats.hit_tokens,
             prefix_evictions=store.stats.evictions + store.stats.expirations,
             prefix_bytes=store.nbytes, prefix_entries=len(store),
-            mlx_active_bytes=active, mlx_cache_bytes=cached, resident_bytes=resident_bytes(),
+            mlx_active_bytes=active, mlx_cache_bytes=cached,
+            resident_bytes=self._resident.read(fresh_memory),
             **lanes.disk_figures())
         version = lanes.speedups_version()
         if version != self._speedups_version:  # the span decision's figures moved

@@ -85,3 +85,24 @@ def test_bad_byte_settings_are_rejected(field: str, bad: object) -> None:
 
 def test_the_process_numbers_are_read() -> None:
     assert 0 < resident_bytes() < physical_memory_bytes()
+
+
+def test_the_resident_sampler_reads_proc_at_most_once_a_period(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy engine publishes its stats every step: the resident set is read from /proc at
+    most every quarter second then (a read costs ~50-100 µs), and at once when asked fresh."""
+    from engine.core import memory
+
+    reads: list[int] = []
+
+    def counted() -> int:
+        reads.append(1)
+        return 1000 + len(reads)
+
+    monkeypatch.setattr(memory, "resident_bytes", counted)
+    sampler = memory.ResidentSampler(every=3600.0)
+    assert sampler.read() == 1001  # the first read always reads
+    assert [sampler.read() for _ in range(50)] == [1001] * 50
+    assert sampler.read(fresh=True) == 1002
+    assert len(reads) == 2
+    assert memory.ResidentSampler(every=0.0).read() == 1003
