@@ -91,12 +91,15 @@ class BatchLane:
         self.cache_kinds = cache_kinds(layers)
         self.trims = trims_exactly(layers)
         words = compiler.words
+        # Steps, spans and checks as measured here: what fast-forward and speculation decide by.
+        self.costs = SpanCosts()
         self.forced_spans: ForcedSpanRunner | None = (
-            ForcedSpanRunner(model, stream, self, words, SpanCosts()) if self.fast_forward
+            ForcedSpanRunner(model, stream, self, words, self.costs) if self.fast_forward
             else None)
         self.speculator: Speculator | None = (
             Speculator(model, stream, self, words, limit=self.speculation, trims=self.trims,
-                       constrained=self.fast_forward) if self.speculation else None)
+                       constrained=self.fast_forward, costs=self.costs)
+            if self.speculation else None)
 
     def _new_generator(self) -> BatchGenerator:
         generator = BatchGenerator(self._model, stream=self._stream, **self._options)
@@ -284,6 +287,7 @@ class BatchLane:
             result.tokens.append(RowToken(row.request_id, token, logprob, grammar_done=done))
         if self.forced_spans is not None:
             self.forced_spans.run(self.rows, result)
+        if self.forced_spans is not None or self.speculator is not None:
             self._time_step(started, result, prefilled=bool(progress or firsts))
         if self.speculator is not None:
             self.speculator.run(self.rows, decoded, result)
@@ -298,17 +302,16 @@ class BatchLane:
         return result
 
     def _time_step(self, started: float, result: LaneStep, *, prefilled: bool) -> None:
-        """A decode step's time, with or without spans, for the span decision; steps that
-        also prefilled say nothing about either."""
-        assert self.forced_spans is not None
+        """A decode step's time (before any speculation check), with or without spans, for
+        the span and check decisions; steps that also prefilled say nothing about either."""
         if prefilled or not result.width:
             return
         seconds = time.perf_counter() - started
         forced = sum(token.forced for token in result.tokens)
         if forced:
-            self.forced_spans.costs.spanned(result.width, forced, seconds)
+            self.costs.spanned(result.width, forced, seconds)
         else:
-            self.forced_spans.costs.stepped(result.width, seconds)
+            self.costs.stepped(result.width, seconds)
 
     def _collect(self, responses: Sequence[Any],
                  sampled: list[tuple[BatchRow, int, Any]]) -> list[BatchRow]:

@@ -111,16 +111,19 @@ class Lanes:
                        reuse_policy=batch.reuse.policy, reuse_bytes=self.store.max_bytes,
                        sharded=self.channel is not None, disk=self.disk_dir,
                        disk_off=None if batch.reuse.disk is not None else self.disk_off)
-        runner = batch.forced_spans
-        if serial or runner is None:
+        if serial:
             return found
-        return tuple(replace(s, measured=runner.costs.summary()) if s.name == "fast_forward"
-                     else s for s in found)
+        measured = {"fast_forward": batch.costs.summary() if batch.forced_spans else "",
+                    "speculation": batch.costs.check_summary() if batch.speculator else ""}
+        return tuple(replace(s, measured=measured[s.name]) if measured.get(s.name) else s
+                     for s in found)
 
     def speedups_version(self) -> int:
         """Moves when ``speedups()``' measured figures would (a report rebuilt only then)."""
-        runner = self.batch.forced_spans
-        return -1 if runner is None else runner.costs.version
+        batch = self.batch
+        if batch.forced_spans is None and batch.speculator is None:
+            return -1
+        return batch.costs.version
 
     def rows_held(self) -> dict[str, int]:
         """Rows each lane holds now (the local lanes; a probe's ``TurnReport``)."""

@@ -13,6 +13,10 @@ directions (a forced call 1.33x faster at 1 row, 0.92x at 8 rows on the CPU), so
 - spans are taken where the measured saving exceeds the measured cost; until both have
   been measured the shipped thresholds (``min_span``) decide, and their spans are the
   first measurements.
+
+Speculation's checks are timed here too (``checked``): a check feeds a row its pending token
+and a draft in one forward outside the batch, and pays when the tokens it brings beat what
+the row would have decoded in the batch in that time (``check_floor``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from dataclasses import dataclass, field
 FORGET = 0.95
 # Span observations before the measured costs decide (the thresholds gather them).
 WARM_SPANS = 4
+# Speculation checks timed before their measured cost decides (the fixed floor gathers them).
+WARM_CHECKS = 4
 
 
 def min_span(rows: int) -> int:
@@ -80,6 +86,8 @@ class SpanCosts:
     def __init__(self) -> None:
         self._steps: dict[int, _Mean] = {}  # by width: seconds a plain decode step
         self._spans = _Line()  # forced tokens fed -> seconds added to the step
+        self._check = _Mean()  # seconds a speculation check (one row, draft and all)
+        self._checks = 0
         self.taken = 0  # span sets taken and declined by measured cost (for the report)
         self.declined = 0
         self.version = 0  # moves when the summary would: a report rebuilt only then
@@ -127,6 +135,38 @@ class SpanCosts:
             return step / width
         nearest = max(narrower)
         return max(0.0, (step - self._steps[nearest].value) / (width - nearest))
+
+    def checked(self, seconds: float) -> None:
+        """One speculating row's check (its forward over the pending token and a draft)."""
+        self._check.add(seconds)
+        self._checks += 1
+        if self._checks >= WARM_CHECKS and self._checks % 8 == WARM_CHECKS % 8:
+            self.version += 1  # the report shows the figures: refreshed now and then
+
+    def check_floor(self, decoding: int) -> float | None:
+        """The mean accepted draft tokens a check must bring to pay, with ``decoding`` other
+        rows in the batch's decode; None until checks and the steps are measured.
+
+        Speculating, a lane step is the batch's step without the row plus the check, and
+        yields ``decoding + accepted + 1`` tokens; decoding, the step with the row yields
+        ``decoding + 1``. It pays when its tokens per second are the higher."""
+        with_row = self._steps.get(decoding + 1)
+        without = self._steps.get(decoding) if decoding else _Mean(0.0, 1.0)
+        if (self._checks < WARM_CHECKS or with_row is None or without is None
+                or with_row.weight < 1 or without.weight < 1 or with_row.value <= 0):
+            return None
+        rows = decoding + 1
+        return rows * (without.value + self._check.value) / with_row.value - rows
+
+    def check_summary(self) -> str:
+        """Speculation's measured figures, for ``stats().speedups``."""
+        floor = self.check_floor(0)
+        if floor is None:
+            return (f"checks taken at the fixed acceptance floor until their cost is measured "
+                    f"({min(self._checks, WARM_CHECKS)} of {WARM_CHECKS} checks so far)")
+        return (f"checks taken when their accepted tokens pay: a check "
+                f"{1e3 * self._check.value:.1f} ms; alone a draft must bring "
+                f"{max(0.0, floor):.2f} accepted tokens")
 
     def summary(self) -> str:
         """The costs as measured, for ``stats().speedups``."""

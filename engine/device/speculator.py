@@ -10,6 +10,7 @@ A speculating row's state is its record's ``speculating``; the speculator holds 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from engine.core.drafts import ShadowDraft
 from engine.core.lane import LaneStep, RowToken
 from engine.device.batch_row import BatchRow, BatchRows, OutRow, RowSeam
 from engine.device.logprobs import token_logprob
+from engine.device.span_costs import SpanCosts
 from engine.device.speculation import (
     ACCEPTANCE_FLOOR,
     DRAFT_TOKENS,
@@ -58,6 +60,16 @@ class Speculator:
     constrained: bool = True
     policy: SpeculationPolicy = field(default_factory=SpeculationPolicy)
     check: Check = speculate
+    # Measured step and check times (shared with fast-forward): once checks are timed, the
+    # acceptance a row needs is what pays on this device and batch, not the fixed floor.
+    costs: SpanCosts | None = None
+
+    def _floor(self, rows: int, decoding: int) -> float:
+        """Accepted tokens per draft a row needs, beside ``decoding`` rows in the batch."""
+        measured = None if self.costs is None else self.costs.check_floor(decoding)
+        if measured is None:
+            return self.policy.acceptance_floor * rows  # a bigger batch makes a step cheaper
+        return max(0.0, measured)
 
     def run(self, rows: BatchRows, decoded: Sequence[BatchRow], result: LaneStep) -> None:
         """At low load, greedy rows check prompt-lookup drafts outside the generator.
@@ -68,9 +80,11 @@ class Speculator:
         if len(rows) > self.limit:
             self.leave(speculating)
             return
-        floor = self.policy.acceptance_floor * len(rows)  # a bigger batch makes a step cheaper
+        # ``decoded`` rows step in the batch now; a row entering leaves it.
+        entry = self._floor(len(rows), max(0, len(decoded) - 1))
+        floor = self._floor(len(rows), len(decoded))
         entering = [row for row in decoded if self._drafting(row)
-                    and row.shadow is not None and row.shadow.acceptance.mean >= floor]
+                    and row.shadow is not None and row.shadow.acceptance.mean >= entry]
         if entering:
             self._enter(entering, result)
             speculating += entering
@@ -81,12 +95,15 @@ class Speculator:
             budget = row.row.params.max_tokens - row.generated
             if budget <= 0 or row.failure is not None:
                 continue  # it ends at this step's tokens
+            started = time.perf_counter()
             try:
                 with mx.stream(self.stream):
                     tokens = self.check(self.model, spec, budget)
             except Exception as exc:  # the row's own grammar: it fails alone
                 row.failure = exc
                 continue
+            if self.costs is not None:
+                self.costs.checked(time.perf_counter() - started)
             result.tokens.extend(tokens)
             result.width += 1
             row.output.extend(token.token for token in tokens)
