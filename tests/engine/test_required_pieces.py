@@ -32,6 +32,38 @@ def test_the_native_kernels_were_built_where_the_run_requires_them() -> None:
         f"{shutil.which('c++') or shutil.which('g++') or 'none'})")
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux), or none known."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@pytest.mark.skipif(not _required(REQUIRE_NATIVE), reason=f"{REQUIRE_NATIVE} is not set")
+def test_each_instruction_set_the_cpu_has_was_built_with_its_flags() -> None:
+    """An instruction-set unit that built without its flags leaves its table out and the
+    CPU runs the next one down, silently but for a line in the build log: a checkout ran
+    the AVX2 kernels on an AVX-512 CPU that way, at ~0.6x the speed."""
+    from engine.device import cpu_kernels
+
+    if os.environ.get("MLX_PROVIDERS_CPU_ISA"):
+        pytest.skip("MLX_PROVIDERS_CPU_ISA caps the instruction set on purpose")
+    flags = _cpu_flags()
+    if not {"avx512f", "avx2"} & flags:
+        pytest.skip("no x86 feature flags known here (/proc/cpuinfo)")
+    status = cpu_kernels.kernel_status()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        assert status.isa == "avx512", status
+        assert cpu_kernels.int8_path() == ("avx512-vnni" if "avx512_vnni" in flags else "")
+    elif {"avx2", "fma", "f16c"} <= flags:
+        assert status.isa == "avx2", status
+
+
 @pytest.mark.skipif(not _required(REQUIRE_ASSETS), reason=f"{REQUIRE_ASSETS} is not set")
 def test_the_family_assets_were_fetched_where_the_run_requires_them() -> None:
     from testkit.families import assets
