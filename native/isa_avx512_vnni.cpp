@@ -202,22 +202,6 @@ inline void tile(const QmmProblem& p, const uint8_t* const* rows, const float* s
   }
 }
 
-// count values of a row of scales or biases, as float32.
-void row_to_f32(const void* src, DType t, int64_t offset, int count, float* dst) {
-  if (t == DType::f32) {
-    memcpy(dst, static_cast<const float*>(src) + offset, sizeof(float) * count);
-    return;
-  }
-  const uint16_t* h = static_cast<const uint16_t*>(src) + offset;
-  for (int i = 0; i < count; i++) {
-    dst[i] = t == DType::f16 ? f16_to_f32(h[i]) : bf16_to_f32(h[i]);
-  }
-}
-
-inline void* align64(void* p) {
-  return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
-}
-
 template <int BITS, int R>
 inline void rows_against(const QmmProblem& p, const uint8_t* const* rows, const float* s,
                          const float* b, int groups, int n0, int nb, int m) {
@@ -248,8 +232,8 @@ void compute_bits(const QmmProblem& p, const uint8_t* scratch, int n0, int n1) {
         sp = static_cast<const float*>(p.scales) + goff;
         bp = static_cast<const float*>(p.biases) + goff;
       } else {
-        row_to_f32(p.scales, p.s_dtype, goff, nb * groups, s);
-        row_to_f32(p.biases, p.s_dtype, goff, nb * groups, b);
+        to_f32(p.scales, p.s_dtype, goff, nb * groups, s);  // portable.h
+        to_f32(p.biases, p.s_dtype, goff, nb * groups, b);
       }
       const uint8_t* rows[ROWS];
       int m = m0;

@@ -174,24 +174,50 @@ void run_qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
   });
 }
 
+// A primitive's evaluation on MLX's CPU stream: its outputs allocated, its arrays registered
+// with the stream's encoder (which keeps them alive until the task ran), then
+// task(inputs, outputs) queued on weak copies of them.
+template <typename Task>
+void dispatch_cpu(mx::Stream stream, const std::vector<mx::array>& inputs,
+                  std::vector<mx::array>& outputs, Task task) {
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  std::vector<mx::array> in;
+  std::vector<mx::array> out;
+  for (const auto& a : inputs) {
+    encoder.set_input_array(a);
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    encoder.set_output_array(o);
+    out.push_back(mx::array::unsafe_weak_copy(o));
+  }
+  encoder.dispatch([in = std::move(in), out = std::move(out), task = std::move(task)]() mutable {
+    task(in, out);
+  });
+}
+
+// The same for a primitive of one output: task(inputs, output).
+template <typename Task>
+void dispatch_cpu(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out,
+                  Task task) {
+  std::vector<mx::array> outputs = {out};  // a copy shares out's data: allocated through it
+  dispatch_cpu(stream, inputs, outputs,
+               [task = std::move(task)](std::vector<mx::array>& in,
+                                        std::vector<mx::array>& o) mutable { task(in, o[0]); });
+}
+
 class QuantizedMatmulCpu : public mx::UnaryPrimitive {
  public:
   QuantizedMatmulCpu(mx::Stream stream, int group, int bits, bool int8)
       : mx::UnaryPrimitive(stream), group_(group), bits_(bits), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) {
-      encoder.set_input_array(a);
-    }
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
-                      w = mx::array::unsafe_weak_copy(inputs[1]),
-                      s = mx::array::unsafe_weak_copy(inputs[2]),
-                      b = mx::array::unsafe_weak_copy(inputs[3]),
-                      out = mx::array::unsafe_weak_copy(out), group = group_, bits = bits_,
-                      int8 = int8_]() mutable { run_qmm(x, w, s, b, out, group, bits, int8); });
+    dispatch_cpu(stream(), inputs, out,
+                 [group = group_, bits = bits_, int8 = int8_](std::vector<mx::array>& in,
+                                                              mx::array& y) {
+                   run_qmm(in[0], in[1], in[2], in[3], y, group, bits, int8);
+                 });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -335,20 +361,11 @@ class QuantizedMatmulManyCpu : public mx::Primitive {
       : mx::Primitive(stream), group_(group), bits_(bits), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    std::vector<mx::array> in;
-    std::vector<mx::array> out;
-    for (const auto& a : inputs) {
-      encoder.set_input_array(a);
-      in.push_back(mx::array::unsafe_weak_copy(a));
-    }
-    for (auto& o : outputs) {
-      o.set_data(mx::allocator::malloc(o.nbytes()));
-      encoder.set_output_array(o);
-      out.push_back(mx::array::unsafe_weak_copy(o));
-    }
-    encoder.dispatch([in = std::move(in), out = std::move(out), group = group_, bits = bits_,
-                      int8 = int8_]() mutable { run_qmm_many(in, out, group, bits, int8); });
+    dispatch_cpu(stream(), inputs, outputs,
+                 [group = group_, bits = bits_, int8 = int8_](std::vector<mx::array>& in,
+                                                              std::vector<mx::array>& out) {
+                   run_qmm_many(in, out, group, bits, int8);
+                 });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -478,18 +495,10 @@ class AttentionCpu : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), scale_(scale), mask_kind_(mask_kind) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    std::vector<mx::array> weak;
-    for (const auto& a : inputs) {
-      encoder.set_input_array(a);
-      weak.push_back(mx::array::unsafe_weak_copy(a));
-    }
-    encoder.set_output_array(out);
-    encoder.dispatch([in = std::move(weak), out = mx::array::unsafe_weak_copy(out),
-                      scale = scale_, kind = mask_kind_]() mutable {
-      run_attention(in, out, scale, kind);
-    });
+    dispatch_cpu(stream(), inputs, out,
+                 [scale = scale_, kind = mask_kind_](std::vector<mx::array>& in, mx::array& y) {
+                   run_attention(in, y, scale, kind);
+                 });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -563,17 +572,10 @@ class SiluMulCpu : public mx::UnaryPrimitive {
   explicit SiluMulCpu(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(inputs[0]);
-    encoder.set_input_array(inputs[1]);
-    encoder.set_output_array(out);
-    encoder.dispatch([g = mx::array::unsafe_weak_copy(inputs[0]),
-                      u = mx::array::unsafe_weak_copy(inputs[1]),
-                      out = mx::array::unsafe_weak_copy(out)]() mutable {
+    dispatch_cpu(stream(), inputs, out, [](std::vector<mx::array>& in, mx::array& out) {
       std::vector<uint8_t> gs, us;
-      const void* gp = row_major(g, gs);
-      const void* up = row_major(u, us);
+      const void* gp = row_major(in[0], gs);
+      const void* up = row_major(in[1], us);
       void* op = out.data<void>();
       const DType t = dtype_of(out);
       const int64_t n = static_cast<int64_t>(out.size());
@@ -654,16 +656,7 @@ class RmsNormCpu : public mx::UnaryPrimitive {
   RmsNormCpu(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    std::vector<mx::array> weak;
-    for (const auto& a : inputs) {
-      encoder.set_input_array(a);
-      weak.push_back(mx::array::unsafe_weak_copy(a));
-    }
-    encoder.set_output_array(out);
-    encoder.dispatch([in = std::move(weak), out = mx::array::unsafe_weak_copy(out),
-                      eps = eps_]() mutable {
+    dispatch_cpu(stream(), inputs, out, [eps = eps_](std::vector<mx::array>& in, mx::array& out) {
       const mx::array& x = in[0];
       const int D = x.shape(-1);
       std::vector<uint8_t> xs, ws;
@@ -821,16 +814,9 @@ class RopeCpu : public mx::UnaryPrimitive {
   RopeCpu(mx::Stream stream, RopeParams params) : mx::UnaryPrimitive(stream), p_(params) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    std::vector<mx::array> weak;
-    for (const auto& a : inputs) {
-      encoder.set_input_array(a);
-      weak.push_back(mx::array::unsafe_weak_copy(a));
-    }
-    encoder.set_output_array(out);
-    encoder.dispatch([in = std::move(weak), out = mx::array::unsafe_weak_copy(out),
-                      params = p_]() mutable { run_rope(in, out, params); });
+    dispatch_cpu(stream(), inputs, out, [params = p_](std::vector<mx::array>& in, mx::array& y) {
+      run_rope(in, y, params);
+    });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
