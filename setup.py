@@ -31,13 +31,13 @@ ARM64 = MACHINE in ("arm64", "aarch64")  # NEON is baseline there: no flags
 
 # Flags per unit; a unit whose flags the compiler refuses is built without them (it then
 # compiles to an empty table and the dispatcher skips it).
+AVX512_FLAGS = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",
+                 "-mf16c"] if X86 else [])
 ISA_FLAGS: dict[str, list[str]] = {
     "ops.cpp": ["-ffp-contract=off"],  # RoPE keeps mx.fast.rope's separate products
     "isa_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"] if X86 else [],
-    "isa_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                       "-mavx2", "-mfma", "-mf16c"] if X86 else [],
-    "isa_avx512_vnni.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                            "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"] if X86 else [],
+    "isa_avx512.cpp": AVX512_FLAGS,
+    "isa_avx512_vnni.cpp": [*AVX512_FLAGS, "-mavx512vnni"] if X86 else [],
 }
 COMMON_FLAGS = ["-std=c++20", "-O3", "-fvisibility=hidden", "-fno-strict-aliasing",
                 "-Wno-unused-function"]

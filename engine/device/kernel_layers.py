@@ -190,7 +190,7 @@ def install(model: nn.Module, int8: bool = False) -> Installed:
     """Put the model's quantized layers and attention on the CPU kernels (see module doc);
     ``int8``: their products take int8 activations where the CPU has that path
     (``cpu_kernels.int8_path()``; else the float kernels, silently: ``Installed`` says)."""
-    int8 = int8 and bool(cpu_kernels.int8_path())
+    path = cpu_kernels.int8_path() if int8 else ""
     quantized = swapped = 0
     for module in _modules(model):
         replacement = _SWAPS.get(type(module))
@@ -199,13 +199,13 @@ def install(model: nn.Module, int8: bool = False) -> Installed:
         quantized += 1
         if _takes_kernel(module):
             module.__class__ = replacement
-            if int8:
+            if path:
                 object.__setattr__(module, "_mlx_providers_int8", True)
             swapped += 1
     attention = _route_attention(model)
     _route_fast_ops(model)
     return Installed(swapped, quantized, attention, _group_siblings(model),
-                     cpu_kernels.int8_path() if int8 and swapped else "", True)
+                     path if swapped else "", True)
 
 
 # ---- attention -----------------------------------------------------------------------------
@@ -322,15 +322,27 @@ _FAST_WRAPPERS: dict[str, Callable[[Callable[..., mx.array]], Callable[..., mx.a
 }
 
 
+def _wrap_once(owner: Any, wrappers: dict[str, Callable[[Callable[..., mx.array]],
+                                                         Callable[..., mx.array]]]) -> None:
+    """Replace each of ``owner``'s functions named in ``wrappers`` by its wrapper, once per
+    process; call under ``_route_lock``."""
+    for name, wrap in wrappers.items():
+        current = getattr(owner, name, None)
+        if current is not None and not getattr(current, "_mlx_providers_kernel", False):
+            setattr(owner, name, wrap(current))
+
+
+def _mark(model: nn.Module) -> None:
+    """Let this model's forwards take the wrapped functions' kernels; call under the lock."""
+    if type(model) not in _marked.values():
+        model.__class__ = _marked_class(type(model))
+
+
 def _route_fast_ops(model: nn.Module) -> None:
     """Wrap ``mx.fast.rms_norm`` and ``mx.fast.rope`` (once) and mark this model's forwards."""
     with _route_lock:
-        for name, wrap in _FAST_WRAPPERS.items():
-            current = getattr(mx.fast, name)
-            if not getattr(current, "_mlx_providers_kernel", False):
-                setattr(mx.fast, name, wrap(current))
-        if type(model) not in _marked.values():
-            model.__class__ = _marked_class(type(model))
+        _wrap_once(mx.fast, _FAST_WRAPPERS)
+        _mark(model)
 
 
 def _route_attention(model: nn.Module) -> bool:
@@ -340,10 +352,6 @@ def _route_attention(model: nn.Module) -> bool:
     if family is None or getattr(family, "scaled_dot_product_attention", None) is None:
         return False
     with _route_lock:
-        for name, wrap in _WRAPPERS.items():
-            current = getattr(family, name, None)
-            if current is not None and not getattr(current, "_mlx_providers_kernel", False):
-                setattr(family, name, wrap(current))
-        if type(model) not in _marked.values():
-            model.__class__ = _marked_class(type(model))
+        _wrap_once(family, _WRAPPERS)
+        _mark(model)
     return True
