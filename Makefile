@@ -19,7 +19,7 @@ export MLX_PROVIDERS_TEST_CACHE ?= $(CURDIR)/.cache/test-models
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,langchain,llama-index,server]'
+	$(BIN)/pip install --quiet -e '.[dev,langchain,llama-index,server,vision]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -63,6 +63,12 @@ class EngineConfig(BaseModel):
         "KV budget. 'auto': an eighth of the machine's automatic KV budget, at most 1 GiB "
         "and never above kv_budget_bytes.",
     )
+    vision_cache_bytes: Annotated[int, Field(ge=0)] = Field(
+        default=256 << 20,
+        description="Byte cap of the vision features kept per image (an LRU keyed by the "
+        "image's pixels and preprocessing), so a conversation's later turns over the same "
+        "image skip the vision tower. 0 = keep none. Vision-language models only.",
+    )
     buffer_cache_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         default="auto",
         description="Cap on the freed buffers MLX keeps for reuse (mx.set_cache_limit, "

@@ -12,6 +12,7 @@ so it lives above both the model files (``engine.models``) and the dialects.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Collection, Iterable
@@ -23,6 +24,7 @@ from engine.models.default_model import default_model_gguf_here
 from engine.models.gguf import read_header
 from engine.models.resolve import config_context_limit, looks_like_path
 from engine.requests.dialects.registry import reasoning_tokens
+from engine.requests.inbound.vision_formats import SUPPORTED, is_vision_config
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class DeclaredModel:
 
     context_limit: int | None = None
     reasoning: bool | None = None  # its tokenizer marks reasoning (a thinking model)
+    image_inputs: bool = False  # a vision checkpoint of a family whose images are read
 
 
 def declared_model(spec: str | os.PathLike[str] | None) -> DeclaredModel:
@@ -41,7 +44,8 @@ def declared_model(spec: str | os.PathLike[str] | None) -> DeclaredModel:
         if source is None:
             return DeclaredModel()
         if source.is_dir():
-            return DeclaredModel(config_context_limit(source), _dir_reasoning(source))
+            return DeclaredModel(config_context_limit(source), _dir_reasoning(source),
+                                 _dir_images(source))
         header = read_header(source)
         limit = header.arch_value("context_length")
         tokens = header.metadata.get("tokenizer.ggml.tokens")
@@ -72,6 +76,18 @@ def _hub_cache_dir(repo_id: str) -> Path | None:
         return None
     found = try_to_load_from_cache(repo_id, "config.json")
     return Path(found).parent if isinstance(found, str) else None
+
+
+def _dir_images(path: Path) -> bool:
+    """The checkpoint has a vision tower of a family whose images are read, and mlx-vlm
+    (the ``vision`` extra) is installed to run it."""
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        return False
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    return (isinstance(config, dict) and is_vision_config(config)
+            and config.get("model_type") in SUPPORTED
+            and importlib.util.find_spec("mlx_vlm") is not None)
 
 
 def _dir_reasoning(path: Path) -> bool | None:

@@ -50,7 +50,8 @@ from engine import (
     normalize_tools,
 )
 
-# Media blocks as OpenAI content-part types: the engine's rulebook refuses them by name.
+# Media blocks as OpenAI content-part types: images are read (``image_part``), the rest
+# the engine's rulebook refuses by name.
 _MEDIA: dict[type, str] = {ImageBlock: "image_url", AudioBlock: "input_audio", VideoBlock: "video",
           DocumentBlock: "file"}
 # LlamaIndex's own names for the assistant's role (other integrations' histories).
@@ -73,9 +74,26 @@ def _blocks_text(blocks: Iterable[Any]) -> str:
     return "\n".join(parts)
 
 
+def image_part(block: ImageBlock) -> dict[str, Any]:
+    """An ``ImageBlock`` as an image part: its bytes, its local ``path`` (read here: the
+    caller named a file on this machine) or a data URL. A remote URL is passed as one, which
+    the engine refuses: it fetches nothing."""
+    url = str(block.url) if block.url is not None else None
+    if url is not None:
+        return {"type": "image_url", "image_url": {"url": url}}
+    try:
+        data = block.resolve_image(as_base64=True).read()
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError(f"ImageBlock: the image cannot be read ({exc})",
+                                  "ImageBlock") from exc
+    text = data.decode("ascii") if isinstance(data, bytes) else str(data)
+    return {"type": "image", "base64": text, "mime_type": block.image_mimetype or "image/png"}
+
+
 def _content(blocks: Sequence[Any]) -> str | list[Any]:
-    """A message's content: its text, or parts with each media block as an OpenAI part
-    (``{"type": "image_url", "block": "ImageBlock"}``) for the rulebook to refuse."""
+    """A message's content: its text, or parts with each media block as an OpenAI part:
+    an image as an image part, any other medium named
+    (``{"type": "input_audio", "block": "AudioBlock"}``) for the rulebook to refuse."""
     if not any(isinstance(b, tuple(_MEDIA)) for b in blocks):
         return _blocks_text(blocks)
     parts: list[Any] = []
@@ -85,7 +103,8 @@ def _content(blocks: Sequence[Any]) -> str | list[Any]:
             if text:
                 parts.append(_blocks_text(text))
                 text = []
-            parts.append({"type": _MEDIA[type(block)], "block": type(block).__name__})
+            parts.append(image_part(block) if isinstance(block, ImageBlock) else
+                         {"type": _MEDIA[type(block)], "block": type(block).__name__})
         else:
             text.append(block)
     return [*parts, *([_blocks_text(text)] if text else [])]
@@ -207,7 +226,7 @@ def _block_note(out: list[dict[str, Any]], field: str) -> str:
         return ""
     part = out[int(found.group(1))]["content"][int(found.group(2))]
     block = part.get("block") if isinstance(part, Mapping) else None
-    return f" (MLXBatchLLM serves text-only models; got a {block})" if block else ""
+    return f" (MLXBatchLLM reads text and image blocks; got a {block})" if block else ""
 
 
 def openai_tool(tool: Any) -> dict[str, Any]:

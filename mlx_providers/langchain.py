@@ -233,6 +233,8 @@ class ChatMLXBatch(BaseChatModel):
             "tool_call_streaming": True, "mid_conversation_tools": False,
             "structured_output": True,  # with tools too: one grammar for a call or the answer
             "attachment": False, "temperature": True}
+        if declared.image_inputs:  # base64 and data: URIs, in user and tool messages
+            profile.update(image_inputs=True, image_tool_message=True)
         if declared.context_limit is not None:
             profile["max_input_tokens"] = declared.context_limit
         if declared.reasoning is not None:

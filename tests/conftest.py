@@ -42,7 +42,8 @@ def _cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-def _built(out: Path, **options: bool) -> Path:
+def _built(out: Path, builder: Callable[..., Path] = build_tiny_model,
+           **options: bool) -> Path:
     # Built once, published by rename, so a crashed build never looks finished; the file
     # lock makes the other processes of the run (xdist workers, a second session on the
     # same cache) wait for the first build instead of racing it.
@@ -50,7 +51,7 @@ def _built(out: Path, **options: bool) -> Path:
         if not (out / "config.json").exists():
             partial = out.with_name(out.name + f".tmp{os.getpid()}")
             shutil.rmtree(partial, ignore_errors=True)  # a crashed build's leftovers
-            build_tiny_model(partial, **options)  # type: ignore[arg-type]
+            builder(partial, **options)
             os.replace(partial, out)
     return out
 
@@ -65,6 +66,33 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def thinking_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with <think>/</think> tokens, so mlx-lm sees a reasoning model."""
     return _built(_cache_root(tmp_path_factory) / "tiny-qwen2-thinking-v1", thinking=True)
+
+
+def _vision_stack() -> None:
+    pytest.importorskip("mlx_vlm", reason="the vision tests need mlx-vlm: pip install "
+                        "'mlx-providers[vision]'")
+
+
+def _fitted_vlm(out: Path) -> Path:
+    from testkit.vision_model import build_tiny_vlm, fit_colour_namer
+
+    return fit_colour_namer(build_tiny_vlm(out))
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Gemma 3 vision-language model (testkit.vision_model)."""
+    _vision_stack()
+    from testkit.vision_model import build_tiny_vlm
+
+    return _built(_cache_root(tmp_path_factory) / "tiny-gemma3-vlm-v1", build_tiny_vlm)
+
+
+@pytest.fixture(scope="session")
+def colour_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Gemma 3 VLM fitted to name an image's colour (about 30 s, built once)."""
+    _vision_stack()
+    return _built(_cache_root(tmp_path_factory) / "colour-gemma3-vlm-v1", _fitted_vlm)
 
 
 @pytest.fixture

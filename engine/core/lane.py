@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+from engine.requests.inbound.prompts import PromptImage
 from engine.requests.inbound.sampling import SamplingParams
 from engine.requests.outbound.results import TokenLogprob
 
@@ -36,6 +37,12 @@ class LaneRow:
     prompt: list[int]
     params: SamplingParams
     head_len: int = 0  # tokens of the shared head (system + tools); 0 = none
+    images: tuple[PromptImage, ...] = ()  # image spans, whose embeddings are the tower's
+
+    @property
+    def vision_end(self) -> int:
+        """Where the prompt's last image span ends (0: no image)."""
+        return max((image.start + image.length for image in self.images), default=0)
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,12 @@ class EngineStats:
     prefix_evictions: int = 0  # entries dropped by the byte cap, LRU or TTL
     prefix_bytes: int = 0  # KV bytes the prefix cache holds now
     prefix_entries: int = 0
+    # Images (vision-language models): images the tower read, its seconds, features served
+    # from the LRU (a second turn over the same image), the bytes that LRU holds.
+    vision_images: int = 0
+    vision_seconds: float = 0.0
+    vision_feature_hits: int = 0
+    vision_feature_bytes: int = 0
     # The disk tier (prefix_cache_dir): entries read back, written, refused; what it holds.
     prefix_disk_hits: int = 0
     prefix_disk_hit_tokens: int = 0

@@ -24,7 +24,7 @@ from engine.core.scheduler import Scheduler, StepPlan, Ticket
 from engine.core.stats import StatsBook
 from engine.core.step_probe import StepProbe
 from engine.core.update import Ending, update
-from engine.errors import EngineDeadError, EngineError, RequestTimeoutError
+from engine.errors import EngineDeadError, EngineError, InvalidRequestError, RequestTimeoutError
 from engine.requests.outbound.results import FinishReason
 from engine.requests.prepare import Preparer
 
@@ -69,13 +69,17 @@ class StepCore:
             prepared = self.preparer.prepare(row.request)
             kv_bytes = self.scheduler.validate(len(prepared.prompt_ids),
                                                prepared.params.max_tokens)
+            lane = self.scheduler.lane_for(prepared.params.needs_serial_lane)
+            if prepared.images and lane is LaneKind.SERIAL:
+                raise InvalidRequestError(
+                    "images are read in the shared batch only, and this request runs alone "
+                    "(a seed, or a model whose caches cannot batch): drop the seed", "seed")
         except Exception as exc:
             self.end(Ending(row, FinishReason.ERROR, exc))
             return
         row.prepared = prepared
         row.text = self.preparer.row_text(prepared.params)
         row.channels = self.preparer.row_channels(row.request, prepared)
-        lane = self.scheduler.lane_for(prepared.params.needs_serial_lane)
         self.scheduler.enqueue(Ticket(row.request_id, len(prepared.prompt_ids),
                                       prepared.params.max_tokens, kv_bytes, lane))
 
@@ -218,4 +222,5 @@ def end_row(ending: Ending, book: StatsBook, **gauges: int) -> None:
 def _lane_row(row: Row) -> LaneRow:
     assert row.prepared is not None
     prepared = row.prepared
-    return LaneRow(row.request_id, prepared.prompt_ids, prepared.params, prepared.head_len)
+    return LaneRow(row.request_id, prepared.prompt_ids, prepared.params, prepared.head_len,
+                   prepared.images)

@@ -17,6 +17,9 @@ generator and rejoins it (``RowSeam``). Around that:
 - **first tokens**: a group's first tokens are read from its samplers in the step that
   samples them (``first_tokens``), one step before mlx-lm returns them, except for
   constrained rows, whose grammar learns of the token only in that next step.
+- **images**: a row whose prompt holds images is prefilled first by ``VisionPrefill`` (one
+  unit a step) into its own cache, then handed to the generator like a resumed prefix.
+  Prefix reuse keys its tokens by its images (``BatchRow.keyed``).
 - **fast-forward** (``ForcedSpanRunner``) and **speculation** (``Speculator``) are handed
   each step's rows; they take rows out through the seam, feed them several tokens, and
   put them back.
@@ -47,6 +50,7 @@ from engine.device.sampling import GrammarMask, SamplerCache, guarded, penalty_p
 from engine.device.span_costs import SpanCosts
 from engine.device.speculator import Speculator
 from engine.device.speedups import cache_kinds
+from engine.device.vision_prefill import VisionPrefill
 from engine.requests.constraints.grammar import GrammarCompiler
 from engine.requests.inbound.sampling import LogitsProcessor
 
@@ -66,7 +70,7 @@ class BatchLane:
                  samplers: SamplerCache, reuse: PrefixReuse,
                  planner: PrefillPlanner[BatchRow], *, max_batch: int,
                  max_kv_size: int | None, fast_forward: bool = True, speculation: int = 0,
-                 direct_join: bool = True) -> None:
+                 direct_join: bool = True, vision: VisionPrefill | None = None) -> None:
         self._model = model
         self._stream = stream
         self._compiler = compiler
@@ -77,6 +81,7 @@ class BatchLane:
                              prefill_batch_size=planner.group_size,
                              prefill_step_size=planner.chunk, max_kv_size=max_kv_size)
         self.masks = MaskFiller(compiler.words)
+        self.vision = vision  # image rows' own prefill; None for a text-only model
         self._generator = self._new_generator()
         self._no_stops = StopSequences(None)
         self.rows = BatchRows()
@@ -124,7 +129,25 @@ class BatchLane:
             if params.constraint is not None:
                 held_row.grammar = self._compiler.row(params.constraint)
             self.rows.add(held_row)
-        self._start(held)
+        self._start([row for row in held if not row.row.images or not self._to_vision(row)])
+
+    def _to_vision(self, row: BatchRow) -> bool:
+        """Queue an image row's own prefill, resuming the longest cached prefix of its
+        keyed prompt; False when that prefix covers every image (it starts at once)."""
+        if self.vision is None:
+            row.failure = ValueError("this model reads no images")
+            return True
+        found = self.reuse.lookup(row.keyed(row.prompt), self._running_keyed(),
+                                  self._extract)
+        cache, reused = found if found is not None else (None, 0)
+        if cache is not None and reused >= row.row.vision_end:
+            row.vision_ready = (cache, reused)
+            return False
+        self.vision.add(row, cache, reused)
+        return True
+
+    def _running_keyed(self) -> dict[int, list[int]]:
+        return {r.request_id: r.keyed(r.prompt) for r in self.rows.in_generator()}
 
     def _start(self, rows: list[BatchRow], *, joining: bool = False) -> None:
         """Queue rows with the planner; ``joining`` rows may join the group in flight."""
@@ -170,8 +193,11 @@ class BatchLane:
                                                     list[int]]:
         """(prompt segments to prefill, starting cache, tokens that cache holds)."""
         prompt, cache, reused = row.row.prompt, None, 0
-        running = {r.request_id: r.prompt for r in self.rows.in_generator()}
-        found = self.reuse.lookup(prompt, running, self._extract)
+        if row.vision_ready is not None:  # an image row's own prefill (or a cached one)
+            (cache, reused), row.vision_ready = row.vision_ready, None
+            found = None
+        else:
+            found = self.reuse.lookup(prompt, self._running_keyed(), self._extract)
         if found is not None:
             cache, reused = found
         row.cached_tokens = reused
@@ -185,7 +211,7 @@ class BatchLane:
         if found is None:
             return None
         # Copied now, so the running batch's buffers are not pinned by a lazy slice.
-        return copied(list(found[0])), list(found[1])
+        return copied(list(found[0])), row.keyed(list(found[1]))
 
     def _head_stored(self, key: HeadKey) -> None:
         """The head's prefill ended (stored or abandoned): start the rows waiting on it."""
@@ -210,7 +236,7 @@ class BatchLane:
             return
         found = self._generator.extract_cache([row.uid]).get(row.uid)
         if found is not None and list(found[1]) == row.row.prompt:
-            self.reuse.keep(found[1], found[0])
+            self.reuse.keep(row.keyed(row.prompt), found[0])
 
     # ----- remove ------------------------------------------------------------------------
 
@@ -219,9 +245,14 @@ class BatchLane:
         uids = [row.uid for row in held if row is not None and row.uid is not None]
         if uids:
             keep = self.reuse.enabled
-            for cache, tokens in self._generator.remove(uids, return_prompt_caches=keep).values():
-                self.reuse.keep(tokens, cache)
+            removed = self._generator.remove(uids, return_prompt_caches=keep)
+            for row in held:
+                if row is not None and row.uid in removed:
+                    cache, tokens = removed[row.uid]
+                    self.reuse.keep(row.keyed(list(tokens)), cache)
         for request_id in request_ids:
+            if self.vision is not None:
+                self.vision.drop(request_id)
             self._forget(request_id)
 
     def _forget(self, request_id: int) -> None:
@@ -230,7 +261,7 @@ class BatchLane:
             return
         spec = row.speculating
         if spec is not None and self.reuse.enabled:
-            self.reuse.keep(spec.history, spec.cache)
+            self.reuse.keep(row.keyed(list(spec.history)), spec.cache)
         if row.grammar is not None:
             row.grammar.close()
         released = self._planner.forget(row)  # a leader abandoned: a twin leads now
@@ -240,6 +271,8 @@ class BatchLane:
     def reset(self) -> list[int]:
         dropped = list(self.rows.by_request)
         self._planner.reset()
+        if self.vision is not None:
+            self.vision.clear()
         for row in self.rows:
             row.speculating = None  # its cache may hold the failed step's arrays: not kept
         for request_id in dropped:
@@ -253,6 +286,8 @@ class BatchLane:
         """One decode step for decoding rows plus one prefill chunk for prefilling rows;
         then the rows it produced tokens for go to fast-forward and speculation."""
         started = time.perf_counter()
+        if self.vision is not None and len(self.vision):
+            self._advance_vision()
         self._tap.arm()
         try:
             progress, responses = self._generator.next()
@@ -300,6 +335,21 @@ class BatchLane:
                 result.cached_tokens[row.request_id] = row.cached_tokens
         self.reuse.tick()
         return result
+
+    def _advance_vision(self) -> None:
+        """One unit of image prefill; a row whose prefill is done starts in the batch."""
+        assert self.vision is not None
+        done, failed = self.vision.advance()
+        for request_id, exc in failed.items():
+            row = self.rows.get(request_id)
+            if row is not None:
+                row.failure = exc
+        ready = []
+        for job in done:
+            job.row.vision_ready = (job.cache, job.done)
+            ready.append(job.row)
+        if ready:
+            self._start(ready)
 
     def _time_step(self, started: float, result: LaneStep, *, prefilled: bool) -> None:
         """A decode step's time (before any speculation check), with or without spans, for

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.core.drafts import ShadowDraft
+from engine.core.image_keys import reuse_key
 from engine.core.lane import LaneRow
 from engine.device.first_tokens import Sampler
 from engine.device.speculation import SpeculatingRow
@@ -43,6 +44,8 @@ class BatchRow:
     # The next input a direct rejoin handed the generator, which returns it next step.
     echo: int | None = None
     speculating: SpeculatingRow | None = None  # out of the generator, decoded by speculation
+    # An image row's own prefill, done (``vision_prefill``): its cache and the tokens it holds.
+    vision_ready: tuple[list[Any], int] | None = None
 
     @property
     def generated(self) -> int:
@@ -55,6 +58,10 @@ class BatchRow:
     @property
     def prompt(self) -> list[int]:
         return self.row.prompt
+
+    def keyed(self, tokens: list[int]) -> list[int]:
+        """``tokens`` of this row as prefix reuse keys them (image spans by their image)."""
+        return reuse_key(tokens, self.row.images) if self.row.images else tokens
 
 
 class BatchRows:

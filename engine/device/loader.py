@@ -47,9 +47,12 @@ from engine.device.prefix_reuse import OFF, PrefixReuse, reuse_policy
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
 from engine.device.speedups import report
+from engine.device.vision import VisionTower
+from engine.device.vision_prefill import VisionPrefill
 from engine.device.weight_policy import WeightChoice, apply_weight_policy
 from engine.errors import InvalidModelError
 from engine.requests.constraints.grammar import GrammarCompiler
+from engine.requests.inbound.vision_formats import VisionFormat
 
 log = logging.getLogger("engine")
 
@@ -156,6 +159,16 @@ class Lanes:
         self.store.clear()
         return PrefixTiers(self.store, self.batch.reuse.disk, self.disk_off)
 
+    def vision_figures(self) -> dict[str, int | float]:
+        """The vision tower's numbers as ``EngineStats`` fields (none for a text model)."""
+        vision = self.batch.vision
+        if vision is None:
+            return {}
+        counts = vision.tower.counts
+        return {"vision_images": counts.images, "vision_seconds": counts.vision_seconds,
+                "vision_feature_hits": counts.feature_hits,
+                "vision_feature_bytes": vision.tower.cache.nbytes}
+
     def disk_figures(self) -> dict[str, int]:
         """The disk tier's numbers as ``EngineStats`` fields (zeros without one)."""
         disk = self.batch.reuse.disk
@@ -243,13 +256,15 @@ def memory_bounds(model: Any, config: EngineConfig) -> MemoryBounds:
 
 
 def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarCompiler,
-                tiers: PrefixTiers | None = None) -> Lanes:
+                tiers: PrefixTiers | None = None,
+                vision_format: VisionFormat | None = None) -> Lanes:
     """The lanes over a loaded model; sharded, with the channel rank 0 replicates them over.
 
     ``tiers``: the prefix store and disk tier an earlier load of this model kept (a
     reload); None makes them. Sharded, prefix reuse is off: the store's expiry and
     shrinking depend on each rank's clock and memory, and the ranks' lanes must make the
-    same decisions.
+    same decisions. ``vision_format``: the checkpoint's image format (the preparer's), whose
+    tower is loaded here; sharded engines read no images.
     """
     samplers = SamplerCache()
     if tiers is None:
@@ -262,9 +277,16 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
     planner: PrefillPlanner[BatchRow] = PrefillPlanner.for_batch(
         config.max_batch, config.prefill_batch, config.prefill_chunk,
         head_min_tokens=store.min_tokens if reuse.enabled else None)
+    vision = None
+    if vision_format is not None and loaded.group is None and loaded.path is not None:
+        tower = VisionTower(loaded.path, loaded.model, vision_format, loaded.stream,
+                            config.vision_cache_bytes)
+        vision = VisionPrefill(loaded.model, loaded.stream, tower, config.prefill_chunk,
+                               config.max_kv_size)
     batch = BatchLane(loaded.model, loaded.stream, compiler, samplers, reuse, planner,
                       max_batch=config.max_batch, max_kv_size=config.max_kv_size,
-                      fast_forward=config.fast_forward, speculation=config.speculation)
+                      fast_forward=config.fast_forward, speculation=config.speculation,
+                      vision=vision)
     serial = SerialLane(loaded.model, loaded.stream, compiler, samplers, config.max_kv_size,
                         config.prefill_chunk, fast_forward=config.fast_forward)
     lanes = Lanes(batch, serial, store, disk_dir=config.prefix_cache_dir,

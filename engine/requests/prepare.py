@@ -10,6 +10,8 @@ The loop only ever sees prepared requests. No mlx here.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -25,9 +27,10 @@ from engine.requests.dialects.dialect import TokenizerFacts
 from engine.requests.dialects.registry import dialect_for
 from engine.requests.inbound.chat import ChatRequest
 from engine.requests.inbound.output_constraint import Constraint, JsonSchema
-from engine.requests.inbound.prompts import EncodedPrompt, PromptRenderer
+from engine.requests.inbound.prompts import EncodedPrompt, PromptImage, PromptRenderer
 from engine.requests.inbound.sampling import SamplingParams
 from engine.requests.inbound.text_request import Request, TextRequest
+from engine.requests.inbound.vision_formats import UnsupportedVision, VisionFormat, vision_format
 from engine.requests.outbound.channels import CONTENT, REASONING
 from engine.requests.outbound.row_channels import RowChannels
 from engine.requests.outbound.text import RowText
@@ -43,6 +46,7 @@ class PreparedRequest:
     head_len: int = 0  # tokens of the shared head (system + tools); 0 = none
     start_channel: str = CONTENT
     forces_call: bool = False  # the tool choice forces a call (a cut one is truncation)
+    images: tuple[PromptImage, ...] = ()  # the prompt's images, where their tokens are
 
 
 class Preparer:
@@ -52,8 +56,10 @@ class Preparer:
                  json_string_ngram: int = DEFAULT_NGRAM) -> None:
         self.tokenizer = tokenizer
         self.dialect = dialect_for(TokenizerFacts.of(tokenizer))
+        vision, no_vision = _vision_of(model_path, tokenizer)
+        self.vision: VisionFormat | None = vision
         self.prompts = PromptRenderer(tokenizer, model_path, vocab_size,
-                                      self.dialect.tool_formats)
+                                      self.dialect.tool_formats, vision, no_vision)
         self.compiler = GrammarCompiler(tokenizer._tokenizer, vocab_size,
                                         string_ngram=json_string_ngram)
         self.turn_grammar = TurnGrammar(self.dialect, self.compiler.lark_text)
@@ -73,7 +79,8 @@ class Preparer:
         if params.constraint is not None:
             self.compiler.compile(params.constraint)  # cached: the lane's matcher reuses it
         return PreparedRequest(encoded.ids, params, self.stop_ids(params), encoded.head_len,
-                               REASONING if encoded.opens_reasoning else CONTENT, forces_call)
+                               REASONING if encoded.opens_reasoning else CONTENT, forces_call,
+                               encoded.images)
 
     def count_tokens(self, request: Request) -> int:
         """Prompt tokens the request would use (rendered and encoded as ``prepare`` does)."""
@@ -101,6 +108,23 @@ class Preparer:
         return self.prompts.encode_request(request.messages, request.rendered_tools,
                                            dict(request.template_kwargs),
                                            history=self.dialect.history)
+
+
+def _vision_of(model_path: Path, tokenizer: Any) -> tuple[VisionFormat | None, str | None]:
+    """The checkpoint's image format, or why it takes no images."""
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return None, None
+    try:
+        found = vision_format(config, tokenizer, Path(model_path))
+    except UnsupportedVision as exc:
+        return None, str(exc)
+    if found is not None and importlib.util.find_spec("mlx_vlm") is None:
+        return None, ("its vision tower needs mlx-vlm, which is not installed: "
+                      "pip install 'mlx-providers[vision]'")
+    return found, None
 
 
 def checked_request(request: Any) -> Request:

@@ -83,11 +83,13 @@ def build_model(path: Path, config: EngineConfig, group: Group | None,
     if kept is None:
         model = load_model(path, config, group, limit)
         preparer = Preparer(model.tokenizer, path, model.vocab_size, config.json_string_ngram)
-        return BuiltModel(model, preparer, build_lanes(model, config, preparer.compiler))
+        return BuiltModel(model, preparer, build_lanes(model, config, preparer.compiler,
+                                                       vision_format=preparer.vision))
     model = load_model(path, config, group, limit, tokenizer=kept.preparer.tokenizer,
                        stream=kept.stream)
     return BuiltModel(model, kept.preparer,
-                      build_lanes(model, config, kept.preparer.compiler, kept.tiers))
+                      build_lanes(model, config, kept.preparer.compiler, kept.tiers,
+                                  vision_format=kept.preparer.vision))
 
 
 def compose_core(built: BuiltModel, config: EngineConfig, book: StatsBook,

@@ -37,10 +37,23 @@ class InputText(OpenModel):
     text: str = ""
 
 
+class InputImage(OpenModel):
+    """An image part: ``image_url`` a data: URI (remote URLs and file ids are refused by
+    the engine, which fetches nothing)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+InputPart = Annotated[InputText | InputImage, Field(discriminator="type")]
+
+
 class MessageItem(OpenModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
+    content: str | list[InputPart]
 
 
 class FunctionCallItem(OpenModel):
@@ -53,7 +66,7 @@ class FunctionCallItem(OpenModel):
 class FunctionCallOutputItem(OpenModel):
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[InputText]
+    output: str | list[InputPart]
 
 
 class ReasoningText(OpenModel):
@@ -204,7 +217,7 @@ def messages_of(items: list[dict[str, Any]], instructions: str | None) -> tuple[
                 reasoning.append(text)
             continue
         if kind == "message":
-            messages.append({"role": item["role"], "content": _text(item["content"])})
+            messages.append({"role": item["role"], "content": _content(item["content"])})
             origins.append(f"input[{i}]")
         elif kind == "function_call" and item.get("status") == "incomplete":
             continue  # a call cut by its response's end (sent as written), never run
@@ -222,7 +235,7 @@ def messages_of(items: list[dict[str, Any]], instructions: str | None) -> tuple[
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "name": names.get(item["call_id"], ""),
-                             "content": _text(item["output"])})
+                             "content": _content(item["output"])})
             origins.append(f"input[{i}]")
         else:
             continue
@@ -262,9 +275,19 @@ def _reasoning_text(item: dict[str, Any]) -> str:
     return "\n\n".join(str(part.get("text", "")) for part in item.get("summary") or ())
 
 
-def _text(content: Any) -> str:
-    """Text of an item's content: a string, or parts (input_text, output_text, ...)."""
+def _content(content: Any) -> str | list[Any]:
+    """An item's content for the rulebook: its text (a string, or the text of its parts:
+    input_text, output_text, ...), or, where it holds images, its parts in order with each
+    image as an ``input_image`` part."""
     if isinstance(content, str):
         return content
-    return "".join(str(part.get("text", "")) for part in content or ()
-                   if isinstance(part, dict) and part.get("type") != "refusal")
+    parts = [part for part in content or () if isinstance(part, dict)]
+    if not any(part.get("type") == "input_image" for part in parts):
+        return "".join(str(part.get("text", "")) for part in parts
+                       if part.get("type") != "refusal")
+    if any(part.get("type") == "input_image" and part.get("image_url") is None
+           for part in parts):  # by file id: this server keeps no files
+        raise APIError(400, "input_image: send the image as image_url (a data: URI); "
+                       "file_id is not supported", param="input", code="invalid_value")
+    return [part if part.get("type") == "input_image" else str(part.get("text", ""))
+            for part in parts if part.get("type") != "refusal"]

@@ -8,10 +8,12 @@ send does not depend on the door it uses. The rules:
 - roles are OpenAI's six, spelled exactly: ``system``, ``developer`` (a system message),
   ``user``, ``assistant``, ``tool``, ``function`` (legacy, a tool result named by ``name``);
 - content is text: a str, or a list of str / text parts (``text``, ``input_text``,
-  ``output_text``); an assistant turn may also hold parts that carry no prompt text
+  ``output_text``) and image parts (``image_url``, ``input_image``, ``image``: read by
+  ``images``, each standing in the text as ``IMAGE_MARK`` where the model's image tokens
+  go); an assistant turn may also hold parts that carry no prompt text
   (reasoning, thinking, refusals, tool-use blocks: calls are read from ``tool_calls``),
-  which are dropped; any other part (an image, audio, a file) is refused, naming its
-  ``content[k].type``: this engine serves text-only models;
+  which are dropped; any other part (audio, a file) is refused, naming its
+  ``content[k].type``;
 - only assistant turns make ``tool_calls``; a call's arguments are a dict or the JSON
   text of an object, anything else (unparsable text included) is refused;
 - a ``tool`` message carries its ``tool_call_id`` (OpenAI requires it), a ``function``
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.requests.inbound.images import IMAGE_MARK, IMAGE_PARTS, DecodedImage, image_of_part
 
 # The roles the rulebook accepts, and the role each is rendered as.
 ROLES = {"system": "system", "developer": "system", "user": "user",
@@ -70,6 +73,7 @@ class Message:
     tool_calls: tuple[MessageToolCall, ...] = ()
     tool_call_id: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    images: tuple[DecodedImage, ...] = ()  # in order, each at an ``IMAGE_MARK`` of content
 
     def as_openai(self) -> dict[str, Any]:
         """The message as a dict in OpenAI's shape (what chat templates are written for)."""
@@ -109,7 +113,8 @@ def message_from_openai(message: Any, at: str) -> Message:
                                   f"{wire_role!r:.40}", f"{at}.role")
     role = ROLES[wire_role]
     optional = role == "assistant"  # an assistant turn that only calls has no text
-    content = _content_text(message.get("content"), f"{at}.content", optional, role)
+    images: list[DecodedImage] = []
+    content = _content_text(message.get("content"), f"{at}.content", optional, role, images)
     name = _text_field(message, "name", at)
     call_id = _text_field(message, "tool_call_id", at)
     calls = message.get("tool_calls")
@@ -130,7 +135,7 @@ def message_from_openai(message: Any, at: str) -> Message:
                                   "the function this is the result of", f"{at}.name")
     extra = {k: v for k, v in message.items() if k not in _KNOWN_KEYS}
     _past_reasoning(extra, message.get("content"), at, role)
-    return Message(role, content, name, tool_calls, call_id or None, extra)
+    return Message(role, content, name, tool_calls, call_id or None, extra, tuple(images))
 
 
 def _past_reasoning(extra: dict[str, Any], content: Any, at: str, role: str) -> None:
@@ -176,9 +181,11 @@ def _text_field(message: Mapping[str, Any], key: str, at: str) -> str | None:
     return value
 
 
-def _content_text(content: Any, at: str, optional: bool, role: str) -> str:
+def _content_text(content: Any, at: str, optional: bool, role: str,
+                  images: list[DecodedImage]) -> str:
+    """The content's text; its images are appended to ``images``, each marked in the text."""
     if isinstance(content, str):
-        return content
+        return _plain(content, at)
     if content is None:
         if optional:
             return ""
@@ -189,8 +196,22 @@ def _content_text(content: Any, at: str, optional: bool, role: str) -> str:
                                   f"{type(content).__name__} {content!r:.40}", at)
     texts: list[str] = []
     for k, part in enumerate(content):
-        texts.append(part if isinstance(part, str) else _part_text(part, f"{at}[{k}]", role))
+        where = f"{at}[{k}]"
+        if isinstance(part, Mapping) and part.get("type") in IMAGE_PARTS:
+            images.append(image_of_part(part, where))
+            texts.append(IMAGE_MARK)
+        else:
+            texts.append(_plain(part, where) if isinstance(part, str)
+                         else _plain(_part_text(part, where, role), where))
     return "".join(texts)
+
+
+def _plain(text: str, at: str) -> str:
+    """Text as given; the image mark is refused in it (it would read as an image)."""
+    if IMAGE_MARK in text:
+        raise InvalidRequestError(f"{at}: U+FFFC (the object replacement character) cannot "
+                                  "be sent as text: it marks where an image goes", at)
+    return text
 
 
 def _part_text(part: Any, at: str, role: str) -> str:
@@ -209,8 +230,9 @@ def _part_text(part: Any, at: str, role: str) -> str:
         return text
     if role == "assistant" and kind in SILENT_ASSISTANT_PARTS:
         return ""
-    raise InvalidRequestError(f"{at}.type: {kind!r:.40} parts are refused: text-only models "
-                              f"read text parts only ({sorted(TEXT_PARTS)})", f"{at}.type")
+    raise InvalidRequestError(f"{at}.type: {kind!r:.40} parts are refused: the engine reads "
+                              f"text parts ({sorted(TEXT_PARTS)}) and image parts "
+                              f"({sorted(IMAGE_PARTS)})", f"{at}.type")
 
 
 def _call(call: Any, at: str) -> MessageToolCall:

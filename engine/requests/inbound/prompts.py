@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.errors import InvalidRequestError
+from engine.requests.inbound.images import IMAGE_MARK, DecodedImage
 from engine.requests.inbound.messages import Message, messages_from_openai, template_messages
 from engine.requests.inbound.sampling import ChatMessage, Prompt
 from engine.requests.inbound.tool_prompts import (
@@ -23,6 +25,7 @@ from engine.requests.inbound.tool_prompts import (
     with_plain_tool_history,
 )
 from engine.requests.inbound.tool_specs import ToolSpec
+from engine.requests.inbound.vision_formats import VisionFormat
 
 # The template variables tools are passed in, in order: the standard one, then SmolLM3's
 # (its published template lists ``xml_tools`` in the system prompt and ignores ``tools``).
@@ -64,20 +67,38 @@ def with_system_in_first_user_turn(messages: list[ChatMessage]) -> list[ChatMess
 
 
 @dataclass(frozen=True)
+class PromptImage:
+    """An image of a prompt: its pixels as the tower reads them, where its tokens are.
+
+    ``start``/``length``: the span of its image tokens in the prompt ids, whose embeddings
+    the vision features replace. ``key``: the image's hash and its preprocessing (the
+    feature cache's key, and what prefix reuse tells images apart by)."""
+
+    start: int
+    length: int
+    key: str
+    pixels: Any  # numpy float32 (channels, height, width)
+
+
+@dataclass(frozen=True)
 class EncodedPrompt:
     """A request's prompt as the engine needs it."""
 
     ids: list[int]
     opens_reasoning: bool = False  # the prompt ends inside the template's thinking block
     head_len: int = 0
+    images: tuple[PromptImage, ...] = ()
 
 
 class PromptRenderer:
     """Encodes prompts for one tokenizer (mlx-lm's TokenizerWrapper)."""
 
     def __init__(self, tokenizer: Any, model_path: Path, vocab_size: int,
-                 tool_formats: Sequence[ToolFormat] = ()) -> None:
+                 tool_formats: Sequence[ToolFormat] = (),
+                 vision: VisionFormat | None = None, no_vision: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.vision = vision  # the family's image tokens and preprocessing; None: text only
+        self._no_vision = no_vision  # why images are refused, where the checkpoint says
         self.model_path = model_path
         self.vocab_size = vocab_size
         self.tool_formats = tuple(tool_formats)  # the dialect's (``Dialect.tool_formats``)
@@ -119,6 +140,12 @@ class PromptRenderer:
         """
         if not is_chat(prompt):
             return EncodedPrompt(self.encode(prompt))
+        images = [image for m in prompt if isinstance(m, Message) for image in m.images]
+        if images and self.vision is None:
+            raise InvalidRequestError(
+                f"{images[0].at}: the model at {self.model_path} takes no images"
+                f"{': ' + self._no_vision if self._no_vision else ' (a text-only model)'}",
+                images[0].at)
         messages: list[ChatMessage] = chat_dicts(prompt)
         if history is not None:
             messages = history(messages)
@@ -136,13 +163,42 @@ class PromptRenderer:
         if messages and messages[0].get("role") == "system" and not self.template_takes_system():
             messages = with_system_in_first_user_turn(messages)
         text = self.chat_text(messages, **kwargs)
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids, placed = self._with_images(text, images)
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
         think = self.tokenizer.think_start if self.tokenizer.has_thinking else None
         # Templates that open the thinking block themselves start the output inside it.
         starts_thinking = bool(think) and text.rstrip().endswith(str(think))
-        return EncodedPrompt(ids, starts_thinking, self._head_length(messages, ids, kwargs))
+        return EncodedPrompt(ids, starts_thinking, self._head_length(messages, ids, kwargs),
+                             placed)
+
+    def _with_images(self, text: str, images: Sequence[DecodedImage],
+                     ) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """The rendered text's ids with each image mark replaced by the family's image
+        block (pieces between marks are encoded on their own, as a processor does)."""
+        encode = self.tokenizer.encode
+        if not images:
+            return list(encode(text, add_special_tokens=False)), ()
+        pieces = text.split(IMAGE_MARK)
+        if len(pieces) - 1 != len(images):
+            raise InvalidRequestError(
+                f"{images[0].at}: the chat template rendered {len(pieces) - 1} of the "
+                f"conversation's {len(images)} images (it drops some messages' content)",
+                images[0].at)
+        vision = self.vision
+        assert vision is not None
+        block = list(vision.block_ids)
+        first = block.index(vision.image_token)
+        ids: list[int] = []
+        placed = []
+        for piece, image in zip(pieces, images):
+            ids.extend(encode(piece, add_special_tokens=False) if piece else ())
+            placed.append(PromptImage(len(ids) + first, vision.image_tokens,
+                                      f"{image.digest}:{vision.key}", vision.pixels(image)))
+            ids.extend(block)
+        if pieces[-1]:
+            ids.extend(encode(pieces[-1], add_special_tokens=False))
+        return ids, tuple(placed)
 
     def _head_length(self, messages: list[ChatMessage], ids: list[int],
                      kwargs: dict[str, Any]) -> int:

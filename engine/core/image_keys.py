@@ -1,0 +1,24 @@
+"""Prompt tokens as prefix reuse keys them when the prompt holds images. No mlx.
+
+Every image of a family occupies the same token ids, so two prompts that differ only in
+their image look alike to a cache keyed on tokens: the bug of serving one request's image
+to another. Image rows are keyed with each image span replaced by ids of that image.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def reuse_key(tokens: list[int], images: tuple[Any, ...]) -> list[int]:
+    """``tokens`` as prefix reuse must see them: each image span's ids (the same for every
+    image) replaced by negative ids from that image's hash and position, so a cached prefix
+    is never resumed across a different image at the same span. Fits int64 (the disk tier)."""
+    if not images:
+        return tokens
+    keyed = list(tokens)
+    for image in images:
+        base = int(image.key[:10], 16) << 20
+        for j in range(image.start, min(image.start + image.length, len(keyed))):
+            keyed[j] = -1 - (base + j - image.start)
+    return keyed

@@ -1,0 +1,157 @@
+"""A vision-language model's image side: its tower and projector, and their features per image.
+
+The text side is mlx-lm's model of the checkpoint (every lane, cache and kernel works on
+it as on any text model); ``VisionTower`` holds the rest, built by mlx-vlm (the ``vision``
+extra, imported only for a checkpoint with a vision tower) from the same directory. Its
+language-model weights are never read: its token embedding is the text model's own module.
+
+``features`` runs the tower and projector for one image on the engine thread and returns
+what the family puts at that image's tokens: the embeddings mlx-vlm's own
+``get_input_embeddings`` computes there, read from a prompt of just the image's block. So
+whatever a family scales or normalises, the row gets the vision library's own values.
+Features are kept in an LRU bounded in bytes (``FeatureCache``), keyed by the image's hash
+and preprocessing: a conversation's second turn over a screenshot skips the tower.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.requests.inbound.prompts import PromptImage
+from engine.requests.inbound.vision_formats import VisionFormat
+
+
+@dataclass
+class VisionCounts:
+    """What the tower did: images it read, seconds it took, features served from the LRU."""
+
+    images: int = 0
+    vision_seconds: float = 0.0
+    feature_hits: int = 0
+
+
+class FeatureCache:
+    """Features by image key, least recently used first out, at most ``max_bytes``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, mx.array] = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key: str) -> mx.array | None:
+        found = self._entries.get(key)
+        if found is not None:
+            self._entries.move_to_end(key)
+        return found
+
+    def put(self, key: str, features: mx.array) -> None:
+        if features.nbytes > self.max_bytes or key in self._entries:
+            return
+        self._entries[key] = features
+        self.nbytes += features.nbytes
+        while self.nbytes > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self.nbytes -= dropped.nbytes
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _text_embedding(model: Any) -> Any:
+    """The text model's token embedding module (mlx-lm's wrappers nest it differently)."""
+    for path in (("language_model", "model", "embed_tokens"), ("model", "embed_tokens"),
+                 ("language_model", "embed_tokens")):
+        found = model
+        for name in path:
+            found = getattr(found, name, None)
+            if found is None:
+                break
+        if found is not None:
+            return found
+    raise ValueError(f"{type(model).__name__}: no token embedding found")
+
+
+class VisionTower:
+    """The tower, projector and embedding that turn an image into its tokens' embeddings."""
+
+    def __init__(self, path: Path, text_model: Any, fmt: VisionFormat, stream: Any,
+                 cache_bytes: int) -> None:
+        from mlx_vlm.utils import load_model  # the ``vision`` extra: only for such models
+
+        vlm = load_model(Path(path), lazy=True)
+        embed = _text_embedding(text_model)
+        language = vlm.language_model
+        # Only the embedding of the vision library's language model is used: the text
+        # model's own, so the other weights are never read from disk.
+        inner = getattr(language, "model", language)
+        inner.embed_tokens = embed
+        inner.layers = []
+        self._vlm = vlm
+        self.embed = embed
+        self.format = fmt
+        self._stream = stream
+        block = np.array(fmt.block_ids)
+        self._block = mx.array(block[None])
+        self._image_rows = mx.array(np.flatnonzero(block == fmt.image_token).astype(np.int32))
+        towers = [module for name, module in vlm.children().items()
+                  if name != "language_model"]
+        with mx.stream(stream):
+            mx.eval([m.parameters() for m in towers])
+        self.weight_bytes = sum(int(v.nbytes) for m in towers
+                                for _, v in _flat(m.parameters()))
+        self.cache = FeatureCache(cache_bytes)
+        self.counts = VisionCounts()
+
+    def features(self, image: PromptImage) -> mx.array:
+        """(image tokens, hidden) embeddings for ``image``'s span; evaluated."""
+        found = self.cache.get(image.key)
+        if found is not None:
+            self.counts.feature_hits += 1
+            return found
+        started = time.perf_counter()
+        with mx.stream(self._stream):
+            pixels = mx.array(image.pixels[None])
+            out = self._vlm.get_input_embeddings(self._block, pixels,
+                                                 mask=mx.ones(self._block.shape, mx.int32))
+            embeds = getattr(out, "inputs_embeds", out)
+            features: mx.array = embeds[0][self._image_rows]
+            mx.eval(features)
+        self.counts.images += 1
+        self.counts.vision_seconds += time.perf_counter() - started
+        self.cache.put(image.key, features)
+        return features
+
+    def embeddings(self, prompt: list[int], start: int, end: int,
+                   images: tuple[PromptImage, ...], features: dict[str, mx.array]) -> mx.array:
+        """Embeddings of ``prompt[start:end]``: the tokens' own, the features at image spans."""
+        pieces = []
+        at = start
+        for image in sorted(images, key=lambda i: i.start):
+            lo, hi = max(image.start, start), min(image.start + image.length, end)
+            if lo >= hi:
+                continue
+            if at < lo:
+                pieces.append(self.embed(mx.array(prompt[at:lo])))
+            pieces.append(features[image.key][lo - image.start:hi - image.start])
+            at = hi
+        if at < end:
+            pieces.append(self.embed(mx.array(prompt[at:end])))
+        return mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+
+
+def _flat(tree: Any) -> list[tuple[str, mx.array]]:
+    from mlx.utils import tree_flatten
+
+    flat: list[tuple[str, mx.array]] = tree_flatten(tree)  # type: ignore[assignment]
+    return flat

@@ -1,0 +1,153 @@
+"""Image parts of chat messages: read from each ecosystem's shape, decoded once, checked.
+
+The rulebook (``messages``) calls ``image_of_part`` for a content part whose type is an
+image's; every door's own image shape arrives here as one of these OpenAI-style parts:
+
+- ``{"type": "image_url", "image_url": {"url": ...}}`` (or ``"image_url": "..."``): chat
+  completions, LangChain's OpenAI-style blocks;
+- ``{"type": "input_image", "image_url": "..."}``: the Responses API;
+- ``{"type": "image", "base64": ..., "mime_type": ...}`` or ``"url"`` / ``"data"``:
+  LangChain v1's standard image block (LlamaIndex's ``ImageBlock`` is converted to it).
+
+The image itself is a ``data:`` URI or base64 text: this engine fetches nothing. A remote
+``http(s)`` URL is refused unless the caller's ``ImagePolicy.fetch`` allows it; a local
+path is read only where a face says so (LlamaIndex's ``ImageBlock.path``), never from a
+wire request. Decoding (Pillow, the ``vision`` extra) happens where the image is read, on
+the caller's thread, so a bad image is refused before the engine sees the request: not an
+image, truncated, an unsupported format, or more pixels than ``MAX_PIXELS``. No mlx.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.errors import InvalidRequestError
+
+# Content part types that carry an image.
+IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+# The formats Pillow decodes that are images a vision model reads (not animations' frames).
+FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"})
+# A decoded image above this many pixels is refused (40 MP: a 4K screenshot is 8.3 MP).
+MAX_PIXELS = 40_000_000
+# Stands for an image in a message's rendered text, where the model's image tokens go.
+IMAGE_MARK = "\ufffc"  # OBJECT REPLACEMENT CHARACTER: Unicode's own "an object is here"
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedImage:
+    """One image as RGB pixels (height, width, 3; uint8) and the hash of those pixels.
+
+    ``digest`` keys the feature cache and prefix reuse: two parts with the same pixels are
+    the same image, whatever their encoding."""
+
+    pixels: np.ndarray = field(repr=False)
+    digest: str
+    at: str = ""  # the part it came from, for errors
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height)."""
+        return int(self.pixels.shape[1]), int(self.pixels.shape[0])
+
+
+def image_of_part(part: Mapping[str, Any], at: str) -> DecodedImage:
+    """The image of an image content part (``IMAGE_PARTS``), decoded; refusals name ``at``."""
+    kind = part.get("type")
+    if kind == "image":
+        source = _standard_block_source(part, at)
+    else:
+        url = part.get("image_url")
+        if isinstance(url, Mapping):
+            url = url.get("url")
+        if not isinstance(url, str) or not url:
+            raise InvalidRequestError(f"{at}.image_url: an {kind!r} part needs the image as a "
+                                      "data: URI (or its url), got "
+                                      f"{type(url).__name__}", f"{at}.image_url")
+        source = url
+    return decoded_image(_bytes_of(source, at), at)
+
+
+def _standard_block_source(part: Mapping[str, Any], at: str) -> str:
+    """LangChain v1's image block: base64 (``base64`` or v0's ``data``) or a ``url``."""
+    for key in ("base64", "data"):
+        data = part.get(key)
+        if isinstance(data, str) and data:
+            mime = part.get("mime_type") or "image/png"
+            return data if data.startswith("data:") else f"data:{mime};base64,{data}"
+    url = part.get("url")
+    if isinstance(url, str) and url:
+        return url
+    if part.get("file_id") is not None or part.get("id") is not None:
+        raise InvalidRequestError(f"{at}: an image block by file id cannot be read here: "
+                                  "send the image itself (base64 or a data: URI)", at)
+    raise InvalidRequestError(f"{at}: an 'image' block needs 'base64' (with 'mime_type') or "
+                              "'url' (a data: URI)", at)
+
+
+def _bytes_of(source: str, at: str) -> bytes:
+    """The encoded image bytes of a data: URI or bare base64; remote URLs are refused."""
+    if source.startswith(("http://", "https://")):
+        raise InvalidRequestError(
+            f"{at}: remote image URLs are not fetched (no network access from the engine): "
+            "send the image as a data: URI or base64", at)
+    if source.startswith("data:"):
+        head, sep, data = source.partition(",")
+        if not sep:
+            raise InvalidRequestError(f"{at}: a data: URI needs a ',' before its data", at)
+        if not head.endswith(";base64"):
+            raise InvalidRequestError(f"{at}: a data: URI's image must be base64 "
+                                      f"(data:<mime>;base64,...), got {head[:40]!r}", at)
+        source = data
+    elif "/" in source[:64] and not _looks_base64(source[:64]):
+        raise InvalidRequestError(f"{at}: {source[:60]!r} is neither a data: URI nor base64 "
+                                  "(local paths are not read from a request)", at)
+    try:
+        return base64.b64decode(source.strip(), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidRequestError(f"{at}: the image is not valid base64 ({exc})", at) from exc
+
+
+def _looks_base64(text: str) -> bool:
+    alphabet = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=\n\r")
+    return all(ch in alphabet for ch in text)
+
+
+def decoded_image(data: bytes, at: str, *, max_pixels: int = MAX_PIXELS) -> DecodedImage:
+    """Decode encoded image bytes to RGB; not an image, truncated, an unsupported format or
+    too many pixels is an ``InvalidRequestError`` naming ``at``."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as exc:  # the core install is text-only
+        raise InvalidRequestError(
+            f"{at}: reading images needs Pillow: pip install 'mlx-providers[vision]'",
+            at) from exc
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format not in FORMATS:
+                raise InvalidRequestError(
+                    f"{at}: {image.format or 'this'} images are not read; send one of "
+                    f"{sorted(FORMATS)}", at)
+            width, height = image.size
+            if width * height > max_pixels:
+                raise InvalidRequestError(
+                    f"{at}: the image has {width}x{height} = {width * height} pixels, over "
+                    f"the limit of {max_pixels}; scale it down first", at)
+            pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except InvalidRequestError:
+        raise
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError,
+            Image.DecompressionBombError) as exc:
+        raise InvalidRequestError(f"{at}: not a readable image ({exc})", at) from exc
+    if pixels.ndim != 3 or pixels.shape[0] == 0 or pixels.shape[1] == 0:
+        raise InvalidRequestError(f"{at}: the image has no pixels", at)
+    digest = hashlib.sha256(np.array(pixels.shape, np.int64).tobytes()
+                            + pixels.tobytes()).hexdigest()
+    return DecodedImage(pixels, digest, at)

@@ -1,0 +1,234 @@
+"""Build a tiny Gemma 3 vision-language model directory offline, in seconds.
+
+The checkpoint has Gemma 3's real layout (``model_type: gemma3``: a SigLIP vision tower,
+the pooling projector, a ``gemma3_text`` language model), so ``mlx_lm.load`` reads its
+text side and ``mlx_vlm`` its whole model. Weights are random (seeded); the tokenizer is the
+tiny model's (``tiny_model``) with Gemma 3's three image tokens added, and its ChatML
+template. Nothing is downloaded. ``fit_colour_namer`` then fits it for seconds to name an
+image's colour, so a test can show that an image's content reaches the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+IMAGE_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
+# The answers the fitted model gives, one per colour it is shown.
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220),
+    "yellow": (235, 220, 30),
+}
+
+
+def vlm_config(n_vocab: int, eos: int, image_token: int, *, hidden: int = 64,
+               layers: int = 2, image_size: int = 32, patch: int = 8,
+               tokens_per_image: int = 4) -> dict[str, Any]:
+    """A Gemma 3 VLM config.json at toy size (``vocab_size`` rounded up to 64)."""
+    vocab = (n_vocab + 63) // 64 * 64
+    return {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "image_token_index": image_token,
+        "boi_token_index": image_token - 1,
+        "eoi_token_index": image_token + 1,
+        "mm_tokens_per_image": tokens_per_image,
+        "pad_token_id": 0,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+        "text_config": {
+            "model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": hidden * 4, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 32, "vocab_size": vocab,
+            "query_pre_attn_scalar": 32, "sliding_window": 512, "sliding_window_pattern": 2,
+            "mm_tokens_per_image": tokens_per_image, "max_position_embeddings": 4096,
+            "rope_global_base_freq": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2,
+            "intermediate_size": 64, "num_attention_heads": 2, "patch_size": patch,
+            "image_size": image_size, "num_channels": 3, "layer_norm_eps": 1e-6,
+        },
+    }
+
+
+def build_tiny_vlm(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -> Path:
+    """Write the model directory to ``out`` (created) and return it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_vlm.models import gemma3
+    from tokenizers import AddedToken
+
+    from testkit.tiny_model import CHAT_TEMPLATE, _train_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer: Any = _train_tokenizer(2048)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in IMAGE_TOKENS])
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
+        "clean_up_tokenization_spaces": False, "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
+        "boi_token": IMAGE_TOKENS[0], "image_token": IMAGE_TOKENS[1],
+        "eoi_token": IMAGE_TOKENS[2],
+    }, indent=2))
+    eos = tokenizer.token_to_id("<|im_end|>")
+    config = vlm_config(tokenizer.get_vocab_size(with_added_tokens=True), eos,
+                        tokenizer.token_to_id(IMAGE_TOKENS[1]))
+    mx.random.seed(seed)
+    model = gemma3.Model(model_config(config))
+    # As in tiny_model: larger weights give varied greedy continuations; the embedding,
+    # which Gemma scales up by sqrt(hidden), smaller (at 1x every token decodes alike).
+    language = model.language_model
+    language.update(tree_map(lambda p: p * weight_scale if p.ndim == 2 else p,
+                             language.parameters()))
+    embed = model.language_model.model.embed_tokens
+    embed.weight = embed.weight * (0.2 / weight_scale)
+    # A patch's colour, not its position, should lead the tower's features.
+    patches = model.vision_tower.vision_model.embeddings.patch_embedding
+    patches.weight = patches.weight * 8.0
+    # mlx-vlm starts the projection at all ones (every hidden unit alike): random instead.
+    projector = model.multi_modal_projector
+    shape = projector.mm_input_projection_weight.shape
+    projector.mm_input_projection_weight = mx.random.normal(shape) * shape[0] ** -0.5
+    save_weights(out, _tied(dict(tree_flatten(model.parameters()))))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return out
+
+
+def model_config(config: dict[str, Any]) -> Any:
+    """mlx-vlm's Gemma 3 config object (its sub-configs built too, as its loader does)."""
+    from mlx_vlm.models import gemma3
+
+    built = gemma3.ModelConfig.from_dict(config)
+    built.text_config = gemma3.TextConfig.from_dict(config["text_config"])
+    built.vision_config = gemma3.VisionConfig.from_dict(config["vision_config"])
+    return built
+
+
+def _tied(weights: dict[str, Any]) -> dict[str, Any]:
+    """Gemma ties its output head to the embedding: the checkpoint has no head of its own."""
+    return {k: v for k, v in weights.items() if k != "language_model.lm_head.weight"}
+
+
+def save_weights(out: Path, weights: dict[str, Any]) -> None:
+    import mlx.core as mx
+
+    mx.eval(list(weights.values()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+def solid_image(rgb: tuple[int, int, int], size: int = 32, *, noise: int = 0,
+                seed: int = 0) -> bytes:
+    """A PNG of one colour (with optional per-pixel noise), as bytes."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.empty((size, size, 3), np.int16)
+    pixels[:] = rgb
+    if noise:
+        pixels += np.random.default_rng(seed).integers(-noise, noise + 1, pixels.shape,
+                                                       dtype=np.int16)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def fit_colour_namer(model_dir: Path, *, steps: int = 80, questions: Sequence[str] = (
+        "What colour is this?", "Name the colour.", "Which colour do you see?")) -> Path:
+    """Fit the tiny VLM in place to answer an image's colour name (``COLOURS``).
+
+    Trains on the prompts the engine itself builds (ChatML, the image block where the
+    image is), so the fitted behaviour is the one the doors see.
+    """
+    from engine.requests.inbound.images import decoded_image  # first: it loads the fast BLAS
+    from engine.requests.inbound.vision_formats import vision_format
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    import numpy as np
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import load_model
+    from transformers import PreTrainedTokenizerFast
+
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    fmt = vision_format(config, tokenizer)
+    assert fmt is not None
+    model = load_model(model_dir)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    answers = {name: [*tokenizer.encode(name, add_special_tokens=False), end]
+               for name in COLOURS}
+    width = max(len(a) for a in answers.values())
+    batches = []  # one per question: every colour, twice, in one batch of equal lengths
+    for k, question in enumerate(questions):
+        head = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "\x00" + question}], tokenize=False,
+            add_generation_prompt=True)
+        before, after = head.split("\x00")
+        ids = [*tokenizer.encode(before, add_special_tokens=False), *fmt.block_ids,
+               *tokenizer.encode(after, add_special_tokens=False)]
+        rows, weights, pixels = [], [], []
+        for name, rgb in COLOURS.items():
+            answer = answers[name]
+            for seed in range(2):
+                image = decoded_image(solid_image(rgb, noise=12, seed=seed + 10 * k), "fit")
+                rows.append(ids + answer + [end] * (width - len(answer)))
+                weights.append([0.0] * (len(ids) - 1) + [1.0] * len(answer)
+                               + [0.0] * (width - len(answer)))
+                pixels.append(fmt.pixels(image))
+        full = mx.array(rows)
+        batches.append((full[:, :-1], full[:, 1:], mx.array(np.stack(pixels)),
+                        mx.array(weights)))
+
+    def loss_fn(m: Any, ids: mx.array, targets: mx.array, pixels: mx.array,
+                weight: mx.array) -> mx.array:
+        embeds = m.get_input_embeddings(ids, pixels, mask=mx.ones(ids.shape)).inputs_embeds
+        text = m.language_model.model
+        logits = text.embed_tokens.as_linear(text(ids, inputs_embeds=embeds))  # tied head
+        losses = nn.losses.cross_entropy(logits, targets, reduction="none")
+        return (losses * weight).sum() / weight.sum()
+
+    optimizer = optim.Adam(learning_rate=4e-3)
+    step = nn.value_and_grad(model, loss_fn)
+    for n in range(steps):
+        loss, grads = step(model, *batches[n % len(batches)])
+        if os.environ.get("FIT_DEBUG"):
+            print(n, loss.item())
+        optimizer.update(model, grads)
+        mx.eval(model.parameters(), optimizer.state)
+    save_weights(model_dir, _tied(dict(tree_flatten(model.parameters()))))
+    return model_dir
+
+
+def vision_library_tokens(model_dir: Path, prompt_ids: Sequence[int],
+                          pixels: Sequence[Any], max_tokens: int) -> list[int]:
+    """Greedy tokens of mlx-vlm's own single-request generation for the same prompt ids and
+    pixel values (its ``generate_step``, with its own language model): the reference an
+    image row of the engine must equal."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_vlm.generate.ar import generate_step
+    from mlx_vlm.utils import load_model
+
+    model = load_model(Path(model_dir))
+    ids = mx.array([list(prompt_ids)])
+    values = mx.array(np.stack(list(pixels))) if pixels else None
+    out: list[int] = []
+    for token, _ in generate_step(ids, model, values, mx.ones(ids.shape, mx.int32),
+                                  max_tokens=max_tokens, temperature=0.0):
+        out.append(int(token))
+        if len(out) >= max_tokens:
+            break
+    return out
