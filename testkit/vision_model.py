@@ -144,16 +144,28 @@ def solid_image(rgb: tuple[int, int, int], size: int = 32, *, noise: int = 0,
     return buffer.getvalue()
 
 
-def fit_colour_namer(model_dir: Path, *, steps: int = 80, questions: Sequence[str] = (
-        "What colour is this?", "Name the colour.", "Which colour do you see?")) -> Path:
+# What the fitted model is asked, "\x00" where the image goes: a question beside an image,
+# and an agent's turn whose tool returned a screenshot.
+FIT_CONVERSATIONS: tuple[tuple[dict[str, Any], ...], ...] = (
+    ({"role": "user", "content": "\x00What colour is this?"},),
+    ({"role": "user", "content": "\x00Name the colour."},),
+    ({"role": "user", "content": "What colour is the screenshot?"},
+     {"role": "assistant", "content": "", "tool_calls": [
+         {"id": "call_1", "type": "function",
+          "function": {"name": "take_screenshot", "arguments": {}}}]},
+     {"role": "tool", "tool_call_id": "call_1", "content": "\x00"}),
+)
+
+
+def fit_colour_namer(model_dir: Path, *, steps: int = 90,
+                     conversations: Sequence[Sequence[dict[str, Any]]] = FIT_CONVERSATIONS,
+                     ) -> Path:
     """Fit the tiny VLM in place to answer an image's colour name (``COLOURS``).
 
-    Trains on the prompts the engine itself builds (ChatML, the image block where the
-    image is), so the fitted behaviour is the one the doors see.
+    Trains on the prompts the engine itself builds for ``conversations`` (the chat
+    template's text, the image block where the image is), so the fitted behaviour is the
+    one the doors see.
     """
-    from engine.requests.inbound.images import decoded_image  # first: it loads the fast BLAS
-    from engine.requests.inbound.vision_formats import vision_format
-
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -161,6 +173,9 @@ def fit_colour_namer(model_dir: Path, *, steps: int = 80, questions: Sequence[st
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import load_model
     from transformers import PreTrainedTokenizerFast
+
+    from engine.requests.inbound.images import decoded_image  # first: it loads the fast BLAS
+    from engine.requests.inbound.vision_formats import vision_format
 
     config = json.loads((model_dir / "config.json").read_text())
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
@@ -172,10 +187,9 @@ def fit_colour_namer(model_dir: Path, *, steps: int = 80, questions: Sequence[st
                for name in COLOURS}
     width = max(len(a) for a in answers.values())
     batches = []  # one per question: every colour, twice, in one batch of equal lengths
-    for k, question in enumerate(questions):
-        head = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "\x00" + question}], tokenize=False,
-            add_generation_prompt=True)
+    for k, conversation in enumerate(conversations):
+        head = tokenizer.apply_chat_template(list(conversation), tokenize=False,
+                                             add_generation_prompt=True)
         before, after = head.split("\x00")
         ids = [*tokenizer.encode(before, add_special_tokens=False), *fmt.block_ids,
                *tokenizer.encode(after, add_special_tokens=False)]

@@ -7,7 +7,13 @@ from starlette.responses import Response
 
 from mlx_providers.server.chat_completions import ChatAnswer, ChatCompletionShaper
 from mlx_providers.server.chat_request import ChatCompletionRequest, engine_request
-from mlx_providers.server.context import ServerContext, read_json, validate
+from mlx_providers.server.context import (
+    ServerContext,
+    has_images,
+    off_loop,
+    read_json,
+    validate,
+)
 from mlx_providers.server.errors import from_engine
 from mlx_providers.server.generation import Endpoint, serve
 
@@ -20,8 +26,9 @@ async def chat_completions(request: Request) -> Response:
     chat = validate(ChatCompletionRequest, body)
     served = ctx.models.get(chat.model)
     try:
-        spec = engine_request(chat, default_max_tokens=ctx.settings.default_max_tokens,
-                              default_temperature=ctx.settings.default_temperature)
+        spec = await off_loop(has_images(chat.messages), lambda: engine_request(
+            chat, default_max_tokens=ctx.settings.default_max_tokens,
+            default_temperature=ctx.settings.default_temperature))
     except ValueError as exc:  # the rulebook's refusals (a bad tool, an empty stop string)
         raise from_engine(exc) from exc
     # A grammar that does not compile is the schema's when there is one, else a tool's.

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
@@ -69,3 +70,29 @@ def validate(model: type[M], body: dict[str, Any]) -> M:
         return model.model_validate(body)
     except ValidationError as exc:
         raise from_validation(exc) from exc
+
+
+_IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+R = TypeVar("R")
+
+
+def has_images(items: Sequence[Any]) -> bool:
+    """Whether chat messages or Responses items carry an image part (decoding one is
+    work for a worker thread, not the event loop)."""
+    for item in items:
+        if not isinstance(item, Mapping):
+            continue
+        for key in ("content", "output"):
+            parts = item.get(key)
+            if isinstance(parts, list) and any(
+                    isinstance(p, Mapping) and p.get("type") in _IMAGE_PARTS for p in parts):
+                return True
+    return False
+
+
+async def off_loop(threaded: bool, convert: Callable[[], R]) -> R:
+    """``convert()``, on a worker thread when ``threaded`` (images are decoded there, so a
+    large screenshot does not stall the other connections), else right here."""
+    if not threaded:
+        return convert()
+    return await anyio.to_thread.run_sync(convert)

@@ -10,7 +10,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine import ChatRequest, StreamEvent
-from mlx_providers.server.context import ServerContext, read_json, validate
+from mlx_providers.server.context import (
+    ServerContext,
+    has_images,
+    off_loop,
+    read_json,
+    validate,
+)
 from mlx_providers.server.errors import from_engine, not_found
 from mlx_providers.server.generation import Endpoint, serve
 from mlx_providers.server.request_options import body_sampling
@@ -99,11 +105,10 @@ async def create_response(request: Request) -> Response:
     try:
         params = body_sampling(req, max_tokens=max_tokens, temperature=temperature,
                                constraint=req.constraint())
-        spec = ChatRequest.from_openai(messages_of(items, req.instructions), params,
-                                       tools=req.engine_tools(),
-                                       tool_choice=req.engine_tool_choice(),
-                                       parallel_tool_calls=req.parallel_tool_calls,
-                                       chat_template_kwargs=req.template_kwargs())
+        spec = await off_loop(has_images(items), lambda: ChatRequest.from_openai(
+            messages_of(items, req.instructions), params, tools=req.engine_tools(),
+            tool_choice=req.engine_tool_choice(), parallel_tool_calls=req.parallel_tool_calls,
+            chat_template_kwargs=req.template_kwargs()))
     except ValueError as exc:  # the rulebook's refusals (a bad tool, SamplingParams' checks)
         raise from_engine(exc, **_PARAMS) from exc
     endpoint = Endpoint(ENDPOINT, ctx.metrics, {

@@ -74,10 +74,10 @@ CASES = [
          "messages[0].role", "input[0].role"),
     Case("a role in capitals", [{"role": "USER", "content": "hi"}],
          "messages[0].role", "input[0].role"),
-    Case("an image part beside text", [{"role": "user", "content": [
+    Case("a remote image URL (never fetched)", [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
         {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]}],
-         "messages[0].content[1].type", "input[0].content[1].type"),
+         "messages[0].content[1]", "input[0].content[1]"),
     Case("tool-call arguments that are not JSON", [USER, call("{oops")],
          "messages[1].tool_calls[0].function.arguments", "input[1].arguments"),
     Case("tool-call arguments that are not an object", [USER, call("[1, 2]")],

@@ -76,9 +76,9 @@ def test_content_keeps_text_drops_silent_assistant_parts_and_refuses_media() -> 
     assert message.extra["reasoning_content"] == "r"  # replayed as the turn's reasoning
     [empty] = messages_from_openai([{"role": "assistant", "content": None}])
     assert empty.content == ""
-    image = {"type": "image_url", "image_url": {"url": "data:"}}
-    with pytest.raises(InvalidRequestError, match="'image_url' parts are refused") as caught:
-        messages_from_openai([{"role": "user", "content": ["a", image]}])
+    audio = {"type": "input_audio", "input_audio": {"data": ""}}
+    with pytest.raises(InvalidRequestError, match="'input_audio' parts are refused") as caught:
+        messages_from_openai([{"role": "user", "content": ["a", audio]}])
     assert caught.value.field == "messages[0].content[1].type"
 
 

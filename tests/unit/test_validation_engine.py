@@ -87,7 +87,7 @@ BAD_PROMPTS: list[tuple[Any, type[BaseException], str]] = [
      r"prompt\[0\]\.content"),
     ([{"role": "user", "content": [1, 2]}], ValueError, r"prompt\[0\]\.content\[0\]"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-     ValueError, r"prompt\[0\]\.content\[0\].*'image_url'"),
+     ValueError, r"prompt\[0\]\.content\[0\].*not valid base64"),
     ([{"role": "user", "content": [{"type": "text", "text": 5}]}], ValueError,
      r"prompt\[0\]\.content\[0\]"),
     ([USER, {"role": "tool", "content": [None, 3]}], ValueError, r"prompt\[1\]\.content\[0\]"),

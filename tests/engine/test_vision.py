@@ -1,0 +1,218 @@
+"""Image rows in the one batch, on a tiny random-weight Gemma 3 VLM (testkit.vision_model).
+
+The heart of it: an image row's tokens equal the same request alone and mlx-vlm's own
+single-request greedy generation; text rows beside it keep exactly their tokens; prefix
+reuse never crosses images and skips the tower on a later turn over the same image;
+cancelling image rows at any stage leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import ChatRequest, Engine, FinishReason, InvalidRequestError, SamplingParams
+from engine.device.vision import VisionTower
+from testkit.vision_model import solid_image, vision_library_tokens
+from tests.conftest import Turns, greedy, prompts_of_lengths, request_for, wait_until
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def image_part(rgb: tuple[int, int, int], *, noise: int = 20, seed: int = 0,
+               fmt: str = "PNG") -> dict[str, Any]:
+    data = solid_image(rgb, 40, noise=noise, seed=seed)
+    if fmt != "PNG":
+        from PIL import Image
+
+        buffer = io.BytesIO()
+        Image.open(io.BytesIO(data)).save(buffer, format=fmt)
+        data = buffer.getvalue()
+    mime = f"image/{fmt.lower()}"
+    return {"type": "image_url",
+            "image_url": {"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"}}
+
+
+def asking(*parts: Any, text: str = "Describe it.") -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+RED, BLUE, GREEN = (220, 30, 30), (30, 40, 220), (30, 200, 40)
+
+
+def vlm_engine(make_engine: Callable[..., Engine], model: Path, **config: Any) -> Engine:
+    return make_engine(model, **{"max_batch": 16, **config})
+
+
+def tokens(eng: Engine, messages: list[dict[str, Any]], params: SamplingParams,
+           ) -> tuple[int, ...]:
+    return eng.submit(ChatRequest.from_openai(messages, params)).result(timeout=120).token_ids
+
+
+def test_image_rows_batched_equal_alone_and_the_vision_library(
+        make_engine: Callable[..., Engine], tiny_vlm_dir: Path) -> None:
+    # A small chunk: the image rows' own prefill runs in several steps.
+    eng = vlm_engine(make_engine, tiny_vlm_dir, prefill_chunk=8)
+    params = greedy(16)
+    images = [asking(image_part(RED)), asking(image_part(BLUE, seed=1), text="And this?"),
+              asking(image_part(GREEN), image_part(RED, seed=2), text="Compare them."),
+              [{"role": "user", "content": "Look:"}, {"role": "assistant", "content": "ok"},
+               {"role": "user", "content": [image_part(BLUE, seed=3)]}]]
+    texts = prompts_of_lengths(eng, [30, 70, 12], seed=3)
+    alone_images = [tokens(eng, m, params) for m in images]
+    alone_texts = [eng.submit(request_for(p, params)).result(timeout=60).token_ids
+                   for p in texts]
+    handles = [eng.submit(request_for(p, params)) for p in texts]
+    handles += [eng.submit(ChatRequest.from_openai(m, params)) for m in images]
+    results = [h.result(timeout=120).token_ids for h in handles]
+    assert results[:3] == alone_texts
+    assert results[3:] == alone_images
+    preparer = eng._runtime.preparer()
+    for messages, ours in zip(images, alone_images):
+        prepared = preparer.prepare(ChatRequest.from_openai(messages, params))
+        assert len(prepared.images) == sum(
+            isinstance(p, dict) and p.get("type") == "image_url"
+            for m in messages for p in (m["content"] if isinstance(m["content"], list) else ()))
+        reference = vision_library_tokens(tiny_vlm_dir, prepared.prompt_ids,
+                                          [i.pixels for i in prepared.images], 16)
+        assert list(ours) == reference
+    assert eng.stats().vision_images >= 5
+
+
+def test_the_image_decides_the_tokens(make_engine: Callable[..., Engine],
+                                      tiny_vlm_dir: Path) -> None:
+    eng = vlm_engine(make_engine, tiny_vlm_dir, prefix_cache_bytes=0)
+    params = greedy(12)
+    red = tokens(eng, asking(image_part(RED)), params)
+    blue = tokens(eng, asking(image_part(BLUE)), params)
+    assert red != blue
+    # The same pixels in another encoding are the same image: one tower forward, same tokens.
+    before = eng.stats()
+    assert tokens(eng, asking(image_part(RED, fmt="BMP")), params) == red
+    after = eng.stats()
+    assert after.vision_images == before.vision_images
+    assert after.vision_feature_hits == before.vision_feature_hits + 1
+
+
+def test_prefix_reuse_never_serves_another_image(make_engine: Callable[..., Engine],
+                                                 tiny_vlm_dir: Path) -> None:
+    params = greedy(12)
+    fresh = vlm_engine(make_engine, tiny_vlm_dir, prefix_cache_bytes=0, vision_cache_bytes=0)
+    expected = {rgb: tokens(fresh, asking(image_part(rgb)), params) for rgb in (RED, BLUE)}
+    eng = vlm_engine(make_engine, tiny_vlm_dir)
+    for rgb in (RED, BLUE, RED, BLUE):
+        assert tokens(eng, asking(image_part(rgb)), params) == expected[rgb]
+    # Both images' prompts were stored; the text before the image was shared.
+    assert eng.stats().prefix_hits >= 3
+
+
+def test_a_second_turn_over_the_same_image_skips_tower_and_prefill(
+        make_engine: Callable[..., Engine], tiny_vlm_dir: Path) -> None:
+    params = greedy(10)
+    first = asking(image_part(GREEN), text="What is it?")
+    eng = vlm_engine(make_engine, tiny_vlm_dir)
+    answer = eng.submit(ChatRequest.from_openai(first, params)).result(timeout=120)
+    second = [*first, {"role": "assistant", "content": answer.text},
+              {"role": "user", "content": "Say more."}]
+    before = eng.stats()
+    again = eng.submit(ChatRequest.from_openai(second, params)).result(timeout=120)
+    after = eng.stats()
+    assert after.vision_images == before.vision_images  # no tower forward
+    assert after.vision_feature_hits == before.vision_feature_hits  # not even a lookup
+    reused = after.prefix_hit_tokens - before.prefix_hit_tokens
+    prompt = eng._runtime.preparer().prepare(ChatRequest.from_openai(first, params))
+    assert reused >= len(prompt.prompt_ids)  # the whole first prompt, image included
+    fresh = vlm_engine(make_engine, tiny_vlm_dir, prefix_cache_bytes=0, vision_cache_bytes=0)
+    assert again.token_ids == tokens(fresh, second, params)
+
+
+def test_cancel_storm_with_image_rows_leaves_nothing(make_engine: Callable[..., Engine],
+                                                     tiny_vlm_dir: Path) -> None:
+    turns = Turns()
+    eng = vlm_engine(make_engine, tiny_vlm_dir, max_batch=6, prefill_chunk=8,
+                     prefix_cache_bytes=0, vision_cache_bytes=0, probe=turns.probe)
+    params = greedy(20)
+    rng = random.Random(7)
+    texts = prompts_of_lengths(eng, [rng.randrange(4, 80) for _ in range(8)], seed=4)
+    images = [asking(image_part((rng.randrange(256), rng.randrange(256), rng.randrange(256)),
+                                seed=k)) for k in range(16)]
+    reference = [eng.submit(request_for(p, params)).result(timeout=60).token_ids
+                 for p in texts]
+    kept_image = tokens(eng, images[0], params)
+
+    def storm() -> None:
+        handles = [eng.submit(request_for(p, params)) for p in texts]
+        image_handles = [eng.submit(ChatRequest.from_openai(m, params)) for m in images]
+        for handle in image_handles[1:]:  # before the tower, in the image prefill, decoding
+            time.sleep(rng.random() * 0.02)
+            handle.cancel()
+        assert [h.result(timeout=120).token_ids for h in handles] == reference
+        assert image_handles[0].result(timeout=120).token_ids == kept_image
+        finished = [h.result(timeout=120) for h in image_handles[1:]]
+        assert any(r.finish_reason is FinishReason.CANCELLED for r in finished)
+        settled = turns.settled()
+        assert settled.lane_rows == {"batch": 0, "serial": 0} and settled.batch_kv_bytes == 0
+
+    storm()  # the first also allocates what every later batch reuses
+    after_first = eng.stats().mlx_active_bytes
+    storm()
+    composition = eng._runtime.composition
+    assert composition is not None
+    lanes = composition.built.lanes
+    assert lanes.batch.vision is not None and len(lanes.batch.vision) == 0
+    stats = eng.stats()
+    assert stats.vision_feature_bytes == 0  # vision_cache_bytes=0 keeps none
+    assert stats.mlx_active_bytes <= after_first  # a second storm leaves no more behind
+
+
+def test_a_failing_image_fails_alone(make_engine: Callable[..., Engine], tiny_vlm_dir: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = vlm_engine(make_engine, tiny_vlm_dir)
+    params = greedy(12)
+    text = prompts_of_lengths(eng, [20], seed=9)[0]
+    good = asking(image_part(RED))
+    expected_text = eng.submit(request_for(text, params)).result(timeout=60).token_ids
+    expected_image = tokens(eng, good, params)
+    real = VisionTower.features
+    bad_key: list[str] = []
+
+    def failing(self: VisionTower, image: Any) -> Any:
+        if image.key in bad_key:
+            raise RuntimeError("the tower failed on this image")
+        return real(self, image)
+
+    monkeypatch.setattr(VisionTower, "features", failing)
+    bad = asking(image_part(BLUE, seed=5))
+    bad_key.append(eng._runtime.preparer().prepare(
+        ChatRequest.from_openai(bad, params)).images[0].key)
+    handles = [eng.submit(request_for(text, params)),
+               eng.submit(ChatRequest.from_openai(bad, params)),
+               eng.submit(ChatRequest.from_openai(good, params))]
+    with pytest.raises(RuntimeError, match="the tower failed"):
+        handles[1].result(timeout=60)
+    assert handles[0].result(timeout=60).token_ids == expected_text
+    assert handles[2].result(timeout=60).token_ids == expected_image
+
+
+def test_a_text_model_refuses_images_by_part(make_engine: Callable[..., Engine]) -> None:
+    eng = make_engine()
+    handle = eng.submit(ChatRequest.from_openai(asking(image_part(RED)), greedy(4)))
+    with pytest.raises(InvalidRequestError, match=r"content\[0\].*takes no images"):
+        handle.result(timeout=60)
+
+
+def test_a_seeded_image_request_is_refused(make_engine: Callable[..., Engine],
+                                           tiny_vlm_dir: Path) -> None:
+    eng = vlm_engine(make_engine, tiny_vlm_dir)
+    handle = eng.submit(ChatRequest.from_openai(
+        asking(image_part(RED)), SamplingParams(max_tokens=4, temperature=0.7, seed=3)))
+    with pytest.raises(InvalidRequestError, match="drop the seed"):
+        handle.result(timeout=60)
+    wait_until(lambda: eng.stats().running == 0)
