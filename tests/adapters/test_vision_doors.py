@@ -17,8 +17,8 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
 from mlx_providers import ChatMLXBatch, MLXBatchLLM
-from tests.server.conftest import LiveServer
 from testkit.vision_model import COLOURS, solid_image
+from tests.server.conftest import LiveServer
 
 pytestmark = pytest.mark.timeout(600)
 QUESTION = "What colour is this?"
