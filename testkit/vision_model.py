@@ -26,7 +26,8 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 
 def vlm_config(n_vocab: int, eos: int, image_token: int, *, hidden: int = 64,
                layers: int = 2, image_size: int = 32, patch: int = 8,
-               tokens_per_image: int = 4) -> dict[str, Any]:
+               tokens_per_image: int = 4, vision_hidden: int = 32,
+               vision_layers: int = 2) -> dict[str, Any]:
     """A Gemma 3 VLM config.json at toy size (``vocab_size`` rounded up to 64)."""
     vocab = (n_vocab + 63) // 64 * 64
     return {
@@ -50,38 +51,28 @@ def vlm_config(n_vocab: int, eos: int, image_token: int, *, hidden: int = 64,
             "rope_global_base_freq": 1_000_000.0, "rope_local_base_freq": 10_000.0,
         },
         "vision_config": {
-            "model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2,
-            "intermediate_size": 64, "num_attention_heads": 2, "patch_size": patch,
+            "model_type": "siglip_vision_model", "hidden_size": vision_hidden,
+            "num_hidden_layers": vision_layers, "intermediate_size": vision_hidden * 2,
+            "num_attention_heads": 2, "patch_size": patch,
             "image_size": image_size, "num_channels": 3, "layer_norm_eps": 1e-6,
         },
     }
 
 
-def build_tiny_vlm(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -> Path:
-    """Write the model directory to ``out`` (created) and return it."""
+def build_tiny_vlm(out: Path, *, seed: int = 0, weight_scale: float = 4.0,
+                   **sizes: int) -> Path:
+    """Write the model directory to ``out`` (created) and return it; ``sizes`` override
+    ``vlm_config``'s (the bench builds a larger one)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
     from mlx_vlm.models import gemma3
-    from tokenizers import AddedToken
 
-    from testkit.tiny_model import CHAT_TEMPLATE, _train_tokenizer
-
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer: Any = _train_tokenizer(2048)
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t in IMAGE_TOKENS])
-    tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
-        "clean_up_tokenization_spaces": False, "model_max_length": 4096,
-        "chat_template": CHAT_TEMPLATE,
+    tokenizer = _tokenizer(out, IMAGE_TOKENS, {
         "boi_token": IMAGE_TOKENS[0], "image_token": IMAGE_TOKENS[1],
-        "eoi_token": IMAGE_TOKENS[2],
-    }, indent=2))
+        "eoi_token": IMAGE_TOKENS[2]})
     eos = tokenizer.token_to_id("<|im_end|>")
     config = vlm_config(tokenizer.get_vocab_size(with_added_tokens=True), eos,
-                        tokenizer.token_to_id(IMAGE_TOKENS[1]))
+                        tokenizer.token_to_id(IMAGE_TOKENS[1]), **sizes)
     mx.random.seed(seed)
     model = gemma3.Model(model_config(config))
     # As in tiny_model: larger weights give varied greedy continuations; the embedding,
@@ -104,14 +95,80 @@ def build_tiny_vlm(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -> Pa
     return out
 
 
-def model_config(config: dict[str, Any]) -> Any:
-    """mlx-vlm's Gemma 3 config object (its sub-configs built too, as its loader does)."""
-    from mlx_vlm.models import gemma3
+def _tokenizer(out: Path, image_tokens: Sequence[str], config: dict[str, Any]) -> Any:
+    """The tiny model's tokenizer with ``image_tokens`` added, saved to ``out``."""
+    from tokenizers import AddedToken
 
-    built = gemma3.ModelConfig.from_dict(config)
-    built.text_config = gemma3.TextConfig.from_dict(config["text_config"])
-    built.vision_config = gemma3.VisionConfig.from_dict(config["vision_config"])
+    from testkit.tiny_model import CHAT_TEMPLATE, _train_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer: Any = _train_tokenizer(2048)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t in image_tokens])
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
+        "clean_up_tokenization_spaces": False, "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE, **config}, indent=2))
+    return tokenizer
+
+
+def model_config(config: dict[str, Any]) -> Any:
+    """mlx-vlm's config object for a family (its sub-configs built too, as its loader does)."""
+    import importlib
+
+    module = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
+    built = module.ModelConfig.from_dict(config)
+    built.text_config = module.TextConfig.from_dict(config["text_config"])
+    built.vision_config = module.VisionConfig.from_dict(config["vision_config"])
     return built
+
+
+MISTRAL3_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+
+
+def build_tiny_mistral3(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -> Path:
+    """A tiny Mistral 3 VLM (Pixtral's tower, 2x2 patch merging, a Mistral text model):
+    images keep their aspect ratio, up to 64 px on the longest edge, 16 px a token."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_vlm.models import mistral3
+
+    tokenizer = _tokenizer(out, MISTRAL3_TOKENS, {})
+    eos = tokenizer.token_to_id("<|im_end|>")
+    vocab = (tokenizer.get_vocab_size(with_added_tokens=True) + 63) // 64 * 64
+    config = {
+        "model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+        "image_token_index": tokenizer.token_to_id(MISTRAL3_TOKENS[0]),
+        "spatial_merge_size": 2, "vision_feature_layer": -1, "vocab_size": vocab,
+        "multimodal_projector_bias": False, "projector_hidden_act": "gelu",
+        "eos_token_id": eos, "torch_dtype": "float32",
+        "text_config": {
+            "model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 2,
+            "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 32, "rms_norm_eps": 1e-5, "vocab_size": vocab, "rope_theta": 1e6,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            "model_type": "pixtral", "hidden_size": 32, "num_hidden_layers": 2,
+            "intermediate_size": 64, "num_attention_heads": 2, "head_dim": 16,
+            "image_size": 64, "patch_size": 8, "rope_theta": 10000.0,
+        },
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "size": {"longest_edge": 64}, "patch_size": 8, "do_rescale": True,
+        "rescale_factor": 1 / 255, "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5]}))
+    mx.random.seed(seed)
+    model = mistral3.Model(model_config(config))
+    language = model.language_model
+    language.update(tree_map(lambda p: p * weight_scale if p.ndim == 2 else p,
+                             language.parameters()))
+    save_weights(out, dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return out
 
 
 def _tied(weights: dict[str, Any]) -> dict[str, Any]:
@@ -191,17 +248,18 @@ def fit_colour_namer(model_dir: Path, *, steps: int = 90,
         head = tokenizer.apply_chat_template(list(conversation), tokenize=False,
                                              add_generation_prompt=True)
         before, after = head.split("\x00")
-        ids = [*tokenizer.encode(before, add_special_tokens=False), *fmt.block_ids,
-               *tokenizer.encode(after, add_special_tokens=False)]
         rows, weights, pixels = [], [], []
         for name, rgb in COLOURS.items():
             answer = answers[name]
             for seed in range(2):
-                image = decoded_image(solid_image(rgb, noise=12, seed=seed + 10 * k), "fit")
+                image = fmt.read(decoded_image(solid_image(rgb, noise=12, seed=seed + 10 * k),
+                                               "fit"))  # Gemma 3: every image's block alike
+                ids = [*tokenizer.encode(before, add_special_tokens=False), *image.ids,
+                       *tokenizer.encode(after, add_special_tokens=False)]
                 rows.append(ids + answer + [end] * (width - len(answer)))
                 weights.append([0.0] * (len(ids) - 1) + [1.0] * len(answer)
                                + [0.0] * (width - len(answer)))
-                pixels.append(fmt.pixels(image))
+                pixels.append(image.pixels)
         full = mx.array(rows)
         batches.append((full[:, :-1], full[:, 1:], mx.array(np.stack(pixels)),
                         mx.array(weights)))
@@ -227,7 +285,8 @@ def fit_colour_namer(model_dir: Path, *, steps: int = 90,
 
 
 def vision_library_tokens(model_dir: Path, prompt_ids: Sequence[int],
-                          pixels: Sequence[Any], max_tokens: int) -> list[int]:
+                          pixels: Sequence[Any], max_tokens: int,
+                          extras: Sequence[dict[str, Any]] = ()) -> list[int]:
     """Greedy tokens of mlx-vlm's own single-request generation for the same prompt ids and
     pixel values (its ``generate_step``, with its own language model): the reference an
     image row of the engine must equal."""
@@ -238,11 +297,73 @@ def vision_library_tokens(model_dir: Path, prompt_ids: Sequence[int],
 
     model = load_model(Path(model_dir))
     ids = mx.array([list(prompt_ids)])
-    values = mx.array(np.stack(list(pixels))) if pixels else None
+    if pixels and pixels[0].ndim == 2:  # flattened patches (Qwen-VL): one after another
+        values = mx.array(np.concatenate(list(pixels)))
+    elif pixels:  # pictures of several sizes padded at the bottom and right, as batched
+        height = max(p.shape[1] for p in pixels)
+        width = max(p.shape[2] for p in pixels)
+        values = mx.array(np.stack([
+            np.pad(p, ((0, 0), (0, height - p.shape[1]), (0, width - p.shape[2])))
+            for p in pixels]))
+    else:
+        values = None
+    kwargs: dict[str, Any] = {}
+    for extra in extras:  # the tower's other inputs, one entry per image
+        for key, value in extra.items():
+            kwargs.setdefault(key, []).extend(value)
+    if "image_grid_thw" in kwargs:
+        kwargs["image_grid_thw"] = mx.array(kwargs["image_grid_thw"])
     out: list[int] = []
     for token, _ in generate_step(ids, model, values, mx.ones(ids.shape, mx.int32),
-                                  max_tokens=max_tokens, temperature=0.0):
+                                  max_tokens=max_tokens, temperature=0.0, **kwargs):
         out.append(int(token))
         if len(out) >= max_tokens:
             break
+    return out
+
+
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def build_tiny_qwen2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -> Path:
+    """A tiny Qwen2-VL (its patch tower with 2x2 merging, a Qwen2 text model with M-RoPE):
+    images resized to multiples of 28 px, 56x56 to 112x112, one token per 28 px square."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_vlm.models import qwen2_vl
+
+    tokenizer = _tokenizer(out, QWEN_VL_TOKENS, {})
+    eos = tokenizer.token_to_id("<|im_end|>")
+    vocab = (tokenizer.get_vocab_size(with_added_tokens=True) + 63) // 64 * 64
+    ids = {t: tokenizer.token_to_id(t) for t in QWEN_VL_TOKENS}
+    config = {
+        "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"],
+        "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 256,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-6,
+        "vocab_size": vocab, "rope_theta": 1e6, "max_position_embeddings": 4096,
+        "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
+        "tie_word_embeddings": False, "eos_token_id": eos, "bos_token_id": None,
+        "torch_dtype": "float32", "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_config": {
+            "model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": 64,
+            "num_heads": 2, "mlp_ratio": 2, "patch_size": 14, "spatial_patch_size": 14,
+            "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+        },
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "min_pixels": 56 * 56, "max_pixels": 112 * 112, "patch_size": 14, "merge_size": 2,
+        "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5]}))
+    mx.random.seed(seed)
+    built = qwen2_vl.ModelConfig.from_dict(dict(config))
+    built.text_config = qwen2_vl.TextConfig.from_dict(built.text_config)
+    built.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
+    model = qwen2_vl.Model(built)
+    language = model.language_model
+    language.update(tree_map(lambda p: p * weight_scale if p.ndim == 2 else p,
+                             language.parameters()))
+    save_weights(out, dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     return out

@@ -88,6 +88,20 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _built(_cache_root(tmp_path_factory) / "tiny-gemma3-vlm-v1", build_tiny_vlm)
 
 
+@pytest.fixture(scope="session", params=["gemma3", "mistral3", "qwen2_vl"])
+def family_vlm_dir(request: pytest.FixtureRequest,
+                   tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight VLM of each family whose images are read."""
+    _vision_stack()
+    from testkit import vision_model
+
+    builders = {"gemma3": vision_model.build_tiny_vlm,
+                "mistral3": vision_model.build_tiny_mistral3,
+                "qwen2_vl": vision_model.build_tiny_qwen2_vl}
+    name = "tiny-gemma3-vlm-v1" if request.param == "gemma3" else f"tiny-{request.param}-v1"
+    return _built(_cache_root(tmp_path_factory) / name, builders[request.param])
+
+
 @pytest.fixture(scope="session")
 def colour_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Gemma 3 VLM fitted to name an image's colour (about 30 s, built once)."""

@@ -3,6 +3,10 @@
 Every image of a family occupies the same token ids, so two prompts that differ only in
 their image look alike to a cache keyed on tokens: the bug of serving one request's image
 to another. Image rows are keyed with each image span replaced by ids of that image.
+
+Where images sit on a grid of positions (M-RoPE), an image row's cache is kept shifted to
+the positions of the text after its images (``vision_prefill``), the text before them
+included: its first token is keyed by that shift too, so a text row never resumes it.
 """
 
 from __future__ import annotations
@@ -21,4 +25,7 @@ def reuse_key(tokens: list[int], images: tuple[Any, ...]) -> list[int]:
         base = int(image.key[:10], 16) << 20
         for j in range(image.start, min(image.start + image.length, len(keyed))):
             keyed[j] = -1 - (base + j - image.start)
+    shift = sum(image.positions - image.length for image in images)
+    if shift and keyed:
+        keyed[0] = -(1 << 61) - (shift & 0xFFFFFFFF)  # below every image id above
     return keyed

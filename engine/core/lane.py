@@ -44,6 +44,12 @@ class LaneRow:
         """Where the prompt's last image span ends (0: no image)."""
         return max((image.start + image.length for image in self.images), default=0)
 
+    @property
+    def position_shift(self) -> int:
+        """How far the text after the images is from its index in positions: nonzero
+        where images sit on a grid of positions (M-RoPE)."""
+        return sum(image.positions - image.length for image in self.images)
+
 
 @dataclass(frozen=True)
 class RowToken:

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.requests.inbound.prompts import PromptImage
-from engine.requests.inbound.vision_formats import VisionFormat
+from engine.requests.inbound.vision_formats import GRID_POSITIONS, VisionFormat
 
 
 @dataclass
@@ -92,18 +92,22 @@ class VisionTower:
         vlm = load_model(Path(path), lazy=True)
         embed = _text_embedding(text_model)
         language = vlm.language_model
-        # Only the embedding of the vision library's language model is used: the text
-        # model's own, so the other weights are never read from disk.
         inner = getattr(language, "model", language)
+        self.grid_positions = fmt.family in GRID_POSITIONS
+        if self.grid_positions:
+            # An image row's prefill runs through the vision library's language model,
+            # which places image tokens on their grid of positions: the text model's own
+            # weights, shared (its layers read nothing from disk).
+            _share_weights(language, _text_language(text_model))
+            self._rope = text_model.layers[0].self_attn.rope
+        else:  # only its embedding is used: the text model's own
+            inner.layers = []
         inner.embed_tokens = embed
-        inner.layers = []
+        self._text_model = text_model
         self._vlm = vlm
         self.embed = embed
         self.format = fmt
         self._stream = stream
-        block = np.array(fmt.block_ids)
-        self._block = mx.array(block[None])
-        self._image_rows = mx.array(np.flatnonzero(block == fmt.image_token).astype(np.int32))
         towers = [module for name, module in vlm.children().items()
                   if name != "language_model"]
         with mx.stream(stream):
@@ -114,18 +118,24 @@ class VisionTower:
         self.counts = VisionCounts()
 
     def features(self, image: PromptImage) -> mx.array:
-        """(image tokens, hidden) embeddings for ``image``'s span; evaluated."""
+        """(span length, hidden) embeddings of ``image``'s span: the tower's features at its
+        image tokens, the family's own embeddings between them (row breaks); evaluated."""
         found = self.cache.get(image.key)
         if found is not None:
             self.counts.feature_hits += 1
             return found
         started = time.perf_counter()
         with mx.stream(self._stream):
-            pixels = mx.array(image.pixels[None])
-            out = self._vlm.get_input_embeddings(self._block, pixels,
-                                                 mask=mx.ones(self._block.shape, mx.int32))
+            # Flattened patches (Qwen-VL) are one image already; a picture needs its batch.
+            pixels = mx.array(image.pixels[None] if image.pixels.ndim == 3 else image.pixels)
+            block = mx.array([list(image.block)])
+            extra = {k: mx.array(v) if k in _ARRAY_INPUTS else v
+                     for k, v in image.extra.items()}
+            out = self._vlm.get_input_embeddings(block, pixels,
+                                                 mask=mx.ones(block.shape, mx.int32),
+                                                 **extra)
             embeds = getattr(out, "inputs_embeds", out)
-            features: mx.array = embeds[0][self._image_rows]
+            features: mx.array = embeds[0, image.first:image.first + image.length]
             mx.eval(features)
         self.counts.images += 1
         self.counts.vision_seconds += time.perf_counter() - started
@@ -148,6 +158,56 @@ class VisionTower:
         if at < end:
             pieces.append(self.embed(mx.array(prompt[at:end])))
         return mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+
+
+    def prefill(self, cache: list[Any], ids: list[int], embeds: mx.array,
+                positions: np.ndarray | None) -> None:
+        """Run ``ids`` (their ``embeds``) into ``cache``; ``positions`` (3, n) places them on
+        the grid (M-RoPE families), else they follow the cache's offset. Evaluated."""
+        inputs = mx.array([ids])
+        if positions is None:
+            self._text_model(inputs, cache=cache, input_embeddings=embeds[None])
+        else:
+            self._vlm.language_model(inputs, inputs_embeds=embeds[None], cache=cache,
+                                     position_ids=mx.array(positions[:, None, :]))
+        mx.eval([layer.state for layer in cache])
+
+    def shift_positions(self, cache: list[Any], shift: int) -> None:
+        """Rotate every cached key by ``-shift`` positions: the cache then holds the prompt as
+        if each token sat ``shift`` positions earlier, so the text after the images decodes
+        at the cache's own offsets (RoPE rotations compose)."""
+        if not shift:
+            return
+        for layer in cache:
+            held = layer.offset
+            keys = layer.keys[..., :held, :]
+            b, h, n, d = keys.shape
+            turned = self._rope(keys.reshape(b, h, n, 1, d), offset=-shift).reshape(b, h, n, d)
+            layer.keys[..., :held, :] = turned
+        mx.eval([layer.state for layer in cache])
+
+
+# The tower inputs mlx-vlm reads as arrays (the others as Python values).
+_ARRAY_INPUTS = frozenset({"image_grid_thw"})
+
+
+def _share_weights(target: Any, source: Any) -> None:
+    """Give ``target`` ``source``'s arrays under the names both have; every weight of
+    ``target`` must be found (none left as initialised)."""
+    from mlx.utils import tree_unflatten
+
+    theirs = dict(_flat(source.parameters()))
+    ours = dict(_flat(target.parameters()))
+    missing = sorted(k for k in ours if k not in theirs)
+    if missing:
+        raise ValueError(f"the text model has no weights for the vision library's "
+                         f"{missing[:3]}")
+    target.update(tree_unflatten([(k, theirs[k]) for k in ours]))
+
+
+def _text_language(model: Any) -> Any:
+    """The text model's language model (mlx-lm's VLM wrappers nest it)."""
+    return getattr(model, "language_model", model)
 
 
 def _flat(tree: Any) -> list[tuple[str, mx.array]]:

@@ -9,6 +9,12 @@ with the others. Text rows beside it are untouched: its cache is its own until i
 The work is spread over the lane's steps, one unit a step (an image's tower forward, or
 one prefill chunk), first come first served, so the decoding rows keep their pace while
 an image row prefills. Cancelling a row drops its job, features and cache at once.
+
+Where a family places image tokens on a grid of positions (M-RoPE: Qwen-VL), the text
+after the images sits ``LaneRow.position_shift`` positions away from its index, which the
+batch's offsets cannot say. The row is prefilled at its grid positions, and then its cached
+keys are turned back by that shift, so every later token, prefilled or decoded in the
+batch, is at its own offset: the same attention as at its true position.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.device.batch_row import BatchRow
@@ -31,6 +38,8 @@ class VisionJob:
     cache: list[Any]
     done: int
     features: dict[str, mx.array] = field(default_factory=dict)
+    frame: int = 0  # positions the cache's keys are turned back by (M-RoPE)
+    positions: np.ndarray | None = None  # (3, prompt) grid positions (M-RoPE)
 
     @property
     def end(self) -> int:
@@ -57,7 +66,12 @@ class VisionPrefill:
         """Queue ``row``, resuming ``cache`` (which holds ``prompt[:done]``) if given."""
         if cache is None:
             cache, done = make_prompt_cache(self._model, self._max_kv_size), 0
-        self._jobs[row.request_id] = VisionJob(row, cache, done)
+        job = VisionJob(row, cache, done)
+        if self.tower.grid_positions:
+            job.positions = grid_positions(len(row.prompt), row.row.images)
+            # A resumed cache came from a row keyed by the same shift (``image_keys``).
+            job.frame = row.row.position_shift if done else 0
+        self._jobs[row.request_id] = job
 
     def drop(self, request_id: int) -> bool:
         """Forget a row's job (cancelled or failed): its features and cache go with it."""
@@ -93,13 +107,37 @@ class VisionPrefill:
         if end > job.done:
             embeds = self.tower.embeddings(row.prompt, job.done, end, row.images,
                                            job.features)
+            positions = (None if job.positions is None
+                         else job.positions[:, job.done:end] - job.frame)
             with mx.stream(self._stream):
-                self._model(mx.array([row.prompt[job.done:end]]), cache=job.cache,
-                            input_embeddings=embeds[None])
-                mx.eval([layer.state for layer in job.cache])
+                self.tower.prefill(job.cache, row.prompt[job.done:end], embeds, positions)
             job.done = end
         if job.done < job.end:
             return False
+        if job.positions is not None:
+            with mx.stream(self._stream):
+                self.tower.shift_positions(job.cache, row.position_shift - job.frame)
         job.features.clear()
         return True
+
+
+def grid_positions(length: int, images: tuple[Any, ...]) -> np.ndarray:
+    """(3, length) M-RoPE positions (time, row, column) of a prompt: text tokens count up
+    on all three; an image's tokens share its first position in time and take their row
+    and column on its grid; the text after it resumes past the grid's longer side."""
+    positions = np.empty((3, length), np.int64)
+    at, next_position = 0, 0
+    for image in sorted(images, key=lambda i: i.start):
+        text = image.start - at
+        positions[:, at:image.start] = np.arange(next_position, next_position + text)
+        next_position += text
+        rows, columns = image.grid
+        index = np.arange(image.length)
+        positions[0, image.start:image.start + image.length] = next_position
+        positions[1, image.start:image.start + image.length] = next_position + index // columns
+        positions[2, image.start:image.start + image.length] = next_position + index % columns
+        next_position += max(rows, columns)
+        at = image.start + image.length
+    positions[:, at:] = np.arange(next_position, next_position + length - at)
+    return positions
 

@@ -9,7 +9,7 @@ No model, no mlx.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +70,26 @@ def with_system_in_first_user_turn(messages: list[ChatMessage]) -> list[ChatMess
 class PromptImage:
     """An image of a prompt: its pixels as the tower reads them, where its tokens are.
 
-    ``start``/``length``: the span of its image tokens in the prompt ids, whose embeddings
-    the vision features replace. ``key``: the image's hash and its preprocessing (the
-    feature cache's key, and what prefix reuse tells images apart by)."""
+    ``start``/``length``: the span from its first image token to its last in the prompt
+    ids (a family's row breaks inside it included), whose embeddings the vision side
+    computes. ``key``: the image's hash and its preprocessing (the feature cache's key, and
+    what prefix reuse tells images apart by). ``block``: the image's whole token block,
+    the span at ``first`` in it; ``extra``: the tower's inputs besides the pixels."""
 
     start: int
     length: int
     key: str
     pixels: Any  # numpy float32 (channels, height, width)
+    block: tuple[int, ...] = ()
+    first: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    grid: tuple[int, int] | None = None  # M-RoPE families: its span's (rows, columns)
+
+    @property
+    def positions(self) -> int:
+        """Positions its span advances the text by: its length, or on a grid of positions
+        (M-RoPE) the grid's longer side."""
+        return self.length if self.grid is None else max(self.grid)
 
 
 @dataclass(frozen=True)
@@ -187,15 +199,17 @@ class PromptRenderer:
                 images[0].at)
         vision = self.vision
         assert vision is not None
-        block = list(vision.block_ids)
-        first = block.index(vision.image_token)
         ids: list[int] = []
         placed = []
         for piece, image in zip(pieces, images):
             ids.extend(encode(piece, add_special_tokens=False) if piece else ())
-            placed.append(PromptImage(len(ids) + first, vision.image_tokens,
-                                      f"{image.digest}:{vision.key}", vision.pixels(image)))
-            ids.extend(block)
+            tokens = vision.read(image)
+            marks = [k for k, t in enumerate(tokens.ids) if t == vision.image_token]
+            first, last = marks[0], marks[-1]
+            placed.append(PromptImage(len(ids) + first, last - first + 1,
+                                      f"{image.digest}:{vision.key}", tokens.pixels,
+                                      tokens.ids, first, tokens.extra, tokens.grid))
+            ids.extend(tokens.ids)
         if pieces[-1]:
             ids.extend(encode(pieces[-1], add_special_tokens=False))
         return ids, tuple(placed)

@@ -1,22 +1,36 @@
 """How a vision-language model family reads an image: the tokens it takes, the pixels it wants.
 
 A ``VisionFormat`` is everything the prompt side needs, read from the checkpoint's
-``config.json`` (and ``preprocessor_config.json`` where present) and its tokenizer: the token
-block one image occupies in the prompt (its image tokens are where the vision features go),
-and the preprocessing that turns an image into the tower's pixel values. The tower itself
-runs in ``engine.device.vision``. No mlx here (numpy and Pillow).
+``config.json`` (and ``preprocessor_config.json`` where present) and its tokenizer: for
+each image, the token block it occupies in the prompt (where its image tokens are, the
+vision features go) and the pixel values the tower reads, with whatever else the tower
+needs (``extra``: an image's size, a patch grid). The tower itself runs in
+``engine.device.vision``. No mlx here (numpy and Pillow).
 
-Families: Gemma 3 (SigLIP at a fixed square size, ``mm_tokens_per_image`` soft tokens between
-``<start_of_image>`` and ``<end_of_image>``, each block set off by blank lines as Gemma 3's
-processor writes it). Other vision checkpoints are loaded for text, and their images are
-refused with ``UNSUPPORTED`` naming the family.
+Families (``FORMATS``):
+
+- Gemma 3: SigLIP at a fixed square size; ``mm_tokens_per_image`` soft tokens between
+  ``<start_of_image>`` and ``<end_of_image>``, set off by blank lines, as its processor
+  writes them.
+- Mistral 3 (Pixtral's tower): any aspect ratio, the longest edge at most the processor's
+  size, in patches of ``patch_size * spatial_merge_size``; one ``[IMG]`` per merged patch,
+  row by row, rows separated by ``[IMG_BREAK]``, the last closed by ``[IMG_END]``.
+- Qwen2-VL / Qwen2.5-VL: "smart resize" to multiples of 28 px within a pixel budget,
+  14 px patches flattened with their temporal copy, one ``<|image_pad|>`` per 2x2 merged
+  patch between ``<|vision_start|>`` and ``<|vision_end|>``. Its text model places an
+  image's tokens on a grid (M-RoPE): ``ImageTokens.grid``.
+
+Other vision checkpoints are loaded for text, and their images are refused with
+``UnsupportedVision`` naming the family.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,39 +38,172 @@ import numpy as np
 
 from engine.requests.inbound.images import DecodedImage
 
-SUPPORTED = ("gemma3",)
-
 
 @dataclass(frozen=True)
-class VisionFormat:
+class ImageTokens:
+    """One image as the model reads it: its prompt tokens, pixel values and tower inputs."""
+
+    ids: tuple[int, ...]  # the block it occupies in the prompt
+    pixels: np.ndarray  # (channels, height, width) float32, or flattened patches
+    extra: Mapping[str, Any] = field(default_factory=dict)  # the tower's other inputs
+    # M-RoPE families: the (rows, columns) grid its image tokens take in position space.
+    grid: tuple[int, int] | None = None
+
+
+class VisionFormat(ABC):
     """One family's image tokens and preprocessing."""
 
     family: str
     image_token: int  # the token whose embeddings the vision features replace
-    block_ids: tuple[int, ...]  # what one image occupies in the prompt
-    image_size: int  # square side the tower reads
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
+
+    @property
+    @abstractmethod
+    def key(self) -> str:
+        """The preprocessing, as a feature-cache key's part: same key, same pixel values."""
+
+    @abstractmethod
+    def read(self, image: DecodedImage) -> ImageTokens:
+        """The image's tokens and pixel values."""
+
+
+def _normalised(image: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...],
+                rescale: float) -> np.ndarray:
+    """uint8 (height, width, 3) -> float32 (3, height, width), rescaled and normalised."""
+    values = image.astype(np.float32) * np.float32(rescale)
+    values = (values - np.array(mean, np.float32)) / np.array(std, np.float32)
+    return np.ascontiguousarray(values.transpose(2, 0, 1))
+
+
+def _resized(image: DecodedImage, width: int, height: int, resample: int) -> np.ndarray:
+    from PIL import Image
+
+    if image.size == (width, height):
+        return image.pixels
+    return np.asarray(Image.fromarray(image.pixels).resize((width, height), resample))
+
+
+@dataclass(frozen=True)
+class Gemma3Format(VisionFormat):
+    """Gemma 3: a fixed square, a fixed number of soft tokens."""
+
+    family: str
+    image_token: int
+    block_ids: tuple[int, ...]
+    image_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
     rescale: float = 1 / 255
 
     @property
-    def image_tokens(self) -> int:
-        return sum(1 for t in self.block_ids if t == self.image_token)
+    def key(self) -> str:
+        return f"{self.family}:{self.image_size}:{self.mean}:{self.std}:{self.rescale}"
+
+    def read(self, image: DecodedImage) -> ImageTokens:
+        side = self.image_size
+        resized = _resized(image, side, side, 2)  # PIL's BILINEAR, as Gemma 3's processor
+        return ImageTokens(self.block_ids, _normalised(resized, self.mean, self.std,
+                                                       self.rescale))
+
+
+@dataclass(frozen=True)
+class Mistral3Format(VisionFormat):
+    """Mistral 3 / Pixtral: the image's own aspect ratio, rows of merged patches."""
+
+    family: str
+    image_token: int
+    break_token: int
+    end_token: int
+    longest_edge: int
+    patch: int  # the tower's patch times the spatial merge: one token's square of pixels
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    rescale: float = 1 / 255
 
     @property
     def key(self) -> str:
-        """The preprocessing, as a feature-cache key's part: same key, same pixel values."""
-        return f"{self.family}:{self.image_size}:{self.mean}:{self.std}:{self.rescale}"
+        return (f"{self.family}:{self.longest_edge}:{self.patch}:{self.mean}:{self.std}:"
+                f"{self.rescale}")
 
-    def pixels(self, image: DecodedImage) -> np.ndarray:
-        """The tower's input: (3, size, size) float32, resized bilinearly and normalised."""
-        from PIL import Image
+    def read(self, image: DecodedImage) -> ImageTokens:
+        width, height = image.size
+        ratio = max(height / self.longest_edge, width / self.longest_edge)
+        if ratio > 1:
+            height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+        rows = (height - 1) // self.patch + 1
+        columns = (width - 1) // self.patch + 1
+        resized = _resized(image, columns * self.patch, rows * self.patch, 3)  # BICUBIC
+        ids: list[int] = []
+        for row in range(rows):
+            ids += [self.image_token] * columns
+            ids.append(self.break_token if row < rows - 1 else self.end_token)
+        pixels = _normalised(resized, self.mean, self.std, self.rescale)
+        return ImageTokens(tuple(ids), pixels,
+                           {"image_sizes": [(rows * self.patch, columns * self.patch)]})
 
-        side = self.image_size
-        resized = Image.fromarray(image.pixels).resize((side, side), Image.Resampling.BILINEAR)
-        values = np.asarray(resized, dtype=np.float32) * np.float32(self.rescale)
-        values = (values - np.array(self.mean, np.float32)) / np.array(self.std, np.float32)
-        return np.ascontiguousarray(values.transpose(2, 0, 1))
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int,
+                 max_pixels: int) -> tuple[int, int]:
+    """Qwen-VL's size rule: each side a multiple of ``factor``, the area within bounds."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"an image of {width}x{height}: the aspect ratio must be under 200")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class QwenVLFormat(VisionFormat):
+    """Qwen2-VL: flattened patches on a grid, one pad token per merged patch."""
+
+    family: str
+    image_token: int
+    start_token: int
+    end_token: int
+    patch: int
+    merge: int
+    temporal: int
+    min_pixels: int
+    max_pixels: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    rescale: float = 1 / 255
+
+    @property
+    def key(self) -> str:
+        return (f"{self.family}:{self.patch}:{self.merge}:{self.temporal}:{self.min_pixels}:"
+                f"{self.max_pixels}:{self.mean}:{self.std}:{self.rescale}")
+
+    def read(self, image: DecodedImage) -> ImageTokens:
+        width, height = image.size
+        try:
+            height, width = smart_resize(height, width, self.patch * self.merge,
+                                         self.min_pixels, self.max_pixels)
+        except ValueError as exc:
+            from engine.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"{image.at}: {exc}", image.at) from exc
+        values = _normalised(_resized(image, width, height, 3), self.mean, self.std,
+                             self.rescale)  # BICUBIC, as its processor
+        rows, columns = height // self.patch, width // self.patch
+        ps, ms, channels = self.patch, self.merge, values.shape[0]
+        frames = np.repeat(values[None, None], self.temporal, axis=1)  # a still image, twice
+        patches = frames.reshape(1, 1, self.temporal, channels, rows // ms, ms, ps,
+                                 columns // ms, ms, ps)
+        patches = patches.transpose(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+        flat = np.ascontiguousarray(patches.reshape(
+            rows * columns, channels * self.temporal * ps * ps))
+        count = rows * columns // (ms * ms)
+        return ImageTokens((self.start_token, *([self.image_token] * count), self.end_token),
+                           flat, {"image_grid_thw": [[1, rows, columns]]},
+                           (rows // ms, columns // ms))
 
 
 class UnsupportedVision(Exception):
@@ -68,18 +215,8 @@ def is_vision_config(config: Mapping[str, Any]) -> bool:
     return isinstance(config.get("vision_config"), Mapping)
 
 
-def vision_format(config: Mapping[str, Any], tokenizer: Any,
-                  model_path: Path | None = None) -> VisionFormat | None:
-    """The checkpoint's format; None for a text-only model. Raises ``UnsupportedVision``
-    for a vision checkpoint of a family not in ``SUPPORTED``."""
-    if not is_vision_config(config):
-        return None
-    family = str(config.get("model_type"))
-    if family not in SUPPORTED:
-        raise UnsupportedVision(f"the model's family {family!r} has a vision tower, but "
-                                f"its images are not read yet (families that take images: "
-                                f"{', '.join(SUPPORTED)}); send text only")
-    processor = _preprocessor(model_path)
+def _gemma3(config: Mapping[str, Any], tokenizer: Any,
+            processor: Mapping[str, Any]) -> VisionFormat:
     vision = config["vision_config"]
     image_token = int(config.get("image_token_index", 262144))
     boi = int(config.get("boi_token_index", 255999))
@@ -88,13 +225,86 @@ def vision_format(config: Mapping[str, Any], tokenizer: Any,
                            config.get("text_config", {}).get("mm_tokens_per_image", 256)))
     blank = list(tokenizer.encode("\n\n", add_special_tokens=False))
     block = (*blank, boi, *([image_token] * count), eoi, *blank)
-    size = processor.get("size", {})
-    side = int(size.get("height", vision.get("image_size", 896))
-               if isinstance(size, Mapping) else vision.get("image_size", 896))
-    mean = tuple(float(v) for v in processor.get("image_mean", (0.5, 0.5, 0.5)))
-    std = tuple(float(v) for v in processor.get("image_std", (0.5, 0.5, 0.5)))
-    return VisionFormat(family, image_token, block, side, mean, std,  # type: ignore[arg-type]
+    size = processor.get("size")
+    side = int(size.get("height", vision.get("image_size", 896)) if isinstance(size, Mapping)
+               else vision.get("image_size", 896))
+    return Gemma3Format("gemma3", image_token, block, side, *_mean_std(processor, 0.5, 0.5),
                         float(processor.get("rescale_factor", 1 / 255)))
+
+
+# CLIP's statistics: Pixtral's processor defaults.
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def _mistral3(config: Mapping[str, Any], tokenizer: Any,
+              processor: Mapping[str, Any]) -> VisionFormat:
+    vision = config["vision_config"]
+    image_token = int(config.get("image_token_index", config.get("image_token_id", 10)))
+    size = processor.get("size")
+    edge = int(size.get("longest_edge", vision.get("image_size", 1024))
+               if isinstance(size, Mapping) else vision.get("image_size", 1024))
+    merge = int(config.get("spatial_merge_size", 2))
+    patch = int(vision.get("patch_size", 14)) * merge
+    mean = tuple(float(v) for v in processor.get("image_mean", _CLIP_MEAN))
+    std = tuple(float(v) for v in processor.get("image_std", _CLIP_STD))
+    return Mistral3Format("mistral3", image_token, _token_id(tokenizer, "[IMG_BREAK]"),
+                          _token_id(tokenizer, "[IMG_END]"), edge, patch, mean, std,
+                          float(processor.get("rescale_factor", 1 / 255)))
+
+
+def _token_id(tokenizer: Any, token: str) -> int:
+    found = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(found, int) or found == getattr(tokenizer, "unk_token_id", None):
+        raise UnsupportedVision(f"the tokenizer has no {token} token, which the family's "
+                                "image blocks need")
+    return found
+
+
+def _mean_std(processor: Mapping[str, Any], mean: float, std: float,
+              ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    return (tuple(float(v) for v in processor.get("image_mean", (mean,) * 3)),
+            tuple(float(v) for v in processor.get("image_std", (std,) * 3)))
+
+
+def _qwen2_vl(config: Mapping[str, Any], tokenizer: Any,
+              processor: Mapping[str, Any]) -> VisionFormat:
+    vision = config["vision_config"]
+    patch = int(processor.get("patch_size", vision.get("patch_size", 14)))
+    merge = int(processor.get("merge_size", vision.get("spatial_merge_size", 2)))
+    mean = tuple(float(v) for v in processor.get("image_mean", _CLIP_MEAN))
+    std = tuple(float(v) for v in processor.get("image_std", _CLIP_STD))
+    return QwenVLFormat(
+        str(config.get("model_type")),
+        int(config.get("image_token_id", _token_id(tokenizer, "<|image_pad|>"))),
+        int(config.get("vision_start_token_id", _token_id(tokenizer, "<|vision_start|>"))),
+        _token_id(tokenizer, "<|vision_end|>"), patch, merge,
+        int(processor.get("temporal_patch_size", vision.get("temporal_patch_size", 2))),
+        int(processor.get("min_pixels", 56 * 56)),
+        int(processor.get("max_pixels", 28 * 28 * 1280)), mean, std,
+        float(processor.get("rescale_factor", 1 / 255)))
+
+
+FORMATS: dict[str, Callable[[Mapping[str, Any], Any, Mapping[str, Any]], VisionFormat]] = {
+    "gemma3": _gemma3, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl}
+# Families whose text model places image tokens on a grid of positions (M-RoPE).
+GRID_POSITIONS = frozenset({"qwen2_vl"})
+SUPPORTED = tuple(FORMATS)
+
+
+def vision_format(config: Mapping[str, Any], tokenizer: Any,
+                  model_path: Path | None = None) -> VisionFormat | None:
+    """The checkpoint's format; None for a text-only model. Raises ``UnsupportedVision``
+    for a vision checkpoint of a family not in ``FORMATS``."""
+    if not is_vision_config(config):
+        return None
+    family = str(config.get("model_type"))
+    build = FORMATS.get(family)
+    if build is None:
+        raise UnsupportedVision(f"the model's family {family!r} has a vision tower, but "
+                                f"its images are not read yet (families that take images: "
+                                f"{', '.join(SUPPORTED)}); send text only")
+    return build(config, tokenizer, _preprocessor(model_path))
 
 
 def _preprocessor(model_path: Path | None) -> dict[str, Any]:

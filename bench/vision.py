@@ -1,0 +1,174 @@
+"""Image rows in the batch: the tower's cost, TTFT alone and beside decoding text rows, what
+an image row's prefill costs the text rows, and a second turn over the same image.
+
+On a small random-weight Gemma 3 VLM built offline (``testkit.vision_model``: a SigLIP
+tower at 224 px, 256 patches pooled to 64 image tokens, a 4-layer text model), so the
+figures are the engine's and this machine's, not a real checkpoint's. Prints:
+
+- the tower and projector per image (``stats().vision_seconds`` / images);
+- an image row's time to first token alone, and beside ``--rows`` text rows decoding;
+- the text rows' tokens/s while the image row prefills against the same rows just
+  before it arrived (goal: >= 0.9);
+- a conversation's second turn over the same image: TTFT with reuse (feature LRU and
+  prefix cache) against an engine with both off (goal: >= 5x lower).
+
+    python bench/vision.py [--rows 15] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import engine  # noqa: F401 - loads the fast BLAS before mlx
+from engine import ChatRequest, Engine, EngineConfig, SamplingParams, blas_info
+from testkit.vision_model import build_tiny_vlm, solid_image
+
+BENCH_SIZES = dict(hidden=256, layers=4, image_size=224, patch=14, tokens_per_image=64,
+                   vision_hidden=192, vision_layers=4)
+
+
+def bench_model() -> Path:
+    root = Path.home() / ".cache" / "mlx-providers" / "bench" / "vlm-gemma3-bench-v1"
+    if not (root / "config.json").exists():
+        partial = root.with_name(root.name + ".tmp")
+        build_tiny_vlm(partial, **BENCH_SIZES)
+        partial.rename(root)
+    return root
+
+
+def image_message(seed: int, text: str = "Describe the picture.") -> list[dict[str, Any]]:
+    data = solid_image(((seed * 53) % 256, (seed * 97) % 256, (seed * 31) % 256), 320,
+                       noise=40, seed=seed)
+    url = f"data:image/png;base64,{base64.b64encode(data).decode()}"
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+class FirstToken:
+    """Seconds from ``start`` to a row's first token (the callback runs on the engine thread)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.done = threading.Event()
+
+    def __call__(self, token: int, text: str) -> bool:
+        if self.first is None:
+            self.first = time.perf_counter() - self.start
+            self.done.set()
+        return True
+
+
+def ttft(eng: Engine, messages: list[dict[str, Any]], tokens: int = 8) -> float:
+    timer = FirstToken()
+    eng.submit(ChatRequest.from_openai(messages, greedy(tokens)),
+               on_token=timer).result(timeout=600)
+    assert timer.first is not None
+    return timer.first
+
+
+def greedy(tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
+class TokenClock:
+    """Timestamps of every text row's tokens."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, token: int, text: str) -> bool:
+        self.times.append(time.perf_counter())
+        return True
+
+    def rate(self, start: float, end: float) -> float:
+        return sum(start <= t < end for t in self.times) / max(end - start, 1e-9)
+
+
+def beside_text_rows(eng: Engine, rows: int, seed: int) -> tuple[float, float, float]:
+    """(image TTFT beside decoding text rows, text tok/s before it, text tok/s during its
+    prefill)."""
+    clock = TokenClock()
+    texts = [eng.submit(ChatRequest.from_openai(
+        [{"role": "user", "content": f"Tell a long story about item {i}."}], greedy(400)),
+        on_token=clock) for i in range(rows)]
+    while len(clock.times) < rows * 8:  # every row decoding
+        time.sleep(0.01)
+    timer = FirstToken()
+    handle = eng.submit(ChatRequest.from_openai(image_message(seed), greedy(4)),
+                        on_token=timer)
+    timer.done.wait(600)
+    assert timer.first is not None
+    arrived, first = timer.start, timer.start + timer.first
+    window = first - arrived
+    before = clock.rate(arrived - window, arrived)
+    during = clock.rate(arrived, first)
+    handle.result(timeout=600)
+    for text in texts:
+        text.cancel()
+    for text in texts:
+        text.result(timeout=600)
+    return timer.first, before, during
+
+
+def second_turn(eng: Engine, seed: int) -> float:
+    first = image_message(seed, "What is in it?")
+    answer = eng.submit(ChatRequest.from_openai(first, greedy(12))).result(timeout=600)
+    follow = [*first, {"role": "assistant", "content": answer.text},
+              {"role": "user", "content": "Say more about it."}]
+    return ttft(eng, follow)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    model = bench_model()
+    print(f"model: {model.name} {BENCH_SIZES}; {blas_info()}")
+    eng = Engine(model, EngineConfig(max_batch=args.rows + 1)).start()
+    cold = Engine(model, EngineConfig(max_batch=args.rows + 1, prefix_cache_bytes=0,
+                                      vision_cache_bytes=0)).start()
+    try:
+        ttft(eng, image_message(10_000))  # warm-up: first shapes, first graphs
+        ttft(cold, image_message(10_001))
+        before = eng.stats()
+        alone = [ttft(eng, image_message(seed)) for seed in range(args.repeats)]
+        after = eng.stats()
+        per_image = ((after.vision_seconds - before.vision_seconds)
+                     / max(after.vision_images - before.vision_images, 1))
+        beside = [beside_text_rows(eng, args.rows, 100 + seed)
+                  for seed in range(args.repeats)]
+        reused = [second_turn(eng, 200 + seed) for seed in range(args.repeats)]
+        fresh = [second_turn(cold, 300 + seed) for seed in range(args.repeats)]
+    finally:
+        eng.close()
+        cold.close()
+    ratio = statistics.median(b[2] / b[1] for b in beside)
+    print()
+    print("| measure | value |")
+    print("|---|---:|")
+    print(f"| tower + projector per image | {per_image * 1e3:.1f} ms |")
+    print(f"| image row TTFT alone | {statistics.median(alone) * 1e3:.1f} ms |")
+    print(f"| image row TTFT beside {args.rows} decoding text rows | "
+          f"{statistics.median(b[0] for b in beside) * 1e3:.1f} ms |")
+    print(f"| text rows' tok/s before the image row | "
+          f"{statistics.median(b[1] for b in beside):.1f} |")
+    print(f"| text rows' tok/s while it prefills | "
+          f"{statistics.median(b[2] for b in beside):.1f} |")
+    print(f"| ratio (goal >= 0.9) | {ratio:.2f} |")
+    print(f"| second turn TTFT, reuse off | {statistics.median(fresh) * 1e3:.1f} ms |")
+    print(f"| second turn TTFT, reuse on | {statistics.median(reused) * 1e3:.1f} ms |")
+    print(f"| second turn speed-up (goal >= 5x) | "
+          f"{statistics.median(fresh) / statistics.median(reused):.1f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
