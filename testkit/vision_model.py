@@ -343,7 +343,8 @@ def build_tiny_qwen2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) 
         "vocab_size": vocab, "rope_theta": 1e6, "max_position_embeddings": 4096,
         "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
         "tie_word_embeddings": False, "eos_token_id": eos, "bos_token_id": None,
-        "torch_dtype": "float32", "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "torch_dtype": "float32", "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_config": {
             "model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": 64,

@@ -128,7 +128,7 @@ class Mistral3Format(VisionFormat):
         width, height = image.size
         ratio = max(height / self.longest_edge, width / self.longest_edge)
         if ratio > 1:
-            height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+            height, width = math.floor(height / ratio), math.floor(width / ratio)
         rows = (height - 1) // self.patch + 1
         columns = (width - 1) // self.patch + 1
         resized = _resized(image, columns * self.patch, rows * self.patch, 3)  # BICUBIC
