@@ -118,7 +118,8 @@ def model_config(config: dict[str, Any]) -> Any:
     """mlx-vlm's config object for a family (its sub-configs built too, as its loader does)."""
     import importlib
 
-    module = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
+    family = str(config["model_type"]).replace("-", "_")
+    module = importlib.import_module(f"mlx_vlm.models.{family}")
     built = module.ModelConfig.from_dict(config)
     built.text_config = module.TextConfig.from_dict(config["text_config"])
     built.vision_config = module.VisionConfig.from_dict(config["vision_config"])
@@ -297,22 +298,23 @@ def vision_library_tokens(model_dir: Path, prompt_ids: Sequence[int],
 
     model = load_model(Path(model_dir))
     ids = mx.array([list(prompt_ids)])
-    if pixels and pixels[0].ndim == 2:  # flattened patches (Qwen-VL): one after another
-        values = mx.array(np.concatenate(list(pixels)))
-    elif pixels:  # pictures of several sizes padded at the bottom and right, as batched
-        height = max(p.shape[1] for p in pixels)
-        width = max(p.shape[2] for p in pixels)
-        values = mx.array(np.stack([
-            np.pad(p, ((0, 0), (0, height - p.shape[1]), (0, width - p.shape[2])))
+    if pixels and pixels[0].ndim == 4:  # pictures, padded at the bottom and right
+        height = max(p.shape[2] for p in pixels)
+        width = max(p.shape[3] for p in pixels)
+        values = mx.array(np.concatenate([
+            np.pad(p, ((0, 0), (0, 0), (0, height - p.shape[2]), (0, width - p.shape[3])))
             for p in pixels]))
+    elif pixels:  # patches or views: one image's after another's
+        values = mx.array(np.concatenate(list(pixels)))
     else:
         values = None
     kwargs: dict[str, Any] = {}
     for extra in extras:  # the tower's other inputs, one entry per image
         for key, value in extra.items():
-            kwargs.setdefault(key, []).extend(value)
-    if "image_grid_thw" in kwargs:
-        kwargs["image_grid_thw"] = mx.array(kwargs["image_grid_thw"])
+            kwargs.setdefault(key, []).extend(list(value))
+    for key in ("image_grid_thw", "pixel_attention_mask", "spatial_shapes"):
+        if key in kwargs:
+            kwargs[key] = mx.array(np.array(kwargs[key]))
     out: list[int] = []
     for token, _ in generate_step(ids, model, values, mx.ones(ids.shape, mx.int32),
                                   max_tokens=max_tokens, temperature=0.0, **kwargs):
@@ -361,6 +363,62 @@ def build_tiny_qwen2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) 
     built.text_config = qwen2_vl.TextConfig.from_dict(built.text_config)
     built.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
     model = qwen2_vl.Model(built)
+    language = model.language_model
+    language.update(tree_map(lambda p: p * weight_scale if p.ndim == 2 else p,
+                             language.parameters()))
+    save_weights(out, dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return out
+
+
+LFM2_VL_TOKENS = ("<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>",
+                  *(f"<|img_row_{r}_col_{c}|>" for r in range(1, 11) for c in range(1, 11)
+                    if r * c <= 10))
+
+
+def build_tiny_lfm2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -> Path:
+    """A tiny LFM2-VL (a SigLIP2 tower on packed 16 px patches, pixel-unshuffle by 2, an
+    LFM2 text model of a conv and an attention layer): 4 to 16 tokens a view, images over
+    about 180x180 px in 64 px tiles and a thumbnail."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_vlm.models import lfm2_vl
+
+    tokenizer = _tokenizer(out, LFM2_VL_TOKENS, {})
+    eos = tokenizer.token_to_id("<|im_end|>")
+    vocab = (tokenizer.get_vocab_size(with_added_tokens=True) + 63) // 64 * 64
+    layout = {"encoder_patch_size": 16, "downsample_factor": 2, "min_image_tokens": 4,
+              "max_image_tokens": 16, "tile_size": 64, "max_num_patches": 64,
+              "max_pixels_tolerance": 2.0}
+    config = {
+        "model_type": "lfm2-vl", "architectures": ["Lfm2VlForConditionalGeneration"],
+        "image_token_index": tokenizer.token_to_id("<image>"), "eos_token_id": eos,
+        "projector_hidden_size": 64, "projector_bias": True, "vision_feature_layer": -1,
+        "do_image_splitting": True, "use_thumbnail": True, "torch_dtype": "float32",
+        **layout,
+        "text_config": {
+            "model_type": "lfm2", "hidden_size": 64, "num_hidden_layers": 2,
+            "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "vocab_size": vocab, "max_position_embeddings": 4096, "rope_theta": 1e6,
+            "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "block_dim": 64,
+            "block_ff_dim": 256, "block_auto_adjust_ff_dim": False, "conv_dim": 64,
+            "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0,
+            "conv_dim_out": 64, "layer_types": ["conv", "full_attention"],
+            "full_attn_idxs": [1], "tie_embedding": True, "tie_word_embeddings": True,
+        },
+        "vision_config": {
+            "model_type": "siglip2_vision_model", "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_channels": 3, "patch_size": 16, "num_patches": 64,
+            "layer_norm_eps": 1e-6, "vision_use_head": False,
+        },
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        **layout, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "rescale_factor": 1 / 255, "do_image_splitting": True, "use_thumbnail": True}))
+    mx.random.seed(seed)
+    model = lfm2_vl.Model(model_config(config))
     language = model.language_model
     language.update(tree_map(lambda p: p * weight_scale if p.ndim == 2 else p,
                              language.parameters()))

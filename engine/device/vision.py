@@ -126,8 +126,7 @@ class VisionTower:
             return found
         started = time.perf_counter()
         with mx.stream(self._stream):
-            # Flattened patches (Qwen-VL) are one image already; a picture needs its batch.
-            pixels = mx.array(image.pixels[None] if image.pixels.ndim == 3 else image.pixels)
+            pixels = mx.array(image.pixels)
             block = mx.array([list(image.block)])
             extra = {k: mx.array(v) if k in _ARRAY_INPUTS else v
                      for k, v in image.extra.items()}
@@ -188,7 +187,7 @@ class VisionTower:
 
 
 # The tower inputs mlx-vlm reads as arrays (the others as Python values).
-_ARRAY_INPUTS = frozenset({"image_grid_thw"})
+_ARRAY_INPUTS = frozenset({"image_grid_thw", "pixel_attention_mask", "spatial_shapes"})
 
 
 def _share_weights(target: Any, source: Any) -> None:

@@ -1,6 +1,7 @@
 """Image rows in the one batch, on tiny random-weight VLMs of each family (testkit.vision_model):
-Gemma 3 (a fixed block), Mistral 3 (rows of the image's own aspect ratio) and Qwen2-VL
-(image tokens on a grid of positions, M-RoPE).
+Gemma 3 (a fixed block), Mistral 3 (rows of the image's own aspect ratio), Qwen2-VL
+(image tokens on a grid of positions, M-RoPE) and LFM2-VL (tiles and a thumbnail for a
+large image, beside a hybrid conv and attention text model).
 
 The heart of it: an image row's tokens equal the same request alone and mlx-vlm's own
 single-request greedy generation; text rows beside it keep exactly their tokens; prefix
@@ -74,6 +75,7 @@ def test_image_rows_batched_equal_alone_and_the_vision_library(
                                               text="And this?"),
               asking(image_part(GREEN, size=(20, 70)), image_part(RED, seed=2),
                      text="Compare them."),
+              asking(image_part(BLUE, seed=4, size=(300, 200)), text="A large one."),
               [{"role": "user", "content": "Look:"}, {"role": "assistant", "content": "ok"},
                {"role": "user", "content": [image_part(BLUE, seed=3)]}]]
     texts = prompts_of_lengths(eng, [30, 70, 12], seed=3)
@@ -123,8 +125,10 @@ def test_prefix_reuse_never_serves_another_image(make_engine: Callable[..., Engi
     eng = vlm_engine(make_engine, tiny_vlm_dir)
     for rgb in (RED, BLUE, RED, BLUE):
         assert tokens(eng, asking(image_part(rgb)), params) == expected[rgb]
-    # Both images' prompts were stored; the text before the image was shared.
-    assert eng.stats().prefix_hits >= 3
+    # Both images' prompts were stored; the text before the image was shared (a model with
+    # recurrent layers resumes only whole stored prompts, so its repeats are not hits).
+    stats = eng.stats()
+    assert stats.prefix_hits >= 3 or "ArraysCache" in stats.cache_kinds
 
 
 def test_a_second_turn_over_the_same_image_skips_tower_and_prefill(

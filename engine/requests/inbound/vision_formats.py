@@ -19,6 +19,10 @@ Families (``FORMATS``):
   14 px patches flattened with their temporal copy, one ``<|image_pad|>`` per 2x2 merged
   patch between ``<|vision_start|>`` and ``<|vision_end|>``. Its text model places an
   image's tokens on a grid (M-RoPE): ``ImageTokens.grid``.
+- LFM2-VL: SigLIP2 patches of 16 px packed into rows, halved each way by pixel-unshuffle;
+  an image within the token budget is one view, a larger one 512 px tiles (each marked
+  ``<|img_row_r_col_c|>``) and a thumbnail, between ``<|image_start|>`` and
+  ``<|image_end|>``, as the official processor (and mlx-vlm's) lays them out.
 
 Other vision checkpoints are loaded for text, and their images are refused with
 ``UnsupportedVision`` naming the family.
@@ -44,7 +48,7 @@ class ImageTokens:
     """One image as the model reads it: its prompt tokens, pixel values and tower inputs."""
 
     ids: tuple[int, ...]  # the block it occupies in the prompt
-    pixels: np.ndarray  # (channels, height, width) float32, or flattened patches
+    pixels: np.ndarray  # the tower's input as it takes one image (float32)
     extra: Mapping[str, Any] = field(default_factory=dict)  # the tower's other inputs
     # M-RoPE families: the (rows, columns) grid its image tokens take in position space.
     grid: tuple[int, int] | None = None
@@ -102,7 +106,7 @@ class Gemma3Format(VisionFormat):
         side = self.image_size
         resized = _resized(image, side, side, 2)  # PIL's BILINEAR, as Gemma 3's processor
         return ImageTokens(self.block_ids, _normalised(resized, self.mean, self.std,
-                                                       self.rescale))
+                                                       self.rescale)[None])
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,7 @@ class Mistral3Format(VisionFormat):
         for row in range(rows):
             ids += [self.image_token] * columns
             ids.append(self.break_token if row < rows - 1 else self.end_token)
-        pixels = _normalised(resized, self.mean, self.std, self.rescale)
+        pixels = _normalised(resized, self.mean, self.std, self.rescale)[None]
         return ImageTokens(tuple(ids), pixels,
                            {"image_sizes": [(rows * self.patch, columns * self.patch)]})
 
@@ -204,6 +208,133 @@ class QwenVLFormat(VisionFormat):
         return ImageTokens((self.start_token, *([self.image_token] * count), self.end_token),
                            flat, {"image_grid_thw": [[1, rows, columns]]},
                            (rows // ms, columns // ms))
+
+
+@dataclass(frozen=True)
+class Lfm2VlFormat(VisionFormat):
+    """LFM2-VL: packed patch rows, one view or tiles and a thumbnail."""
+
+    family: str
+    image_token: int
+    start_token: int
+    end_token: int
+    thumbnail_token: int
+    tile_tokens: Mapping[tuple[int, int], int]  # (row, column) -> its marker token
+    patch: int = 16
+    downsample: int = 2
+    min_tokens: int = 64
+    max_tokens: int = 256
+    tile_size: int = 512
+    tolerance: float = 2.0
+    min_tiles: int = 2
+    max_tiles: int = 10
+    thumbnail: bool = True
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    rescale: float = 1 / 255
+    resample: int = 3  # BICUBIC
+
+    @property
+    def key(self) -> str:
+        return (f"{self.family}:{self.patch}:{self.downsample}:{self.min_tokens}:"
+                f"{self.max_tokens}:{self.tile_size}:{self.tolerance}:{self.min_tiles}:"
+                f"{self.max_tiles}:{self.thumbnail}:{self.mean}:{self.std}:{self.resample}")
+
+    @property
+    def max_patches(self) -> int:
+        return max(self.max_tokens * self.downsample ** 2, (self.tile_size // self.patch) ** 2)
+
+    def _tokens(self, rows: int, columns: int) -> int:
+        """Image tokens of a view of rows x columns patches (odd sides padded, as the
+        pixel-unshuffle does)."""
+        f = self.downsample
+        return ((rows + -rows % f) // f) * ((columns + -columns % f) // f)
+
+    def _single(self, height: int, width: int) -> tuple[int, int]:
+        factor = self.patch * self.downsample
+        low = self.min_tokens * factor ** 2
+        high = self.max_tokens * factor ** 2
+        h_bar = max(factor, round(height / factor) * factor)
+        w_bar = max(factor, round(width / factor) * factor)
+        if h_bar * w_bar > high:
+            beta = math.sqrt((height * width) / high)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif h_bar * w_bar < low:
+            beta = math.sqrt(low / (height * width))
+            h_bar = math.ceil(height * beta / factor) * factor
+            w_bar = math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
+    def _too_large(self, height: int, width: int) -> bool:
+        factor = self.patch * self.downsample
+        h_bar = max(self.patch, round(height / factor) * factor)
+        w_bar = max(self.patch, round(width / factor) * factor)
+        return h_bar * w_bar > self.max_tokens * factor ** 2 * self.tolerance
+
+    def _grid(self, height: int, width: int) -> tuple[int, int]:
+        """(columns, rows) of tiles nearest the image's aspect ratio; ties go to the grid
+        whose area the image fills more than half of."""
+        ratios = sorted({(w, h) for n in range(self.min_tiles, self.max_tiles + 1)
+                         for w in range(1, n + 1) for h in range(1, n + 1)
+                         if self.min_tiles <= w * h <= self.max_tiles},
+                        key=lambda r: r[0] * r[1])
+        aspect, best, best_diff = width / height, (1, 1), float("inf")
+        for ratio in ratios:
+            diff = abs(aspect - ratio[0] / ratio[1])
+            if diff < best_diff:
+                best_diff, best = diff, ratio
+            elif diff == best_diff and width * height > (
+                    0.5 * self.tile_size * self.tile_size * ratio[0] * ratio[1]):
+                best = ratio
+        return best
+
+    def _view(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+        """A view's packed patch rows (padded to ``max_patches``), their mask, its grid."""
+        values = _normalised(pixels, self.mean, self.std, self.rescale).transpose(1, 2, 0)
+        height, width, channels = values.shape
+        rows, columns, p = height // self.patch, width // self.patch, self.patch
+        patches = values[:rows * p, :columns * p].reshape(rows, p, columns, p, channels)
+        patches = patches.transpose(0, 2, 1, 3, 4).reshape(rows * columns, -1)
+        packed = np.zeros((self.max_patches, patches.shape[1]), np.float32)
+        packed[:len(patches)] = patches[:self.max_patches]
+        mask = np.zeros(self.max_patches, np.int32)
+        mask[:len(patches)] = 1
+        return packed, mask, (rows, columns)
+
+    def read(self, image: DecodedImage) -> ImageTokens:
+        from PIL import Image
+
+        width, height = image.size
+        single_h, single_w = self._single(height, width)
+        views: list[np.ndarray] = []
+        ids = [self.start_token]
+        if self._too_large(height, width):
+            columns, rows = self._grid(height, width)
+            side = self.tile_size
+            big = Image.fromarray(image.pixels).resize((side * columns, side * rows),
+                                                       self.resample)
+            per_tile = self._tokens(side // self.patch, side // self.patch)
+            for row in range(rows):
+                for column in range(columns):
+                    tile = big.crop((column * side, row * side, (column + 1) * side,
+                                     (row + 1) * side))
+                    views.append(np.asarray(tile))
+                    ids += [self.tile_tokens[(row + 1, column + 1)],
+                            *([self.image_token] * per_tile)]
+            if self.thumbnail and rows * columns > 1:
+                views.append(_resized(image, single_w, single_h, self.resample))
+                ids += [self.thumbnail_token, *([self.image_token] * self._tokens(
+                    single_h // self.patch, single_w // self.patch))]
+        else:
+            views.append(_resized(image, single_w, single_h, self.resample))
+            ids += [self.image_token] * self._tokens(single_h // self.patch,
+                                                     single_w // self.patch)
+        ids.append(self.end_token)
+        packed = [self._view(view) for view in views]
+        return ImageTokens(tuple(ids), np.stack([p[0] for p in packed]), {
+            "pixel_attention_mask": np.stack([p[1] for p in packed]),
+            "spatial_shapes": np.array([p[2] for p in packed], np.int32)})
 
 
 class UnsupportedVision(Exception):
@@ -285,8 +416,34 @@ def _qwen2_vl(config: Mapping[str, Any], tokenizer: Any,
         float(processor.get("rescale_factor", 1 / 255)))
 
 
+def _lfm2_vl(config: Mapping[str, Any], tokenizer: Any,
+             processor: Mapping[str, Any]) -> VisionFormat:
+    def setting(key: str, default: Any) -> Any:
+        return processor.get(key, config.get(key, default))
+
+    # The official processor's tiling, whatever a checkpoint's files say (mlx-vlm's too).
+    min_tiles, max_tiles = 2, 10
+    tile_tokens = {(r, c): _token_id(tokenizer, f"<|img_row_{r}_col_{c}|>")
+                   for r in range(1, max_tiles + 1) for c in range(1, max_tiles + 1)
+                   if r * c <= max_tiles}
+    resample = processor.get("resample")
+    mean, std = _mean_std(processor, 0.5, 0.5)
+    return Lfm2VlFormat(
+        str(config.get("model_type")),
+        int(config.get("image_token_index", config.get("image_token_id", 396))),
+        _token_id(tokenizer, "<|image_start|>"), _token_id(tokenizer, "<|image_end|>"),
+        _token_id(tokenizer, "<|img_thumbnail|>"), tile_tokens,
+        int(setting("encoder_patch_size", 16)), int(setting("downsample_factor", 2)),
+        int(setting("min_image_tokens", 64)), int(setting("max_image_tokens", 256)),
+        int(setting("tile_size", 512)), float(setting("max_pixels_tolerance", 2.0)),
+        min_tiles, max_tiles, True, mean, std,
+        float(processor.get("rescale_factor", 1 / 255)),
+        int(resample) if isinstance(resample, int) else 3)
+
+
 FORMATS: dict[str, Callable[[Mapping[str, Any], Any, Mapping[str, Any]], VisionFormat]] = {
-    "gemma3": _gemma3, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl}
+    "gemma3": _gemma3, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl, "lfm2-vl": _lfm2_vl,
+    "lfm2_vl": _lfm2_vl}
 # Families whose text model places image tokens on a grid of positions (M-RoPE).
 GRID_POSITIONS = frozenset({"qwen2_vl"})
 SUPPORTED = tuple(FORMATS)
@@ -308,10 +465,16 @@ def vision_format(config: Mapping[str, Any], tokenizer: Any,
 
 
 def _preprocessor(model_path: Path | None) -> dict[str, Any]:
+    """The image processor's settings: ``preprocessor_config.json`` (or its nested
+    ``image_processor``), then ``processor_config.json``'s, which win (LFM2-VL's split)."""
+    settings: dict[str, Any] = {}
     if model_path is None:
-        return {}
-    path = model_path / "preprocessor_config.json"
-    if not path.is_file():
-        return {}
-    loaded = json.loads(path.read_text())
-    return loaded if isinstance(loaded, dict) else {}
+        return settings
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        path = model_path / name
+        if path.is_file():
+            loaded = json.loads(path.read_text())
+            if isinstance(loaded, dict):
+                nested = loaded.get("image_processor")
+                settings.update(nested if isinstance(nested, dict) else loaded)
+    return settings
