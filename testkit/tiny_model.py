@@ -67,7 +67,7 @@ def _corpus(limit_bytes: int = 2_000_000) -> list[str]:
     return files
 
 
-def _train_tokenizer(vocab_size: int) -> object:
+def train_tokenizer(vocab_size: int) -> object:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -106,7 +106,7 @@ def build_tiny_model(
     from mlx_lm.utils import save_config, save_model
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(vocab)
+    tokenizer = train_tokenizer(vocab)
     if thinking:  # mlx-lm then treats it as a reasoning model (has_thinking)
         from tokenizers import AddedToken
 

@@ -99,10 +99,10 @@ def _tokenizer(out: Path, image_tokens: Sequence[str], config: dict[str, Any]) -
     """The tiny model's tokenizer with ``image_tokens`` added, saved to ``out``."""
     from tokenizers import AddedToken
 
-    from testkit.tiny_model import CHAT_TEMPLATE, _train_tokenizer
+    from testkit.tiny_model import CHAT_TEMPLATE, train_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer: Any = _train_tokenizer(2048)
+    tokenizer: Any = train_tokenizer(2048)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                   for t in image_tokens])
     tokenizer.save(str(out / "tokenizer.json"))

@@ -262,3 +262,30 @@ def test_a_text_row_sharing_the_head_gets_its_own_tokens(
     tokens(eng, image_chat, params)
     assert tokens(eng, text_chat, params) == expected
     assert tokens(eng, image_chat, params) == tokens(fresh, image_chat, params)
+
+
+def test_a_text_model_imports_nothing_of_the_vision_stack(tiny_model_dir: Path) -> None:
+    # A text-only user pays nothing: serving a text model through the engine, LangChain's
+    # face and the server imports neither mlx-vlm nor what it pulls in. (Pillow may be
+    # imported by transformers or LlamaIndex themselves where it is installed.)
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import engine\n"
+        "from engine import ChatRequest, Engine, EngineConfig, SamplingParams\n"
+        "import mlx_providers.langchain\n"
+        "from mlx_providers.server import create_app\n"
+        f"eng = Engine({str(tiny_model_dir)!r}, EngineConfig()).start()\n"
+        "eng.submit(ChatRequest.from_openai([{'role': 'user', 'content': 'hi'}],\n"
+        "           SamplingParams(max_tokens=3))).result(60)\n"
+        "eng.close()\n"
+        "import json\n"
+        "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=True)
+    loaded = set(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert "engine" in loaded and "mlx_lm" in loaded
+    assert not loaded & {"mlx_vlm", "cv2", "datasets", "mlx_audio", "torch", "pyarrow"}

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from llama_index.core.base.llms.types import (
+    AudioBlock,
     ChatMessage,
     ChatResponse,
     ImageBlock,
@@ -142,9 +143,14 @@ def test_failed_tool_results_are_marked_as_errors() -> None:
 
 
 def test_media_blocks_are_refused_not_dropped() -> None:
+    # An image the engine would have to fetch is refused, naming the part; other media by
+    # the block they were.
     picture = ChatMessage(role=MessageRole.USER, blocks=[ImageBlock(url="http://x/y.png")])
-    with pytest.raises(ValueError, match="ImageBlock"):
+    with pytest.raises(ValueError, match=r"content\[0\]: remote image URLs are not fetched"):
         to_engine_messages([picture])
+    sound = ChatMessage(role=MessageRole.USER, blocks=[AudioBlock(audio=b"RIFF....")])
+    with pytest.raises(ValueError, match="AudioBlock"):
+        to_engine_messages([sound])
 
 
 def test_calls_without_ids_still_get_distinct_tool_ids() -> None:
