@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import base64
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +25,14 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, TextBlock
 
 from mlx_providers import ChatMLXBatch, MLXBatchLLM
-from testkit.vision_model import COLOURS, build_tiny_vlm, fit_colour_namer, solid_image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's testkit
+from testkit.vision_model import (  # noqa: E402
+    COLOURS,
+    build_tiny_vlm,
+    fit_colour_namer,
+    solid_image,
+)
 
 
 def colour_model() -> Path:

@@ -253,14 +253,14 @@ def fit_colour_namer(model_dir: Path, *, steps: int = 90,
         for name, rgb in COLOURS.items():
             answer = answers[name]
             for seed in range(2):
-                image = fmt.read(decoded_image(solid_image(rgb, noise=12, seed=seed + 10 * k),
-                                               "fit"))  # Gemma 3: every image's block alike
-                ids = [*tokenizer.encode(before, add_special_tokens=False), *image.ids,
+                image = decoded_image(solid_image(rgb, noise=12, seed=seed + 10 * k), "fit")
+                ids = [*tokenizer.encode(before, add_special_tokens=False),
+                       *fmt.read(image).ids,  # Gemma 3: every image's block alike
                        *tokenizer.encode(after, add_special_tokens=False)]
                 rows.append(ids + answer + [end] * (width - len(answer)))
                 weights.append([0.0] * (len(ids) - 1) + [1.0] * len(answer)
                                + [0.0] * (width - len(answer)))
-                pixels.append(image.pixels)
+                pixels.append(fmt.pixels(image)[0])
         full = mx.array(rows)
         batches.append((full[:, :-1], full[:, 1:], mx.array(np.stack(pixels)),
                         mx.array(weights)))

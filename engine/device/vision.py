@@ -126,7 +126,7 @@ class VisionTower:
             return found
         started = time.perf_counter()
         with mx.stream(self._stream):
-            pixels = mx.array(image.pixels)
+            pixels = mx.array(image.read_pixels())
             block = mx.array([list(image.block)])
             extra = {k: mx.array(v) if k in _ARRAY_INPUTS else v
                      for k, v in image.extra.items()}

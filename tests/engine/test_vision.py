@@ -94,7 +94,7 @@ def test_image_rows_batched_equal_alone_and_the_vision_library(
             isinstance(p, dict) and p.get("type") == "image_url"
             for m in messages for p in (m["content"] if isinstance(m["content"], list) else ()))
         reference = vision_library_tokens(tiny_vlm_dir, prepared.prompt_ids,
-                                          [i.pixels for i in prepared.images], 16,
+                                          [i.read_pixels() for i in prepared.images], 16,
                                           [dict(i.extra) for i in prepared.images])
         assert list(ours) == reference
     assert eng.stats().vision_images >= 5
@@ -188,7 +188,9 @@ def test_cancel_storm_with_image_rows_leaves_nothing(make_engine: Callable[..., 
     assert lanes.batch.vision is not None and len(lanes.batch.vision) == 0
     stats = eng.stats()
     assert stats.vision_feature_bytes == 0  # vision_cache_bytes=0 keeps none
-    assert settled_memory(eng) <= after_first  # a second storm leaves nothing more behind
+    # A second storm leaves nothing more behind: not a row's cache nor an image's features
+    # (kilobytes each here); MLX may keep a scalar or two of its own.
+    assert settled_memory(eng) <= after_first + 256
 
 
 def settled_memory(eng: Engine) -> int:

@@ -103,3 +103,14 @@ def test_the_image_mark_is_refused_as_text() -> None:
 def test_other_media_are_still_refused_by_name() -> None:
     with pytest.raises(InvalidRequestError, match="'input_audio' parts are refused"):
         messages_from_openai(user({"type": "input_audio", "input_audio": {}}))
+
+
+def test_bytes_seen_again_are_not_decoded_until_their_pixels_are_read() -> None:
+    from engine.requests.inbound.images import decoded_image
+
+    data = encoded(size=(9, 7), colour=(1, 2, 3))
+    first = decoded_image(data, "a")
+    again = decoded_image(data, "b")
+    assert again._pixels is None  # a hash of the bytes, no decode
+    assert (again.digest, again.size, again.at) == (first.digest, first.size, "b")
+    assert (again.pixels == first.pixels).all()  # decoded on demand, the same pixels

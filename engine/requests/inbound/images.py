@@ -23,8 +23,9 @@ import base64
 import binascii
 import hashlib
 import io
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,21 +42,41 @@ MAX_PIXELS = 40_000_000
 IMAGE_MARK = "\ufffc"  # OBJECT REPLACEMENT CHARACTER: Unicode's own "an object is here"
 
 
-@dataclass(frozen=True, eq=False)
+# Images decoded lately, by a hash of their encoded bytes: an agent sends the same
+# screenshot again with every later turn, which then costs a hash, not a decode.
+_SEEN_LIMIT = 256
+
+
 class DecodedImage:
-    """One image as RGB pixels (height, width, 3; uint8) and the hash of those pixels.
+    """One image: its size, the hash of its decoded RGB pixels, and the pixels on demand.
 
     ``digest`` keys the feature cache and prefix reuse: two parts with the same pixels are
-    the same image, whatever their encoding."""
+    the same image, whatever their encoding. The pixels (height, width, 3; uint8) are
+    decoded when first read (``pixels``): a later turn whose image's features or prefix
+    are cached never decodes it again."""
 
-    pixels: np.ndarray = field(repr=False)
-    digest: str
-    at: str = ""  # the part it came from, for errors
+    __slots__ = ("_data", "_pixels", "at", "digest", "size")
+
+    def __init__(self, data: bytes, digest: str, size: tuple[int, int], at: str = "",
+                 pixels: np.ndarray | None = None) -> None:
+        self._data = data
+        self._pixels = pixels
+        self.digest = digest
+        self.size = size  # (width, height)
+        self.at = at  # the part it came from, for errors
 
     @property
-    def size(self) -> tuple[int, int]:
-        """(width, height)."""
-        return int(self.pixels.shape[1]), int(self.pixels.shape[0])
+    def pixels(self) -> np.ndarray:
+        if self._pixels is None:
+            self._pixels = _decode(self._data, self.at)[0]
+        return self._pixels
+
+    def __repr__(self) -> str:
+        return f"DecodedImage({self.size[0]}x{self.size[1]}, {self.digest[:12]}, at={self.at!r})"
+
+
+_seen: OrderedDict[bytes, tuple[str, tuple[int, int]]] = OrderedDict()
+_seen_lock = threading.Lock()
 
 
 def image_of_part(part: Mapping[str, Any], at: str) -> DecodedImage:
@@ -121,7 +142,28 @@ def _bytes_of(source: str, at: str) -> bytes:
 
 def decoded_image(data: bytes, at: str, *, max_pixels: int = MAX_PIXELS) -> DecodedImage:
     """Decode encoded image bytes to RGB; not an image, truncated, an unsupported format or
-    too many pixels is an ``InvalidRequestError`` naming ``at``."""
+    too many pixels is an ``InvalidRequestError`` naming ``at``. Bytes seen lately are not
+    decoded again (their pixels are, if ever read)."""
+    key = hashlib.sha256(data).digest()
+    with _seen_lock:
+        seen = _seen.get(key)
+        if seen is not None:
+            _seen.move_to_end(key)
+    if seen is not None and seen[1][0] * seen[1][1] <= max_pixels:
+        return DecodedImage(data, seen[0], seen[1], at)
+    pixels, size = _decode(data, at, max_pixels)
+    digest = hashlib.sha256(np.array(pixels.shape, np.int64).tobytes()
+                            + pixels.tobytes()).hexdigest()
+    with _seen_lock:
+        _seen[key] = (digest, size)
+        while len(_seen) > _SEEN_LIMIT:
+            _seen.popitem(last=False)
+    return DecodedImage(data, digest, size, at, pixels)
+
+
+def _decode(data: bytes, at: str, max_pixels: int = MAX_PIXELS,
+            ) -> tuple[np.ndarray, tuple[int, int]]:
+    """(RGB pixels, (width, height)); refusals name ``at``."""
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError as exc:  # the core install is text-only
@@ -147,6 +189,4 @@ def decoded_image(data: bytes, at: str, *, max_pixels: int = MAX_PIXELS) -> Deco
         raise InvalidRequestError(f"{at}: not a readable image ({exc})", at) from exc
     if pixels.ndim != 3 or pixels.shape[0] == 0 or pixels.shape[1] == 0:
         raise InvalidRequestError(f"{at}: the image has no pixels", at)
-    digest = hashlib.sha256(np.array(pixels.shape, np.int64).tobytes()
-                            + pixels.tobytes()).hexdigest()
-    return DecodedImage(pixels, digest, at)
+    return pixels, (int(pixels.shape[1]), int(pixels.shape[0]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ class PromptImage:
     start: int
     length: int
     key: str
-    pixels: Any  # numpy float32 (channels, height, width)
+    read_pixels: Callable[[], Any]  # the tower's pixel values (numpy), read when it runs
     block: tuple[int, ...] = ()
     first: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -207,8 +208,9 @@ class PromptRenderer:
             marks = [k for k, t in enumerate(tokens.ids) if t == vision.image_token]
             first, last = marks[0], marks[-1]
             placed.append(PromptImage(len(ids) + first, last - first + 1,
-                                      f"{image.digest}:{vision.key}", tokens.pixels,
-                                      tokens.ids, first, tokens.extra, tokens.grid))
+                                      f"{image.digest}:{vision.key}",
+                                      partial(vision.pixels, image), tokens.ids, first,
+                                      tokens.extra, tokens.grid))
             ids.extend(tokens.ids)
         if pieces[-1]:
             ids.extend(encode(pieces[-1], add_special_tokens=False))

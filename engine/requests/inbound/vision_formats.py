@@ -45,10 +45,10 @@ from engine.requests.inbound.images import DecodedImage
 
 @dataclass(frozen=True)
 class ImageTokens:
-    """One image as the model reads it: its prompt tokens, pixel values and tower inputs."""
+    """One image as the prompt holds it: its tokens and the tower's inputs besides its
+    pixel values (all of which follow from its size alone)."""
 
     ids: tuple[int, ...]  # the block it occupies in the prompt
-    pixels: np.ndarray  # the tower's input as it takes one image (float32)
     extra: Mapping[str, Any] = field(default_factory=dict)  # the tower's other inputs
     # M-RoPE families: the (rows, columns) grid its image tokens take in position space.
     grid: tuple[int, int] | None = None
@@ -67,7 +67,12 @@ class VisionFormat(ABC):
 
     @abstractmethod
     def read(self, image: DecodedImage) -> ImageTokens:
-        """The image's tokens and pixel values."""
+        """The image's tokens (from its size: its pixels are not read)."""
+
+    @abstractmethod
+    def pixels(self, image: DecodedImage) -> np.ndarray:
+        """The tower's pixel values for the image, as it takes one image (float32); read
+        only when the tower runs (a cached image's never are)."""
 
 
 def _normalised(image: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...],
@@ -103,10 +108,12 @@ class Gemma3Format(VisionFormat):
         return f"{self.family}:{self.image_size}:{self.mean}:{self.std}:{self.rescale}"
 
     def read(self, image: DecodedImage) -> ImageTokens:
+        return ImageTokens(self.block_ids)
+
+    def pixels(self, image: DecodedImage) -> np.ndarray:
         side = self.image_size
         resized = _resized(image, side, side, 2)  # PIL's BILINEAR, as Gemma 3's processor
-        return ImageTokens(self.block_ids, _normalised(resized, self.mean, self.std,
-                                                       self.rescale)[None])
+        return _normalised(resized, self.mean, self.std, self.rescale)[None]
 
 
 @dataclass(frozen=True)
@@ -128,21 +135,27 @@ class Mistral3Format(VisionFormat):
         return (f"{self.family}:{self.longest_edge}:{self.patch}:{self.mean}:{self.std}:"
                 f"{self.rescale}")
 
-    def read(self, image: DecodedImage) -> ImageTokens:
+    def _grid(self, image: DecodedImage) -> tuple[int, int]:
+        """(rows, columns) of tokens: the longest edge within bounds, sides rounded up."""
         width, height = image.size
         ratio = max(height / self.longest_edge, width / self.longest_edge)
         if ratio > 1:
             height, width = math.floor(height / ratio), math.floor(width / ratio)
-        rows = (height - 1) // self.patch + 1
-        columns = (width - 1) // self.patch + 1
-        resized = _resized(image, columns * self.patch, rows * self.patch, 3)  # BICUBIC
+        return (height - 1) // self.patch + 1, (width - 1) // self.patch + 1
+
+    def read(self, image: DecodedImage) -> ImageTokens:
+        rows, columns = self._grid(image)
         ids: list[int] = []
         for row in range(rows):
             ids += [self.image_token] * columns
             ids.append(self.break_token if row < rows - 1 else self.end_token)
-        pixels = _normalised(resized, self.mean, self.std, self.rescale)[None]
-        return ImageTokens(tuple(ids), pixels,
+        return ImageTokens(tuple(ids),
                            {"image_sizes": [(rows * self.patch, columns * self.patch)]})
+
+    def pixels(self, image: DecodedImage) -> np.ndarray:
+        rows, columns = self._grid(image)
+        resized = _resized(image, columns * self.patch, rows * self.patch, 3)  # BICUBIC
+        return _normalised(resized, self.mean, self.std, self.rescale)[None]
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int,
@@ -185,15 +198,26 @@ class QwenVLFormat(VisionFormat):
         return (f"{self.family}:{self.patch}:{self.merge}:{self.temporal}:{self.min_pixels}:"
                 f"{self.max_pixels}:{self.mean}:{self.std}:{self.rescale}")
 
-    def read(self, image: DecodedImage) -> ImageTokens:
+    def _size(self, image: DecodedImage) -> tuple[int, int]:
         width, height = image.size
         try:
-            height, width = smart_resize(height, width, self.patch * self.merge,
-                                         self.min_pixels, self.max_pixels)
+            return smart_resize(height, width, self.patch * self.merge, self.min_pixels,
+                                self.max_pixels)
         except ValueError as exc:
             from engine.errors import InvalidRequestError
 
             raise InvalidRequestError(f"{image.at}: {exc}", image.at) from exc
+
+    def read(self, image: DecodedImage) -> ImageTokens:
+        height, width = self._size(image)
+        rows, columns = height // self.patch, width // self.patch
+        count = rows * columns // (self.merge * self.merge)
+        return ImageTokens((self.start_token, *([self.image_token] * count), self.end_token),
+                           {"image_grid_thw": [[1, rows, columns]]},
+                           (rows // self.merge, columns // self.merge))
+
+    def pixels(self, image: DecodedImage) -> np.ndarray:
+        height, width = self._size(image)
         values = _normalised(_resized(image, width, height, 3), self.mean, self.std,
                              self.rescale)  # BICUBIC, as its processor
         rows, columns = height // self.patch, width // self.patch
@@ -202,12 +226,8 @@ class QwenVLFormat(VisionFormat):
         patches = frames.reshape(1, 1, self.temporal, channels, rows // ms, ms, ps,
                                  columns // ms, ms, ps)
         patches = patches.transpose(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
-        flat = np.ascontiguousarray(patches.reshape(
+        return np.ascontiguousarray(patches.reshape(
             rows * columns, channels * self.temporal * ps * ps))
-        count = rows * columns // (ms * ms)
-        return ImageTokens((self.start_token, *([self.image_token] * count), self.end_token),
-                           flat, {"image_grid_thw": [[1, rows, columns]]},
-                           (rows // ms, columns // ms))
 
 
 @dataclass(frozen=True)
@@ -289,8 +309,61 @@ class Lfm2VlFormat(VisionFormat):
                 best = ratio
         return best
 
-    def _view(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
-        """A view's packed patch rows (padded to ``max_patches``), their mask, its grid."""
+    def _layout(self, image: DecodedImage) -> tuple[list[tuple[str, int, int, int, int]],
+                                                     tuple[int, int]]:
+        """The views of an image, each (kind, column, row, width, height): its tiles (kind
+        "tile") and thumbnail, or the one whole view; and the tile grid (columns, rows)."""
+        width, height = image.size
+        single_h, single_w = self._single(height, width)
+        if not self._too_large(height, width):
+            return [("whole", 0, 0, single_w, single_h)], (1, 1)
+        columns, rows = self._grid(height, width)
+        side = self.tile_size
+        views = [("tile", c, r, side, side) for r in range(rows) for c in range(columns)]
+        if self.thumbnail and rows * columns > 1:
+            views.append(("whole", 0, 0, single_w, single_h))
+        return views, (columns, rows)
+
+    def read(self, image: DecodedImage) -> ImageTokens:
+        views, (columns, rows) = self._layout(image)
+        ids = [self.start_token]
+        masks, shapes = [], []
+        for kind, column, row, width, height in views:
+            grid = (height // self.patch, width // self.patch)
+            if kind == "tile":
+                ids.append(self.tile_tokens[(row + 1, column + 1)])
+            elif len(views) > 1:
+                ids.append(self.thumbnail_token)
+            ids += [self.image_token] * self._tokens(*grid)
+            mask = np.zeros(self.max_patches, np.int32)
+            mask[:min(grid[0] * grid[1], self.max_patches)] = 1
+            masks.append(mask)
+            shapes.append(grid)
+        ids.append(self.end_token)
+        return ImageTokens(tuple(ids), {"pixel_attention_mask": np.stack(masks),
+                                        "spatial_shapes": np.array(shapes, np.int32)})
+
+    def pixels(self, image: DecodedImage) -> np.ndarray:
+        from PIL import Image
+
+        views, (columns, rows) = self._layout(image)
+        big = None
+        packed = []
+        for kind, column, row, width, height in views:
+            if kind == "tile":
+                if big is None:
+                    side = self.tile_size
+                    big = Image.fromarray(image.pixels).resize(
+                        (side * columns, side * rows), self.resample)
+                view = np.asarray(big.crop((column * width, row * height,
+                                            (column + 1) * width, (row + 1) * height)))
+            else:
+                view = _resized(image, width, height, self.resample)
+            packed.append(self._packed(view))
+        return np.stack(packed)
+
+    def _packed(self, pixels: np.ndarray) -> np.ndarray:
+        """A view's patch rows, packed and zero-padded to ``max_patches``."""
         values = _normalised(pixels, self.mean, self.std, self.rescale).transpose(1, 2, 0)
         height, width, channels = values.shape
         rows, columns, p = height // self.patch, width // self.patch, self.patch
@@ -298,43 +371,7 @@ class Lfm2VlFormat(VisionFormat):
         patches = patches.transpose(0, 2, 1, 3, 4).reshape(rows * columns, -1)
         packed = np.zeros((self.max_patches, patches.shape[1]), np.float32)
         packed[:len(patches)] = patches[:self.max_patches]
-        mask = np.zeros(self.max_patches, np.int32)
-        mask[:len(patches)] = 1
-        return packed, mask, (rows, columns)
-
-    def read(self, image: DecodedImage) -> ImageTokens:
-        from PIL import Image
-
-        width, height = image.size
-        single_h, single_w = self._single(height, width)
-        views: list[np.ndarray] = []
-        ids = [self.start_token]
-        if self._too_large(height, width):
-            columns, rows = self._grid(height, width)
-            side = self.tile_size
-            big = Image.fromarray(image.pixels).resize((side * columns, side * rows),
-                                                       self.resample)
-            per_tile = self._tokens(side // self.patch, side // self.patch)
-            for row in range(rows):
-                for column in range(columns):
-                    tile = big.crop((column * side, row * side, (column + 1) * side,
-                                     (row + 1) * side))
-                    views.append(np.asarray(tile))
-                    ids += [self.tile_tokens[(row + 1, column + 1)],
-                            *([self.image_token] * per_tile)]
-            if self.thumbnail and rows * columns > 1:
-                views.append(_resized(image, single_w, single_h, self.resample))
-                ids += [self.thumbnail_token, *([self.image_token] * self._tokens(
-                    single_h // self.patch, single_w // self.patch))]
-        else:
-            views.append(_resized(image, single_w, single_h, self.resample))
-            ids += [self.image_token] * self._tokens(single_h // self.patch,
-                                                     single_w // self.patch)
-        ids.append(self.end_token)
-        packed = [self._view(view) for view in views]
-        return ImageTokens(tuple(ids), np.stack([p[0] for p in packed]), {
-            "pixel_attention_mask": np.stack([p[1] for p in packed]),
-            "spatial_shapes": np.array([p[2] for p in packed], np.int32)})
+        return packed
 
 
 class UnsupportedVision(Exception):
