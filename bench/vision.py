@@ -30,7 +30,7 @@ import engine  # noqa: F401 - loads the fast BLAS before mlx
 from engine import ChatRequest, Engine, EngineConfig, SamplingParams, blas_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for testkit.vision_model
-from testkit.vision_model import build_tiny_vlm, solid_image  # noqa: E402
+from testkit.vision_model import build_tiny_vlm, solid_image
 
 BENCH_SIZES = dict(hidden=256, layers=4, image_size=224, patch=14, tokens_per_image=64,
                    vision_hidden=192, vision_layers=4)

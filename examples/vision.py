@@ -27,7 +27,7 @@ from llama_index.core.base.llms.types import ChatMessage, ImageBlock, TextBlock
 from mlx_providers import ChatMLXBatch, MLXBatchLLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's testkit
-from testkit.vision_model import (  # noqa: E402
+from testkit.vision_model import (
     COLOURS,
     build_tiny_vlm,
     fit_colour_namer,

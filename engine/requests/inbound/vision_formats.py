@@ -325,7 +325,7 @@ class Lfm2VlFormat(VisionFormat):
         return views, (columns, rows)
 
     def read(self, image: DecodedImage) -> ImageTokens:
-        views, (columns, rows) = self._layout(image)
+        views, _ = self._layout(image)
         ids = [self.start_token]
         masks, shapes = [], []
         for kind, column, row, width, height in views:
