@@ -69,6 +69,13 @@ class EngineConfig(BaseModel):
         "image's pixels and preprocessing), so a conversation's later turns over the same "
         "image skip the vision tower. 0 = keep none. Vision-language models only.",
     )
+    vision_step_share: Annotated[float, Field(gt=0)] = Field(
+        default=0.08,
+        description="While rows decode, the share of a decode step's time an image row's "
+        "own work (its tower, a block at a time, and its prefill chunks) may add to a step, "
+        "so the decoding rows keep ~1/(1+share) of their pace; the image waits longer for "
+        "its first token. With no row decoding, image work runs at full speed.",
+    )
     buffer_cache_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         default="auto",
         description="Cap on the freed buffers MLX keeps for reuse (mx.set_cache_limit, "

@@ -70,7 +70,8 @@ class BatchLane:
                  samplers: SamplerCache, reuse: PrefixReuse,
                  planner: PrefillPlanner[BatchRow], *, max_batch: int,
                  max_kv_size: int | None, fast_forward: bool = True, speculation: int = 0,
-                 direct_join: bool = True, vision: VisionPrefill | None = None) -> None:
+                 direct_join: bool = True, vision: VisionPrefill | None = None,
+                 vision_share: float = 0.08) -> None:
         self._model = model
         self._stream = stream
         self._compiler = compiler
@@ -82,6 +83,8 @@ class BatchLane:
                              prefill_step_size=planner.chunk, max_kv_size=max_kv_size)
         self.masks = MaskFiller(compiler.words)
         self.vision = vision  # image rows' own prefill; None for a text-only model
+        self.vision_share = vision_share  # of a decode step, image work's while rows decode
+        self._width = 0  # rows the last step decoded
         self._generator = self._new_generator()
         self._no_stops = StopSequences(None)
         self.rows = BatchRows()
@@ -285,9 +288,9 @@ class BatchLane:
     def step(self) -> LaneStep:
         """One decode step for decoding rows plus one prefill chunk for prefilling rows;
         then the rows it produced tokens for go to fast-forward and speculation."""
-        started = time.perf_counter()
         if self.vision is not None and len(self.vision):
             self._advance_vision()
+        started = time.perf_counter()  # the decode step's own time: image work is not in it
         self._tap.arm()
         try:
             progress, responses = self._generator.next()
@@ -295,6 +298,7 @@ class BatchLane:
         finally:
             self._tap.disarm()
         result = LaneStep(width=len(responses))
+        self._width = result.width
         by_uid = self.rows.by_uid
         for prompt_response in progress:
             row = by_uid.get(prompt_response.uid)
@@ -322,7 +326,8 @@ class BatchLane:
             result.tokens.append(RowToken(row.request_id, token, logprob, grammar_done=done))
         if self.forced_spans is not None:
             self.forced_spans.run(self.rows, result)
-        if self.forced_spans is not None or self.speculator is not None:
+        if (self.forced_spans is not None or self.speculator is not None
+                or self.vision is not None):
             self._time_step(started, result, prefilled=bool(progress or firsts))
         if self.speculator is not None:
             self.speculator.run(self.rows, decoded, result)
@@ -337,9 +342,17 @@ class BatchLane:
         return result
 
     def _advance_vision(self) -> None:
-        """One unit of image prefill; a row whose prefill is done starts in the batch."""
+        """Image prefill for this step; a row whose prefill is done starts in the batch.
+
+        While rows decode, each step earns it ``vision_share`` of a decode step's measured
+        time (of the nearest width measured; until one is, a unit a step); with none
+        decoding, it runs to the end of every job."""
         assert self.vision is not None
-        done, failed = self.vision.advance()
+        budget = None
+        if self._width:
+            step = self.costs.step_near(self._width)
+            budget = 0.0 if step is None else self.vision_share * step
+        done, failed = self.vision.advance(budget)
         for request_id, exc in failed.items():
             row = self.rows.get(request_id)
             if row is not None:

@@ -96,6 +96,14 @@ class SpanCosts:
         """A decode step of ``width`` rows with no prefill, span or draft in it."""
         self._steps.setdefault(width, _Mean()).add(seconds)
 
+    def step_near(self, width: int) -> float | None:
+        """Seconds a plain decode step of ``width`` rows takes: measured at that width, or
+        at the nearest measured one; None before any."""
+        measured = [w for w, mean in self._steps.items() if mean.weight >= 1]
+        if not measured:
+            return None
+        return self._steps[min(measured, key=lambda w: (abs(w - width), -w))].value
+
     def spanned(self, width: int, tokens: int, seconds: float) -> None:
         """A decode step of ``width`` rows that also fed ``tokens`` forced tokens."""
         step = self._steps.get(width)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,73 @@ def _text_embedding(model: Any) -> Any:
     raise ValueError(f"{type(model).__name__}: no token embedding found")
 
 
+class FeatureRun:
+    """An image's tower forward, built lazily and evaluated one block (a transformer layer
+    of the tower) per ``step``, so a large tower is spread over engine steps. The graph is
+    the one forward, so the features are the same as evaluated at once."""
+
+    def __init__(self, stages: list[mx.array], features: mx.array, tower: VisionTower,
+                 key: str | None) -> None:
+        self._stages = stages
+        self._features = features
+        self._tower = tower
+        self._key = key  # None: served from the LRU, nothing to evaluate
+
+    def step(self) -> mx.array | None:
+        """Evaluate the next block; the features once the last is done."""
+        if self._key is None:
+            return self._features
+        started = time.perf_counter()
+        with mx.stream(self._tower.stream):
+            if self._stages:
+                mx.eval(self._stages.pop(0))
+                self._tower.counts.vision_seconds += time.perf_counter() - started
+                return None
+            mx.eval(self._features)
+        self._tower._finished(self._key, self._features, time.perf_counter() - started)
+        self._key = None
+        return self._features
+
+
+@contextmanager
+def _recording(block_class: type | None, outputs: list[mx.array]) -> Iterator[None]:
+    """While building a tower's graph, collect each block's output (its first array)."""
+    if block_class is None:
+        yield
+        return
+    original = block_class.__call__
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        outputs.append(out[0] if isinstance(out, tuple | list) else out)
+        return out
+
+    block_class.__call__ = recorded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        block_class.__call__ = original  # type: ignore[method-assign]
+
+
+def _block_class(tower: Any) -> type | None:
+    """The class of the tower's repeated blocks: the most common class among modules named
+    ``...<name>.<index>`` (``encoder.layers.3``, ``blocks.7``, ``transformer.layers.0``)."""
+    counts: dict[type, int] = {}
+    for name, module in tower.named_modules():
+        # Blocks hold modules of their own (a numbered Linear in a projector does not).
+        if name.rsplit(".", 1)[-1].isdigit() and _has_submodules(module):
+            counts[type(module)] = counts.get(type(module), 0) + 1
+    return max(counts, key=lambda c: counts[c]) if counts else None
+
+
+def _has_submodules(module: Any) -> bool:
+    import mlx.nn as nn
+
+    return any(isinstance(value, nn.Module) or (
+        isinstance(value, list | tuple) and any(isinstance(v, nn.Module) for v in value))
+        for value in module.children().values())
+
+
 class VisionTower:
     """The tower, projector and embedding that turn an image into its tokens' embeddings."""
 
@@ -105,8 +174,11 @@ class VisionTower:
         inner.embed_tokens = embed
         self._text_model = text_model
         self._vlm = vlm
+        towers_root = getattr(vlm, "vision_tower", None)
+        self._blocks = _block_class(towers_root) if towers_root is not None else None
         self.embed = embed
         self.format = fmt
+        self.stream = stream
         self._stream = stream
         towers = [module for name, module in vlm.children().items()
                   if name != "language_model"]
@@ -120,12 +192,21 @@ class VisionTower:
     def features(self, image: PromptImage) -> mx.array:
         """(span length, hidden) embeddings of ``image``'s span: the tower's features at its
         image tokens, the family's own embeddings between them (row breaks); evaluated."""
+        run = self.start(image)
+        while (found := run.step()) is None:
+            pass
+        return found
+
+    def start(self, image: PromptImage) -> FeatureRun:
+        """The tower's forward for ``image``, to evaluate a block at a time
+        (``FeatureRun.step``); an image in the LRU is done at once."""
         found = self.cache.get(image.key)
         if found is not None:
             self.counts.feature_hits += 1
-            return found
+            return FeatureRun([], found, self, None)
         started = time.perf_counter()
-        with mx.stream(self._stream):
+        outputs: list[mx.array] = []
+        with mx.stream(self._stream), _recording(self._blocks, outputs):
             pixels = mx.array(image.read_pixels())
             block = mx.array([list(image.block)])
             extra = {k: mx.array(v) if k in _ARRAY_INPUTS else v
@@ -135,11 +216,13 @@ class VisionTower:
                                                  **extra)
             embeds = getattr(out, "inputs_embeds", out)
             features: mx.array = embeds[0, image.first:image.first + image.length]
-            mx.eval(features)
-        self.counts.images += 1
         self.counts.vision_seconds += time.perf_counter() - started
-        self.cache.put(image.key, features)
-        return features
+        return FeatureRun(outputs, features, self, image.key)
+
+    def _finished(self, key: str, features: mx.array, seconds: float) -> None:
+        self.counts.images += 1
+        self.counts.vision_seconds += seconds
+        self.cache.put(key, features)
 
     def embeddings(self, prompt: list[int], start: int, end: int,
                    images: tuple[PromptImage, ...], features: dict[str, mx.array]) -> mx.array:

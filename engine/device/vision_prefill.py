@@ -6,9 +6,13 @@ image span, and then handed to the generator like a row that resumed a cached pr
 the text after the image is prefilled and sampled with the batch, and the row decodes
 with the others. Text rows beside it are untouched: its cache is its own until it joins.
 
-The work is spread over the lane's steps, one unit a step (an image's tower forward, or
-one prefill chunk), first come first served, so the decoding rows keep their pace while
-an image row prefills. Cancelling a row drops its job, features and cache at once.
+The work is spread over the lane's steps in units (one block of an image's tower, or one
+prefill chunk), first come first served. While rows decode, each step earns image work a
+budget (``EngineConfig.vision_step_share`` of a decode step's time) and a unit runs only
+when the credit earned is positive; what a unit costs past it is repaid by later steps.
+So on average the decoding rows keep 1/(1 + share) of their pace while an image row
+prefills, however coarse a unit is; with no row decoding the work runs at full speed.
+Cancelling a row drops its job, features and cache at once.
 
 Where a family places image tokens on a grid of positions (M-RoPE: Qwen-VL), the text
 after the images sits ``LaneRow.position_shift`` positions away from its index, which the
@@ -19,6 +23,7 @@ batch, is at its own offset: the same attention as at its true position.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +32,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.device.batch_row import BatchRow
-from engine.device.vision import VisionTower
+from engine.device.vision import FeatureRun, VisionTower
 
 
 @dataclass(eq=False)
@@ -38,6 +43,7 @@ class VisionJob:
     cache: list[Any]
     done: int
     features: dict[str, mx.array] = field(default_factory=dict)
+    runs: dict[str, FeatureRun] = field(default_factory=dict)  # towers in progress
     frame: int = 0  # positions the cache's keys are turned back by (M-RoPE)
     positions: np.ndarray | None = None  # (3, prompt) grid positions (M-RoPE)
 
@@ -58,6 +64,8 @@ class VisionPrefill:
         self._chunk = max(1, chunk)
         self._max_kv_size = max_kv_size
         self._jobs: dict[int, VisionJob] = {}
+        self._token_seconds = 0.0  # a prefill token's cost, as last measured
+        self._credit = 0.0  # seconds of image work earned and not spent (negative: owed)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -82,35 +90,66 @@ class VisionPrefill:
         self._jobs.clear()
         return dropped
 
-    def advance(self) -> tuple[list[VisionJob], dict[int, BaseException]]:
-        """One unit of work on the oldest job: (jobs now prefilled, rows that failed)."""
+    def advance(self, budget: float | None,
+                ) -> tuple[list[VisionJob], dict[int, BaseException]]:
+        """Units of work on the oldest jobs, for this step's ``budget`` seconds of credit
+        (None: no row decodes, every job to its end; 0: no step measured yet, one unit):
+        (jobs now prefilled, rows that failed). Credit left over carries to the next step,
+        up to two steps' worth."""
+        done: list[VisionJob] = []
+        failed: dict[int, BaseException] = {}
+        if not budget:
+            self._credit = 0.0
+        else:
+            self._credit = min(self._credit + budget, 2 * budget)
+        units = 0
+        while self._jobs and (budget is None or self._credit > 0
+                              or (budget == 0 and not units)):
+            units += 1
+            job = next(iter(self._jobs.values()))
+            started = time.perf_counter()
+            try:
+                finished = self._advance(job, None if budget is None else self._credit)
+            except Exception as exc:  # this row's image or prefill failed: it ends alone
+                self._jobs.pop(job.row.request_id, None)
+                failed[job.row.request_id] = exc
+                finished = False
+            if budget:
+                self._credit -= time.perf_counter() - started
+            if finished:
+                self._jobs.pop(job.row.request_id, None)
+                done.append(job)
         if not self._jobs:
-            return [], {}
-        job = next(iter(self._jobs.values()))
-        try:
-            finished = self._advance(job)
-        except Exception as exc:  # this row's image or prefill failed: it ends alone
-            self._jobs.pop(job.row.request_id, None)
-            return [], {job.row.request_id: exc}
-        if not finished:
-            return [], {}
-        self._jobs.pop(job.row.request_id, None)
-        return [job], {}
+            self._credit = min(self._credit, 0.0)  # no saving up for the next image
+        return done, failed
 
-    def _advance(self, job: VisionJob) -> bool:
+    def _advance(self, job: VisionJob, left: float | None) -> bool:
+        """One unit of ``job``: a block of the tower, or a prefill chunk sized to ``left``
+        seconds (None: the lane's chunk)."""
         row = job.row.row
-        for image in row.images:  # the tower first, one image a step
+        for image in row.images:  # the towers first, a block a unit
             if image.start + image.length > job.done and image.key not in job.features:
-                job.features[image.key] = self.tower.features(image)
+                run = job.runs.get(image.key)
+                if run is None:
+                    run = job.runs[image.key] = self.tower.start(image)
+                found = run.step()
+                if found is not None:
+                    job.features[image.key] = found
+                    del job.runs[image.key]
                 return False
-        end = min(job.done + self._chunk, job.end)
+        chunk = self._chunk
+        if left is not None and self._token_seconds > 0:
+            chunk = max(8, min(chunk, int(left / self._token_seconds)))
+        end = min(job.done + chunk, job.end)
         if end > job.done:
             embeds = self.tower.embeddings(row.prompt, job.done, end, row.images,
                                            job.features)
             positions = (None if job.positions is None
                          else job.positions[:, job.done:end] - job.frame)
+            started = time.perf_counter()
             with mx.stream(self._stream):
                 self.tower.prefill(job.cache, row.prompt[job.done:end], embeds, positions)
+            self._token_seconds = (time.perf_counter() - started) / (end - job.done)
             job.done = end
         if job.done < job.end:
             return False
@@ -118,6 +157,7 @@ class VisionPrefill:
             with mx.stream(self._stream):
                 self.tower.shift_positions(job.cache, row.position_shift - job.frame)
         job.features.clear()
+        job.runs.clear()
         return True
 
 

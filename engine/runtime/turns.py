@@ -28,6 +28,11 @@ from engine.runtime.build import Composition
 from engine.runtime.commands import Cancel, Command, Embed, Submit
 
 
+# Seconds with nothing to run before finished batches' cycles are collected (the next turn
+# of a sequential agent arrives sooner and must not wait for a full collection).
+IDLE_COLLECT_SECONDS = 0.25
+
+
 class Turns:
     """The loop of a loaded engine, one turn at a time (engine thread only)."""
 
@@ -46,6 +51,7 @@ class Turns:
         self._started = 0.0  # when the current turn took its commands
         self._speedups_version = -1
         self._resident = ResidentSampler()
+        self._idle_since: float | None = None  # rows ended and none since: the collection's clock
 
     @property
     def idle(self) -> bool:
@@ -114,16 +120,28 @@ class Turns:
         unload = self._keep_alive.unload_at()  # idle for keep_alive: time to unload
         if unload is not None:
             deadlines.append(unload)
+        if self._idle_since is not None:  # rows ended: collect once quiet for a moment
+            deadlines.append(self._idle_since + IDLE_COLLECT_SECONDS)
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def collect_when_idle(self) -> None:
         # mlx-lm's finished batches (and failed rows' tracebacks) sit in reference cycles that
         # pin their KV arrays until Python's cyclic GC happens to run: ~6-16 MB of device
         # memory no counter showed after a 600-request storm on the tiny model. Collecting
-        # once the engine has nothing to run returns it at no cost to any row's latency.
+        # once the engine has had nothing to run for IDLE_COLLECT_SECONDS returns it. Not at
+        # once: a full collection took 67 ms with mlx-vlm loaded, and an agent's next turn,
+        # sent as the last one ended, waited for it.
         scheduler, core = self.composition.scheduler, self.composition.core
-        if core.ended_since_collect and scheduler.running == 0 and scheduler.pending == 0:
+        if not (core.ended_since_collect and scheduler.running == 0
+                and scheduler.pending == 0):
+            self._idle_since = None
+            return
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        if now - self._idle_since >= IDLE_COLLECT_SECONDS:
             core.ended_since_collect = False
+            self._idle_since = None
             gc.collect()
             # The batch's freed KV otherwise stays in MLX's cache and malloc's arenas: the
             # process kept its peak (950 MB resident beside 514 MB of arrays, measured).

@@ -212,7 +212,7 @@ def test_a_failing_image_fails_alone(make_engine: Callable[..., Engine], tiny_vl
     good = asking(image_part(RED))
     expected_text = eng.submit(request_for(text, params)).result(timeout=60).token_ids
     expected_image = tokens(eng, good, params)
-    real = VisionTower.features
+    real = VisionTower.start
     bad_key: list[str] = []
 
     def failing(self: VisionTower, image: Any) -> Any:
@@ -220,7 +220,7 @@ def test_a_failing_image_fails_alone(make_engine: Callable[..., Engine], tiny_vl
             raise RuntimeError("the tower failed on this image")
         return real(self, image)
 
-    monkeypatch.setattr(VisionTower, "features", failing)
+    monkeypatch.setattr(VisionTower, "start", failing)
     bad = asking(image_part(BLUE, seed=5))
     bad_key.append(eng._runtime.preparer().prepare(
         ChatRequest.from_openai(bad, params)).images[0].key)
