@@ -61,6 +61,9 @@ class _EngineCollector(Collector):
                                      "budget + buffer cache limit + runtime."),
             "embed_pending": ("mlx_engine_embed_pending_requests",
                               "Embedding requests waiting on the engine thread."),
+            "vision_feature_bytes": ("mlx_engine_vision_feature_bytes",
+                                     "Bytes of image features the LRU keeps "
+                                     "(vision_cache_bytes)."),
         }
         counters = {
             "generated_tokens": ("mlx_engine_generated_tokens", "Tokens generated."),
@@ -94,6 +97,12 @@ class _EngineCollector(Collector):
             "embed_cancelled": ("mlx_engine_embed_cancelled_requests",
                                 "Embedding requests cancelled or timed out."),
             "embed_failed": ("mlx_engine_embed_failed_requests", "Embedding requests that failed."),
+            "vision_images": ("mlx_engine_vision_images",
+                              "Images the vision tower read (features not in the LRU)."),
+            "vision_seconds": ("mlx_engine_vision_seconds",
+                               "Seconds the vision tower and projector ran."),
+            "vision_feature_hits": ("mlx_engine_vision_feature_hits",
+                                    "Images whose features came from the LRU."),
         }
         families: list[GaugeMetricFamily | CounterMetricFamily] = []
         snapshots = {name: engine.stats() for name, engine in self._engines().items()}

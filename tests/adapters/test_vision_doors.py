@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 
@@ -142,6 +143,14 @@ def test_openai_sdk_chat_and_responses(server: LiveServer) -> None:
                                           "detail": "auto"},
                                          {"type": "input_text", "text": QUESTION}]}])
         assert response.output_text == name
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    counted = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("mlx_engine_vision_") and 'model="colour"' in line}
+    # Blue and red read once each; their second request resumed the first's cached prefix,
+    # image included, so it needed neither the tower nor the feature LRU.
+    assert counted["mlx_engine_vision_images_total"] >= 2
+    assert counted["mlx_engine_vision_seconds_total"] > 0
+    assert "mlx_engine_vision_feature_hits_total" in counted
 
 
 def test_the_server_refuses_a_remote_image_with_a_400(server: LiveServer) -> None:
