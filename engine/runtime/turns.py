@@ -27,7 +27,6 @@ from engine.embedding.service import EmbeddingService
 from engine.runtime.build import Composition
 from engine.runtime.commands import Cancel, Command, Embed, Submit
 
-
 # Seconds with nothing to run before finished batches' cycles are collected (the next turn
 # of a sequential agent arrives sooner and must not wait for a full collection).
 IDLE_COLLECT_SECONDS = 0.25
