@@ -64,7 +64,6 @@ def build_tiny_vlm(out: Path, *, seed: int = 0, weight_scale: float = 4.0,
     """Write the model directory to ``out`` (created) and return it; ``sizes`` override
     ``vlm_config``'s (the bench builds a larger one)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
     from mlx_vlm.models import gemma3
 
     tokenizer = _tokenizer(out, IMAGE_TOKENS, {
@@ -77,9 +76,7 @@ def build_tiny_vlm(out: Path, *, seed: int = 0, weight_scale: float = 4.0,
     model = gemma3.Model(model_config(config))
     # As in tiny_model: larger weights give varied greedy continuations; the embedding,
     # which Gemma scales up by sqrt(hidden), smaller (at 1x every token decodes alike).
-    language = model.language_model
-    language.update(tree_map(lambda p: p * weight_scale if p.ndim == 2 else p,
-                             language.parameters()))
+    _scaled(model, weight_scale)
     embed = model.language_model.model.embed_tokens
     embed.weight = embed.weight * (0.2 / weight_scale)
     # A patch's colour, not its position, should lead the tower's features.
@@ -89,10 +86,7 @@ def build_tiny_vlm(out: Path, *, seed: int = 0, weight_scale: float = 4.0,
     projector = model.multi_modal_projector
     shape = projector.mm_input_projection_weight.shape
     projector.mm_input_projection_weight = mx.random.normal(shape) * shape[0] ** -0.5
-    save_weights(out, _tied(dict(tree_flatten(model.parameters()))))
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    return out
+    return _saved(out, model, config, eos, tied=True)
 
 
 def _tokenizer(out: Path, image_tokens: Sequence[str], config: dict[str, Any]) -> Any:
@@ -133,7 +127,6 @@ def build_tiny_mistral3(out: Path, *, seed: int = 0, weight_scale: float = 4.0) 
     """A tiny Mistral 3 VLM (Pixtral's tower, 2x2 patch merging, a Mistral text model):
     images keep their aspect ratio, up to 64 px on the longest edge, 16 px a token."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
     from mlx_vlm.models import mistral3
 
     tokenizer = _tokenizer(out, MISTRAL3_TOKENS, {})
@@ -163,10 +156,26 @@ def build_tiny_mistral3(out: Path, *, seed: int = 0, weight_scale: float = 4.0) 
         "image_std": [0.5, 0.5, 0.5]}))
     mx.random.seed(seed)
     model = mistral3.Model(model_config(config))
+    _scaled(model, weight_scale)
+    return _saved(out, model, config, eos)
+
+
+def _scaled(model: Any, weight_scale: float) -> None:
+    """As in tiny_model: the language model's matrices larger, for varied greedy text."""
+    from mlx.utils import tree_map
+
     language = model.language_model
     language.update(tree_map(lambda p: p * weight_scale if p.ndim == 2 else p,
                              language.parameters()))
-    save_weights(out, dict(tree_flatten(model.parameters())))
+
+
+def _saved(out: Path, model: Any, config: dict[str, Any], eos: int, *,
+           tied: bool = False) -> Path:
+    """Write the weights (without an output head where it is ``tied``) and the configs."""
+    from mlx.utils import tree_flatten
+
+    weights = dict(tree_flatten(model.parameters()))
+    save_weights(out, _tied(weights) if tied else weights)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     return out
@@ -331,7 +340,6 @@ def build_tiny_qwen2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) 
     """A tiny Qwen2-VL (its patch tower with 2x2 merging, a Qwen2 text model with M-RoPE):
     images resized to multiples of 28 px, 56x56 to 112x112, one token per 28 px square."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
     from mlx_vlm.models import qwen2_vl
 
     tokenizer = _tokenizer(out, QWEN_VL_TOKENS, {})
@@ -363,13 +371,8 @@ def build_tiny_qwen2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) 
     built.text_config = qwen2_vl.TextConfig.from_dict(built.text_config)
     built.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
     model = qwen2_vl.Model(built)
-    language = model.language_model
-    language.update(tree_map(lambda p: p * weight_scale if p.ndim == 2 else p,
-                             language.parameters()))
-    save_weights(out, dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    return out
+    _scaled(model, weight_scale)
+    return _saved(out, model, config, eos)
 
 
 LFM2_VL_TOKENS = ("<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>",
@@ -382,7 +385,6 @@ def build_tiny_lfm2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -
     LFM2 text model of a conv and an attention layer): 4 to 16 tokens a view, images over
     about 180x180 px in 64 px tiles and a thumbnail."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
     from mlx_vlm.models import lfm2_vl
 
     tokenizer = _tokenizer(out, LFM2_VL_TOKENS, {})
@@ -419,10 +421,5 @@ def build_tiny_lfm2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -
         "rescale_factor": 1 / 255, "do_image_splitting": True, "use_thumbnail": True}))
     mx.random.seed(seed)
     model = lfm2_vl.Model(model_config(config))
-    language = model.language_model
-    language.update(tree_map(lambda p: p * weight_scale if p.ndim == 2 else p,
-                             language.parameters()))
-    save_weights(out, dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    return out
+    _scaled(model, weight_scale)
+    return _saved(out, model, config, eos)
