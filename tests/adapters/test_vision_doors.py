@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from mlx_providers import ChatMLXBatch, MLXBatchLLM
 from testkit.vision_model import COLOURS, solid_image
@@ -163,3 +164,35 @@ def test_the_server_refuses_a_remote_image_with_a_400(server: LiveServer) -> Non
             {"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])
     assert raised.value.body["param"] == "messages[0].content[0]"  # type: ignore[index]
+
+
+class _ImageSuite(ChatModelIntegrationTests):
+    """LangChain's standard image tests, asked of the colour VLM (``supports_image_*``)."""
+
+    @property
+    def chat_model_class(self) -> type[ChatMLXBatch]:
+        return ChatMLXBatch
+
+    @property
+    def supports_image_inputs(self) -> bool:
+        return True
+
+    @property
+    def supports_image_tool_message(self) -> bool:
+        return True
+
+
+def test_langchain_standard_image_tests_pass(chat: ChatMLXBatch,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # The suite fetches a PNG from GitHub; this machine has no network, so the fetch is
+    # answered with a local PNG. Everything else is the suite's own test, as written.
+    picture = png("blue", 4)
+
+    class Fetched:
+        content = picture
+
+    monkeypatch.setattr(httpx, "get", lambda *args, **kwargs: Fetched())
+    suite = _ImageSuite()
+    suite.test_image_inputs(chat)
+    suite.test_image_tool_message(chat)
+    assert chat.engine.stats().vision_images >= 1
