@@ -56,12 +56,13 @@ class MemoryBounds:
     prefix_cache_bytes: int
     buffer_cache_bytes: int
     runtime_bytes: int  # resident at load less the weights, plus STEP_ALLOWANCE
+    vision_bytes: int = 0  # a vision tower's weights and its feature LRU's cap
 
     @property
     def resident_bound(self) -> int:
         """What the formula says the process holds at most for this engine."""
         return (self.weights_bytes + self.kv_budget_bytes + self.buffer_cache_bytes
-                + self.runtime_bytes)
+                + self.runtime_bytes + self.vision_bytes)
 
 
 def auto_kv_budget(memory_bytes: int, weights_bytes: int) -> int:

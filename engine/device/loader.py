@@ -281,6 +281,9 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
     if vision_format is not None and loaded.group is None and loaded.path is not None:
         tower = VisionTower(loaded.path, loaded.model, vision_format, loaded.stream,
                             config.vision_cache_bytes)
+        # The tower's weights and its features count in what the process may hold.
+        loaded.bounds = replace(loaded.bounds,
+                                vision_bytes=tower.weight_bytes + config.vision_cache_bytes)
         vision = VisionPrefill(loaded.model, loaded.stream, tower, config.prefill_chunk,
                                config.max_kv_size)
     batch = BatchLane(loaded.model, loaded.stream, compiler, samplers, reuse, planner,

@@ -291,3 +291,15 @@ def test_a_text_model_imports_nothing_of_the_vision_stack(tiny_model_dir: Path) 
     loaded = set(json.loads(done.stdout.strip().splitlines()[-1]))
     assert "engine" in loaded and "mlx_lm" in loaded
     assert not loaded & {"mlx_vlm", "cv2", "datasets", "mlx_audio", "torch", "pyarrow"}
+
+
+def test_the_tower_and_its_features_count_in_the_memory_bound(
+        make_engine: Callable[..., Engine], tiny_vlm_dir: Path) -> None:
+    small = vlm_engine(make_engine, tiny_vlm_dir, vision_cache_bytes=0, kv_budget_bytes=1 << 26)
+    large = vlm_engine(make_engine, tiny_vlm_dir, vision_cache_bytes=64 << 20,
+                       kv_budget_bytes=1 << 26)
+    for eng in (small, large):
+        tokens(eng, asking(image_part(RED)), greedy(2))
+    grown = large.stats().resident_bound_bytes - small.stats().resident_bound_bytes
+    # The LRU's cap, give or take the runtime each process measured at its load.
+    assert abs(grown - (64 << 20)) < 16 << 20
