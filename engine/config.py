@@ -76,6 +76,11 @@ class EngineConfig(BaseModel):
         "so the decoding rows keep ~1/(1+share) of their pace; the image waits longer for "
         "its first token. With no row decoding, image work runs at full speed.",
     )
+    adapter_bytes: Annotated[int, Field(ge=0)] = Field(
+        default=512 << 20,
+        description="Byte cap of the LoRA adapters loaded at once (SamplingParams.adapter), "
+        "least recently used first out; an adapter a row uses is never evicted.",
+    )
     buffer_cache_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         default="auto",
         description="Cap on the freed buffers MLX keeps for reuse (mx.set_cache_limit, "

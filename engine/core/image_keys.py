@@ -29,3 +29,12 @@ def reuse_key(tokens: list[int], images: tuple[Any, ...]) -> list[int]:
     if shift and keyed:
         keyed[0] = -(1 << 61) - (shift & 0xFFFFFFFF)  # below every image id above
     return keyed
+
+
+def adapter_tag(name: str) -> int:
+    """The id an adapter row's first token is keyed by: below every image id and shift tag,
+    so its cached prefixes serve only rows of the same adapter."""
+    import hashlib
+
+    digest = int(hashlib.sha256(name.encode()).hexdigest()[:12], 16)
+    return -(1 << 62) - digest

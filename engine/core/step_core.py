@@ -74,6 +74,11 @@ class StepCore:
                 raise InvalidRequestError(
                     "images are read in the shared batch only, and this request runs alone "
                     "(a seed, or a model whose caches cannot batch): drop the seed", "seed")
+            if prepared.params.adapter is not None and lane is LaneKind.SERIAL:
+                raise InvalidRequestError(
+                    "adapters run in the shared batch only, and this request runs alone "
+                    "(a seed, or a model whose caches cannot batch): drop the seed",
+                    "adapter")
         except Exception as exc:
             self.end(Ending(row, FinishReason.ERROR, exc))
             return

@@ -45,6 +45,7 @@ from engine.device.grammar_step import GrammarProcessor, MaskFiller, install
 from engine.device.logprobs import token_logprobs
 from engine.device.prefix_reuse import PrefixReuse
 from engine.device.rejoin import decoding, direct_join_supported, join_decoding, next_inputs
+from engine.device.row_adapters import adapters_of
 from engine.device.row_cache import copied, trims_exactly
 from engine.device.sampling import GrammarMask, SamplerCache, guarded, penalty_processors
 from engine.device.span_costs import SpanCosts
@@ -82,12 +83,13 @@ class BatchLane:
                              prefill_batch_size=planner.group_size,
                              prefill_step_size=planner.chunk, max_kv_size=max_kv_size)
         self.masks = MaskFiller(compiler.words)
+        self.adapters = adapters_of(model)  # per-row LoRA adapters (``row_adapters``)
         self.vision = vision  # image rows' own prefill; None for a text-only model
         self.vision_share = vision_share  # of a decode step, image work's while rows decode
         self._width = 0  # rows the last step decoded
         self._generator = self._new_generator()
         self._no_stops = StopSequences(None)
-        self.rows = BatchRows()
+        self.rows = BatchRows(self.adapters.uid_slots if self.adapters is not None else None)
         self._tap = SamplerTap()
         self.direct_join = direct_join
         # Both feed several tokens at once: every cache kind but quantized KV takes them.
@@ -132,7 +134,20 @@ class BatchLane:
             if params.constraint is not None:
                 held_row.grammar = self._compiler.row(params.constraint)
             self.rows.add(held_row)
+            if params.adapter is not None:
+                self._hold_adapter(held_row, params.adapter)
+        held = [row for row in held if row.failure is None]
         self._start([row for row in held if not row.row.images or not self._to_vision(row)])
+
+    def _hold_adapter(self, row: BatchRow, path: str) -> None:
+        """Load (once) and hold the row's adapter; one that cannot load fails the row."""
+        if self.adapters is None:
+            row.failure = ValueError("this lane's model serves no adapters")
+            return
+        try:
+            row.adapter, row.slot = self.adapters.acquire_slot(path)
+        except Exception as exc:  # a bad adapter fails its row alone
+            row.failure = exc
 
     def _to_vision(self, row: BatchRow) -> bool:
         """Queue an image row's own prefill, resuming the longest cached prefix of its
@@ -200,7 +215,8 @@ class BatchLane:
             (cache, reused), row.vision_ready = row.vision_ready, None
             found = None
         else:
-            found = self.reuse.lookup(prompt, self._running_keyed(), self._extract)
+            found = self.reuse.lookup(row.keyed(prompt), self._running_keyed(),
+                                      self._extract)
         if found is not None:
             cache, reused = found
         row.cached_tokens = reused
@@ -267,6 +283,8 @@ class BatchLane:
             self.reuse.keep(row.keyed(list(spec.history)), spec.cache)
         if row.grammar is not None:
             row.grammar.close()
+        if row.adapter is not None and self.adapters is not None:
+            self.adapters.release(row.adapter)
         released = self._planner.forget(row)  # a leader abandoned: a twin leads now
         if released:
             self._start(released, joining=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.core.drafts import ShadowDraft
-from engine.core.image_keys import reuse_key
+from engine.core.image_keys import adapter_tag, reuse_key
 from engine.core.lane import LaneRow
 from engine.device.first_tokens import Sampler
 from engine.device.speculation import SpeculatingRow
@@ -46,6 +46,8 @@ class BatchRow:
     speculating: SpeculatingRow | None = None  # out of the generator, decoded by speculation
     # An image row's own prefill, done (``vision_prefill``): its cache and the tokens it holds.
     vision_ready: tuple[list[Any], int] | None = None
+    adapter: str | None = None  # the LoRA adapter it holds (``row_adapters``)
+    slot: int = 0  # its adapter's slot (0: the base)
 
     @property
     def generated(self) -> int:
@@ -60,8 +62,12 @@ class BatchRow:
         return self.row.prompt
 
     def keyed(self, tokens: list[int]) -> list[int]:
-        """``tokens`` of this row as prefix reuse keys them (image spans by their image)."""
-        return reuse_key(tokens, self.row.images) if self.row.images else tokens
+        """``tokens`` of this row as prefix reuse keys them (image spans by their image; a
+        row with an adapter by it, from the first token: its KV is its adapter's)."""
+        keyed = reuse_key(tokens, self.row.images) if self.row.images else tokens
+        if self.adapter is not None and keyed:
+            keyed = [adapter_tag(self.adapter), *keyed[1:]]
+        return keyed
 
 
 class BatchRows:
@@ -71,11 +77,14 @@ class BatchRows:
     dict lookup each); only the methods here change them, so the two never disagree.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, uid_slots: dict[int, int] | None = None) -> None:
         self._by_request: dict[int, BatchRow] = {}
         self._by_uid: dict[int, BatchRow] = {}
         self.by_request: Mapping[int, BatchRow] = self._by_request
         self.by_uid: Mapping[int, BatchRow] = self._by_uid
+        # Adapter rows' slots by uid (the model's ``RowAdapters.uid_slots``: the batch
+        # forwards read it); kept with the uids, so it never disagrees with them.
+        self.uid_slots: dict[int, int] = {} if uid_slots is None else uid_slots
 
     def add(self, row: BatchRow) -> None:
         self._by_request[row.request_id] = row
@@ -94,6 +103,8 @@ class BatchRows:
         """The row entered the generator as ``uid``."""
         row.uid = uid
         self._by_uid[uid] = row
+        if row.slot:  # its adapter's slot, for the batch forwards it is in
+            self.uid_slots[uid] = row.slot
 
     def left(self, row: BatchRow) -> int:
         """The row leaves the generator; returns the uid it had there."""
@@ -101,6 +112,7 @@ class BatchRows:
         assert uid is not None, "only a row in the generator can leave it"
         row.uid = None
         del self._by_uid[uid]
+        self.uid_slots.pop(uid, None)
         return uid
 
     def forget(self, request_id: int) -> BatchRow | None:
@@ -108,6 +120,7 @@ class BatchRows:
         row = self._by_request.pop(request_id, None)
         if row is not None and row.uid is not None:
             self._by_uid.pop(row.uid, None)
+            self.uid_slots.pop(row.uid, None)
         return row
 
     def in_generator(self) -> list[BatchRow]:

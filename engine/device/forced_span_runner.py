@@ -20,6 +20,7 @@ from engine.core.lane import LaneStep, RowToken
 from engine.device.batch_row import BatchRow, BatchRows, OutRow, RowSeam
 from engine.device.forced_spans import forward_spans
 from engine.device.logprobs import forced_logprob, token_logprob
+from engine.device.row_adapters import rows_of
 from engine.device.sampling import GrammarMask, penalty_processors
 from engine.device.span_costs import SpanCosts, min_span
 
@@ -71,7 +72,7 @@ class ForcedSpanRunner:
         for round_ in range(self.rounds):
             if not active:
                 break
-            with mx.stream(self.stream):
+            with mx.stream(self.stream), rows_of(self.model, [o.row.slot for o in active]):
                 forward = forward_spans(self.model, [out.cache for out in active],
                                         [out.unfed for out in active])
             chained = []

@@ -44,6 +44,7 @@ from engine.device.memory import (
 from engine.device.padding_probe import KNOWN_DIVERGENT, batch_divergence
 from engine.device.prefix_disk import PrefixDisk, disk_key
 from engine.device.prefix_reuse import OFF, PrefixReuse, reuse_policy
+from engine.device.row_adapters import attach
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
 from engine.device.speedups import report
@@ -277,6 +278,8 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
     planner: PrefillPlanner[BatchRow] = PrefillPlanner.for_batch(
         config.max_batch, config.prefill_batch, config.prefill_chunk,
         head_min_tokens=store.min_tokens if reuse.enabled else None)
+    if loaded.group is None:  # per-row LoRA adapters (SamplingParams.adapter)
+        attach(loaded.model, config.adapter_bytes)
     vision = None
     if vision_format is not None and loaded.group is None and loaded.path is not None:
         tower = VisionTower(loaded.path, loaded.model, vision_format, loaded.stream,

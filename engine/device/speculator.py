@@ -21,6 +21,7 @@ from engine.core.drafts import ShadowDraft
 from engine.core.lane import LaneStep, RowToken
 from engine.device.batch_row import BatchRow, BatchRows, OutRow, RowSeam
 from engine.device.logprobs import token_logprob
+from engine.device.row_adapters import rows_of
 from engine.device.span_costs import SpanCosts
 from engine.device.speculation import (
     ACCEPTANCE_FLOOR,
@@ -97,7 +98,7 @@ class Speculator:
                 continue  # it ends at this step's tokens
             started = time.perf_counter()
             try:
-                with mx.stream(self.stream):
+                with mx.stream(self.stream), rows_of(self.model, [row.slot]):
                     tokens = self.check(self.model, spec, budget)
             except Exception as exc:  # the row's own grammar: it fails alone
                 row.failure = exc

@@ -32,6 +32,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.device.batch_row import BatchRow
+from engine.device.row_adapters import rows_of
 from engine.device.vision import FeatureRun, VisionTower
 
 
@@ -147,7 +148,7 @@ class VisionPrefill:
             positions = (None if job.positions is None
                          else job.positions[:, job.done:end] - job.frame)
             started = time.perf_counter()
-            with mx.stream(self._stream):
+            with mx.stream(self._stream), rows_of(self._model, [job.row.slot]):
                 self.tower.prefill(job.cache, row.prompt[job.done:end], embeds, positions)
             self._token_seconds = (time.perf_counter() - started) / (end - job.done)
             job.done = end

@@ -26,7 +26,7 @@ from engine.requests.inbound.tool_specs import ToolSpec, normalize_tool_choice, 
 # test_request_options.py fails until every door passes it.
 REQUEST_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "min_p",
                    "repetition_penalty", "seed", "stop", "logprobs", "top_logprobs",
-                   "reasoning_budget", "repeat_answered_calls", "tool_call_limit")
+                   "reasoning_budget", "repeat_answered_calls", "tool_call_limit", "adapter")
 SAMPLING_FIELDS = REQUEST_OPTIONS  # the name before the agent options joined
 
 

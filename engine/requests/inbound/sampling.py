@@ -104,6 +104,10 @@ class SamplingParams:
     # offered where a grammar decides the reply (tools beside a JSON answer, or a required
     # call): an agent on a small model that keeps calling then answers. None: no limit.
     tool_call_limit: int | None = None
+    # A LoRA adapter for this request: a directory in mlx-lm's format (adapter_config.json,
+    # adapters.safetensors), loaded on first use; rows with different adapters share one
+    # batch over the base weights. None: the base model.
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
@@ -141,6 +145,9 @@ class SamplingParams:
                                                 and 1 <= self.tool_call_limit < _INT32),
                "tool_call_limit",
                f"must be None or an integer in [1, 2**31), got {self.tool_call_limit!r}")
+        _check(self.adapter is None or (isinstance(self.adapter, str) and bool(self.adapter)),
+               "adapter", f"must be None or an adapter directory (a non-empty str), got "
+               f"{self.adapter!r:.60}")
         _check(all(self.stop), "stop", "must not contain empty strings")
         _check(all(0 <= t < _INT32 for t in self.stop_token_ids), "stop_token_ids",
                f"must be token ids in [0, 2**31), got {self.stop_token_ids!r:.60}")
