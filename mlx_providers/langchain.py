@@ -129,6 +129,10 @@ class ChatMLXBatch(BaseChatModel):
     """With tools beside a response format, the grammar refuses a call that repeats one the
     history already answered (same tool and arguments, a ToolMessage for it): the model
     calls something else or answers. True admits such repeats."""
+    adapter: str | None = None
+    """A LoRA adapter directory (mlx-lm's format: ``adapter_config.json`` and
+    ``adapters.safetensors``) this model's replies use, loaded once; chat models with
+    different adapters on one base share its batch and its weights. None: the base."""
     tool_call_limit: int | None = Field(default=None, ge=1)
     """Calls to each tool the conversation may hold answered before the tool is no longer
     offered to a grammar-decided reply (tools beside a response format, or a required

@@ -185,6 +185,10 @@ class MLXBatchLLM(FunctionCallingLLM):
         default=False, description="With tools beside output_cls, the grammar refuses a "
         "call that repeats one the history already answered (same tool and arguments, a "
         "tool result for it), so the model calls something else or answers; True admits it.")
+    adapter: str | None = Field(
+        default=None, description="A LoRA adapter directory (mlx-lm's format) this LLM's "
+        "replies use, loaded once; LLMs with different adapters on one base share its batch "
+        "and its weights. None: the base model.")
     tool_call_limit: int | None = Field(
         default=None, ge=1, description="Calls to each tool the conversation may hold "
         "answered before the tool is no longer offered where a grammar decides the reply "

@@ -15,7 +15,6 @@ rebuilt when the set changes (ranks padded with zeros, which add nothing).
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.errors import InvalidRequestError
+from engine.requests.inbound.adapters import adapter_config
 
 
 @dataclass
@@ -49,28 +49,8 @@ def read_adapter(path: Path, model: Any, name: str | None = None) -> Adapter:
     """Read and check an adapter directory against ``model``; a bad one is an
     ``InvalidRequestError`` naming what does not fit (nothing else is touched)."""
     where = str(path)
-    config_file = path / "adapter_config.json"
-    weights_file = path / "adapters.safetensors"
-    for needed in (config_file, weights_file):
-        if not needed.is_file():
-            raise InvalidRequestError(f"adapter {where}: no {needed.name} (mlx-lm's LoRA "
-                                      "format: adapter_config.json and adapters.safetensors)",
-                                      "adapter")
-    try:
-        config = json.loads(config_file.read_text())
-    except ValueError as exc:
-        raise InvalidRequestError(f"adapter {where}: adapter_config.json is not JSON ({exc})",
-                                  "adapter") from exc
-    kind = config.get("fine_tune_type", "lora")
-    if kind != "lora":
-        raise InvalidRequestError(f"adapter {where}: fine_tune_type {kind!r} is not served "
-                                  "per row (only 'lora'); fuse it into a copy of the model",
-                                  "adapter")
-    lora = config.get("lora_parameters") or {}
-    if "scale" not in lora or "rank" not in lora:
-        raise InvalidRequestError(f"adapter {where}: lora_parameters needs 'rank' and "
-                                  "'scale'", "adapter")
-    loaded = mx.load(str(weights_file))
+    lora = adapter_config(where)["lora_parameters"]
+    loaded = mx.load(str(path / "adapters.safetensors"))
     assert isinstance(loaded, dict)
     weights: dict[str, mx.array] = loaded
     modules = dict(model.named_modules())

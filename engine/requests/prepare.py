@@ -25,6 +25,7 @@ from engine.requests.constraints.tools_or_answer import joins_tools
 from engine.requests.constraints.turn_grammar import TurnGrammar, limited_tools
 from engine.requests.dialects.dialect import TokenizerFacts
 from engine.requests.dialects.registry import dialect_for
+from engine.requests.inbound.adapters import adapter_config
 from engine.requests.inbound.chat import ChatRequest
 from engine.requests.inbound.output_constraint import Constraint, JsonSchema
 from engine.requests.inbound.prompts import EncodedPrompt, PromptImage, PromptRenderer
@@ -136,6 +137,8 @@ def checked_request(request: Any) -> Request:
                 "or token ids: TextRequest(prompt, params))")
         raise TypeError(f"submit takes a ChatRequest or a TextRequest, got "
                         f"{type(request).__name__}{hint}")
+    if request.params.adapter is not None:
+        adapter_config(request.params.adapter)  # its files and kind, at once
     if isinstance(request, ChatRequest) and request.forces_call:
         if not limited_tools(request):
             raise InvalidRequestError(

@@ -139,7 +139,9 @@ async def prometheus(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
-    names = [*(one.name for one in ctx.models), *ctx.embeddings]
+    names = [*(one.name for one in ctx.models),
+             *(f"{one.name}:{adapter}" for one in ctx.models for adapter in ctx.settings.adapters),
+             *ctx.embeddings]
     return JSONResponse({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "mlx-providers"}
         for name in names]})

@@ -12,6 +12,7 @@ from mlx_providers.server.context import (
     has_images,
     off_loop,
     read_json,
+    route_model,
     validate,
 )
 from mlx_providers.server.errors import from_engine
@@ -24,7 +25,8 @@ async def chat_completions(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
     body = await read_json(request, ctx.settings.max_body_bytes)
     chat = validate(ChatCompletionRequest, body)
-    served = ctx.models.get(chat.model)
+    served, adapter = route_model(ctx, chat.model, chat.adapter)
+    chat = chat.model_copy(update={"adapter": adapter})
     try:
         spec = await off_loop(has_images(chat.messages), lambda: engine_request(
             chat, default_max_tokens=ctx.settings.default_max_tokens,

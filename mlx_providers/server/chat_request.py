@@ -113,6 +113,9 @@ class ChatCompletionRequest(OpenModel):
     # This server's: calls to each tool the conversation may hold answered before the tool
     # is no longer offered to a grammar-decided reply (beside response_format, or required).
     tool_call_limit: Annotated[int, Field(ge=1)] | None = None
+    # This server's: a LoRA adapter for this request (a registered name or a local
+    # directory in mlx-lm's format), batched beside other adapters on the one base.
+    adapter: str | None = None
     # This server's, as Ollama's: seconds (or "5m") the model stays loaded once idle after
     # this request; 0 unloads it right after, negative keeps it (mlx_providers.server.keep_alive).
     keep_alive: KeepAliveField = None

@@ -80,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
                        help="seconds a stored response can be continued")
     serve.add_argument("--store-max-bytes", type=int, default=64 << 20)
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                       help="a LoRA adapter (mlx-lm's format) served as MODEL:NAME or by "
+                       "the adapter field; repeat for several")
     engine = serve.add_argument_group("engine options (EngineConfig)")
     for name, kind in _ENGINE_OPTIONS.items():
         field = EngineConfig.model_fields[name]
@@ -116,7 +119,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(api_key=args.api_key, default_max_tokens=args.max_tokens,
                               default_temperature=args.temperature,
                               max_queue=args.max_queue, store_ttl_seconds=args.store_ttl,
-                              store_max_bytes=args.store_max_bytes)
+                              store_max_bytes=args.store_max_bytes,
+                              adapters=adapter_names(args.adapter))
     models = {args.served_model_name: engine} if args.served_model_name else engine
     app = create_app(models, settings=settings,
                      embeddings=embedding_models(args.embedding_model))
@@ -165,3 +169,14 @@ def _close_on_shutdown(app: Any, engine: Any) -> None:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def adapter_names(given: list[str]) -> dict[str, str]:
+    """``--adapter NAME=PATH`` values as a mapping; a malformed one exits with its error."""
+    adapters: dict[str, str] = {}
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path or ":" in name:
+            raise SystemExit(f"--adapter {item!r}: give NAME=PATH (a name without ':')")
+        adapters[name] = path
+    return adapters

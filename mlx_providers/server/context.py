@@ -14,7 +14,7 @@ from starlette.requests import Request
 from mlx_providers.server.errors import APIError, from_validation
 from mlx_providers.server.metrics import ServerMetrics
 from mlx_providers.server.responses_store import ResponseStore
-from mlx_providers.server.served import ServedEmbedding, ServedModels
+from mlx_providers.server.served import ServedEmbedding, ServedModel, ServedModels
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -30,6 +30,9 @@ class ServerSettings:
     max_queue: int = 64  # requests per model beyond max_batch (or embed_max_batch) before 429
     store_ttl_seconds: float | None = 3600.0
     store_max_bytes: int = 64 << 20
+    # LoRA adapters by name (``--adapter name=path``): a request names one as its model's
+    # suffix (``base:name``) or in its ``adapter`` field; a directory there loads too.
+    adapters: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,21 @@ class ServerContext:
     metrics: ServerMetrics
     store: ResponseStore
     embeddings: Mapping[str, ServedEmbedding] = field(default_factory=dict)  # by name
+
+
+def route_model(ctx: ServerContext, model: str, adapter: str | None,
+                ) -> tuple[ServedModel, str | None]:
+    """The served model a request names and the adapter it asks for: ``base:name`` (a
+    registered adapter), or the ``adapter`` field (a registered name or a directory)."""
+    base, sep, suffix = model.rpartition(":")
+    if sep and suffix in ctx.settings.adapters and not ctx.models.serves(model):
+        if adapter is not None and adapter != suffix:
+            raise APIError(400, f"the model {model!r} names adapter {suffix!r} and the "
+                           f"request's adapter field {adapter!r}: give one", param="adapter",
+                           code="invalid_value")
+        return ctx.models.get(base), ctx.settings.adapters[suffix]
+    served = ctx.models.get(model)
+    return served, None if adapter is None else ctx.settings.adapters.get(adapter, adapter)
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:

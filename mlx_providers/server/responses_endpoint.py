@@ -15,6 +15,7 @@ from mlx_providers.server.context import (
     has_images,
     off_loop,
     read_json,
+    route_model,
     validate,
 )
 from mlx_providers.server.errors import from_engine, not_found
@@ -90,7 +91,8 @@ def _sse(event: dict[str, Any]) -> dict[str, str]:
 async def create_response(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
     req = validate(ResponsesRequest, await read_json(request, ctx.settings.max_body_bytes))
-    served = ctx.models.get(req.model)
+    served, adapter = route_model(ctx, req.model, req.adapter)
+    req = req.model_copy(update={"adapter": adapter})
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         stored = ctx.store.get(req.previous_response_id)

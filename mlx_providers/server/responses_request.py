@@ -166,6 +166,8 @@ class ResponsesRequest(OpenModel):
     # ``tool_call_limit`` times is no longer offered to a grammar-decided reply.
     repeat_answered_calls: bool = False
     tool_call_limit: Annotated[int, Field(ge=1)] | None = None
+    # This server's, as on chat completions: a LoRA adapter for this request.
+    adapter: str | None = None
     # This server's, as on chat completions: how long the model stays loaded once idle.
     keep_alive: KeepAliveField = None
 

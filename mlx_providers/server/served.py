@@ -115,6 +115,9 @@ class ServedModels:
     def engines(self) -> dict[str, Engine]:
         return {name: served.engine for name, served in self._models.items()}
 
+    def serves(self, name: str) -> bool:
+        return name in self._models
+
     def get(self, name: str, param: str = "model") -> ServedModel:
         served = self._models.get(name)
         if served is None:

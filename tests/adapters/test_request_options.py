@@ -27,7 +27,7 @@ VALUES: dict[str, Any] = {
     "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
     "repetition_penalty": 1.2, "seed": 11, "stop": ("END",), "logprobs": True,
     "top_logprobs": 3, "reasoning_budget": 4, "repeat_answered_calls": True,
-    "tool_call_limit": 2,
+    "tool_call_limit": 2, "adapter": "/adapters/tool-calls",
 }
 # What a door names otherwise, and what it does not take (with why).
 WIRE = {"responses": {"max_tokens": "max_output_tokens"}}
