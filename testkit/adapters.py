@@ -31,7 +31,10 @@ def make_adapter(out: Path, model_dir: Path, *, seed: int, rank: int = 8,
     for i in chosen:
         for key in keys:
             path = f"{prefix}layers.{i}.{key}"
-            out_dims, in_dims = modules[path].weight.shape
+            layer = modules[path]
+            out_dims, in_dims = layer.weight.shape
+            if "scales" in layer:  # quantized: its packed columns hold 32 / bits weights
+                in_dims = in_dims * 32 // layer.bits
             weights[f"{path}.lora_a"] = mx.random.normal((in_dims, rank)) * in_dims ** -0.5
             weights[f"{path}.lora_b"] = mx.random.normal((rank, out_dims)) * rank ** -0.5
     out.mkdir(parents=True, exist_ok=True)

@@ -57,12 +57,13 @@ class MemoryBounds:
     buffer_cache_bytes: int
     runtime_bytes: int  # resident at load less the weights, plus STEP_ALLOWANCE
     vision_bytes: int = 0  # a vision tower's weights and its feature LRU's cap
+    adapter_bytes: int = 0  # the cap of the LoRA adapters loaded at once
 
     @property
     def resident_bound(self) -> int:
         """What the formula says the process holds at most for this engine."""
         return (self.weights_bytes + self.kv_budget_bytes + self.buffer_cache_bytes
-                + self.runtime_bytes + self.vision_bytes)
+                + self.runtime_bytes + self.vision_bytes + self.adapter_bytes)
 
 
 def auto_kv_budget(memory_bytes: int, weights_bytes: int) -> int:

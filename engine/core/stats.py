@@ -81,6 +81,9 @@ class EngineStats:
     vision_seconds: float = 0.0
     vision_feature_hits: int = 0
     vision_feature_bytes: int = 0
+    # LoRA adapters (SamplingParams.adapter): loaded now, and their bytes (adapter_bytes caps).
+    adapters_loaded: int = 0
+    adapters_bytes: int = 0
     # The disk tier (prefix_cache_dir): entries read back, written, refused; what it holds.
     prefix_disk_hits: int = 0
     prefix_disk_hit_tokens: int = 0

@@ -160,6 +160,13 @@ class Lanes:
         self.store.clear()
         return PrefixTiers(self.store, self.batch.reuse.disk, self.disk_off)
 
+    def adapter_figures(self) -> dict[str, int]:
+        """The loaded LoRA adapters as ``EngineStats`` fields (none attached: none)."""
+        adapters = self.batch.adapters
+        if adapters is None:
+            return {}
+        return {"adapters_loaded": len(adapters.names()), "adapters_bytes": adapters.nbytes}
+
     def vision_figures(self) -> dict[str, int | float]:
         """The vision tower's numbers as ``EngineStats`` fields (none for a text model)."""
         vision = self.batch.vision
@@ -280,6 +287,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
         head_min_tokens=store.min_tokens if reuse.enabled else None)
     if loaded.group is None:  # per-row LoRA adapters (SamplingParams.adapter)
         attach(loaded.model, config.adapter_bytes)
+        loaded.bounds = replace(loaded.bounds, adapter_bytes=config.adapter_bytes)
     vision = None
     if vision_format is not None and loaded.group is None and loaded.path is not None:
         tower = VisionTower(loaded.path, loaded.model, vision_format, loaded.stream,

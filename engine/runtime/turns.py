@@ -164,7 +164,7 @@ class Turns:
             prefix_bytes=store.nbytes, prefix_entries=len(store),
             mlx_active_bytes=active, mlx_cache_bytes=cached,
             resident_bytes=self._resident.read(fresh_memory),
-            **lanes.disk_figures(), **lanes.vision_figures())
+            **lanes.disk_figures(), **lanes.vision_figures(), **lanes.adapter_figures())
         version = lanes.speedups_version()
         if version != self._speedups_version:  # the span decision's figures moved
             self._speedups_version = version

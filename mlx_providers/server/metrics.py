@@ -61,6 +61,9 @@ class _EngineCollector(Collector):
                                      "budget + buffer cache limit + runtime."),
             "embed_pending": ("mlx_engine_embed_pending_requests",
                               "Embedding requests waiting on the engine thread."),
+            "adapters_loaded": ("mlx_engine_adapters_loaded", "LoRA adapters loaded now."),
+            "adapters_bytes": ("mlx_engine_adapters_bytes",
+                               "Bytes of the LoRA adapters loaded now (adapter_bytes caps)."),
             "vision_feature_bytes": ("mlx_engine_vision_feature_bytes",
                                      "Bytes of image features the LRU keeps "
                                      "(vision_cache_bytes)."),

@@ -85,7 +85,7 @@ def test_the_server_routes_adapters(server: LiveServer, chat: ChatMLXBatch,
     by_path = client.responses.create(model="tiny", max_output_tokens=8, input=QUESTION,
                                       extra_body={"adapter": adapters["b"]})
     assert by_path.output_text == engine_text(chat.engine, adapters["b"])
-    with pytest.raises(openai.BadRequestError, match="no adapter_config.json") as raised:
+    with pytest.raises(openai.BadRequestError, match=r"no adapter_config\.json") as raised:
         client.chat.completions.create(model="tiny", max_tokens=4, messages=QUESTION,
                                        extra_body={"adapter": "/nowhere"})
     assert raised.value.body["param"] == "adapter"  # type: ignore[index]

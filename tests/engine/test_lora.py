@@ -158,6 +158,8 @@ def test_cancelling_adapter_rows_leaves_no_slot_held(
         time.sleep(0.05)
     assert lane_adapters.uid_slots == {}
     assert all(a.users == 0 for a in lane_adapters._slots.values())
+    stats = eng.stats()
+    assert stats.adapters_loaded == 3 and stats.adapters_bytes == lane_adapters.nbytes > 0
 
 
 def test_adapters_in_use_are_never_evicted(make_engine: Callable[..., Engine],
