@@ -28,7 +28,7 @@ import engine  # noqa: F401 - loads the fast BLAS before mlx
 from engine import Engine, EngineConfig, SamplingParams, TextRequest, blas_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for testkit.adapters
-from testkit.adapters import make_adapter  # noqa: E402
+from testkit.adapters import make_adapter
 
 ROWS = 16
 

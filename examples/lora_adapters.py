@@ -22,8 +22,8 @@ from langchain_core.messages import HumanMessage
 from mlx_providers import ChatMLXBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's testkit
-from testkit.adapters import make_adapter  # noqa: E402
-from testkit.tiny_model import build_tiny_model  # noqa: E402
+from testkit.adapters import make_adapter
+from testkit.tiny_model import build_tiny_model
 
 
 def tiny_model_and_adapters() -> tuple[str, list[str]]:
