@@ -120,11 +120,18 @@ def main() -> int:
         loads.append(time.perf_counter() - started)
         per_engine.append(run_rows(single, prompts[k::4], [None] * 4, args.tokens))
         single.close()
+    # Base rows on an engine that never loaded an adapter (no layer wrapped).
+    plain = Engine(None, EngineConfig(max_batch=ROWS, speculation=0)).start()
+    run_rows(plain, prompts[:4], [None] * 4, 4)
+    never = [run_rows(plain, prompts, [None] * ROWS, args.tokens) for _ in range(args.repeats)]
+    plain.close()
     base_rate = total / statistics.median(seconds["16 base rows"])
     print(f"model: {model.name}; {args.tokens} tokens a row; {blas_info().name}")
     print()
     print("| rows | tok/s | vs 16 base rows |")
     print("|---|---:|---:|")
+    rate = total / statistics.median(never)
+    print(f"| 16 base rows, no adapter ever loaded | {rate:.1f} | {rate / base_rate:.2f} |")
     for name in cases:
         rate = total / statistics.median(seconds[name])
         print(f"| {name} | {rate:.1f} | {rate / base_rate:.2f} |")

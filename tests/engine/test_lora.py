@@ -114,7 +114,13 @@ def test_a_bad_adapter_fails_its_row_alone(make_engine: Callable[..., Engine],
     import mlx.core as mx
 
     weights = mx.load(str(wrong / "adapters.safetensors"))
-    key = next(k for k in weights if k.endswith("lora_a"))
+    key = next(k for k in weights if k.endswith("q_proj.lora_a"))
+    stray = make_adapter(tmp_path / "stray", tiny_model_dir, seed=6)
+    stray_weights = dict(weights)
+    stray_weights[key.replace("q_proj", "nope")] = stray_weights.pop(key)
+    stray_weights[key.replace("q_proj", "nope").replace("lora_a", "lora_b")] = (
+        stray_weights.pop(key.replace("lora_a", "lora_b")))
+    mx.save_safetensors(str(stray / "adapters.safetensors"), stray_weights)
     weights[key] = mx.zeros((weights[key].shape[0] + 1, weights[key].shape[1]))
     mx.save_safetensors(str(wrong / "adapters.safetensors"), weights)
     # What the files say is refused at submit; whether the layers fit, when it loads.
@@ -123,10 +129,13 @@ def test_a_bad_adapter_fails_its_row_alone(make_engine: Callable[..., Engine],
         with pytest.raises(InvalidRequestError, match=why):
             eng.submit(TextRequest(prompt, greedy(adapter=path)))
     misfit = eng.submit(TextRequest(prompt, greedy(adapter=str(wrong))))
+    lacking = eng.submit(TextRequest(prompt, greedy(adapter=str(stray))))
     good = eng.submit(TextRequest(prompt, greedy()))
     with_a = eng.submit(TextRequest(prompt, greedy(adapter=adapters["A"])))
     with pytest.raises(InvalidRequestError, match="do not fit the base layer"):
         misfit.result(timeout=60)
+    with pytest.raises(InvalidRequestError, match=r"self_attn\.nope is not a layer"):
+        lacking.result(timeout=60)
     assert good.result(timeout=60).token_ids == expected
     assert with_a.result(timeout=60).token_ids == run(eng, prompt, greedy(adapter=adapters["A"]))
 
