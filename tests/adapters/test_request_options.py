@@ -9,7 +9,10 @@ scripted engine records what it was asked.
 
 from __future__ import annotations
 
+import json
+import tempfile
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,13 +24,23 @@ from mlx_providers import ChatMLXBatch, MLXBatchLLM
 from mlx_providers.server import create_app
 from tests.fake_engine import ScriptedEngine, scripted
 
+
+def _adapter_dir() -> str:
+    """An adapter directory whose files pass ``submit``'s check (nothing loads it here)."""
+    root = Path(tempfile.mkdtemp(prefix="options-adapter-"))
+    (root / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "lora_parameters": {"rank": 8, "scale": 2.0}}))
+    (root / "adapters.safetensors").write_bytes(b"")
+    return str(root)
+
+
 # A value other than the default for each option (reasoning_budget, tool_call_limit:
 # their default is None).
 VALUES: dict[str, Any] = {
     "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.05,
     "repetition_penalty": 1.2, "seed": 11, "stop": ("END",), "logprobs": True,
     "top_logprobs": 3, "reasoning_budget": 4, "repeat_answered_calls": True,
-    "tool_call_limit": 2, "adapter": "/adapters/tool-calls",
+    "tool_call_limit": 2, "adapter": _adapter_dir(),
 }
 # What a door names otherwise, and what it does not take (with why).
 WIRE = {"responses": {"max_tokens": "max_output_tokens"}}
