@@ -20,6 +20,8 @@ def make_adapter(out: Path, model_dir: Path, *, seed: int, rank: int = 8,
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
+    from engine.device.row_adapters import linear_dims
+
     model = load_model(Path(model_dir))[0]
     blocks = model.layers
     chosen = range(len(blocks) - (layers or len(blocks)), len(blocks))
@@ -31,10 +33,7 @@ def make_adapter(out: Path, model_dir: Path, *, seed: int, rank: int = 8,
     for i in chosen:
         for key in keys:
             path = f"{prefix}layers.{i}.{key}"
-            layer = modules[path]
-            out_dims, in_dims = layer.weight.shape
-            if "scales" in layer:  # quantized: its packed columns hold 32 / bits weights
-                in_dims = in_dims * 32 // layer.bits
+            out_dims, in_dims = linear_dims(modules[path])
             weights[f"{path}.lora_a"] = mx.random.normal((in_dims, rank)) * in_dims ** -0.5
             weights[f"{path}.lora_b"] = mx.random.normal((rank, out_dims)) * rank ** -0.5
     out.mkdir(parents=True, exist_ok=True)

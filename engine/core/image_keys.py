@@ -14,6 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 
+def position_shift(images: tuple[Any, ...]) -> int:
+    """How far the text after these images is from its index in positions: nonzero where
+    images sit on a grid of positions (M-RoPE)."""
+    return sum(image.positions - image.length for image in images)
+
+
 def reuse_key(tokens: list[int], images: tuple[Any, ...]) -> list[int]:
     """``tokens`` as prefix reuse must see them: each image span's ids (the same for every
     image) replaced by negative ids from that image's hash and position, so a cached prefix
@@ -25,7 +31,7 @@ def reuse_key(tokens: list[int], images: tuple[Any, ...]) -> list[int]:
         base = int(image.key[:10], 16) << 20
         for j in range(image.start, min(image.start + image.length, len(keyed))):
             keyed[j] = -1 - (base + j - image.start)
-    shift = sum(image.positions - image.length for image in images)
+    shift = position_shift(images)
     if shift and keyed:
         keyed[0] = -(1 << 61) - (shift & 0xFFFFFFFF)  # below every image id above
     return keyed

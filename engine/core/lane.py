@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+from engine.core.image_keys import position_shift
 from engine.requests.inbound.prompts import PromptImage
 from engine.requests.inbound.sampling import SamplingParams
 from engine.requests.outbound.results import TokenLogprob
@@ -48,7 +49,7 @@ class LaneRow:
     def position_shift(self) -> int:
         """How far the text after the images is from its index in positions: nonzero
         where images sit on a grid of positions (M-RoPE)."""
-        return sum(image.positions - image.length for image in self.images)
+        return position_shift(self.images)
 
 
 @dataclass(frozen=True)

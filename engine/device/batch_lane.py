@@ -17,8 +17,9 @@ generator and rejoins it (``RowSeam``). Around that:
 - **first tokens**: a group's first tokens are read from its samplers in the step that
   samples them (``first_tokens``), one step before mlx-lm returns them, except for
   constrained rows, whose grammar learns of the token only in that next step.
-- **images**: a row whose prompt holds images is prefilled first by ``VisionPrefill`` (one
-  unit a step) into its own cache, then handed to the generator like a resumed prefix.
+- **images**: a row whose prompt holds images is prefilled first by ``VisionPrefill`` (in
+  units a step's credit pays for) into its own cache, then handed to the generator like a
+  resumed prefix.
   Prefix reuse keys its tokens by its images (``BatchRow.keyed``).
 - **fast-forward** (``ForcedSpanRunner``) and **speculation** (``Speculator``) are handed
   each step's rows; they take rows out through the seam, feed them several tokens, and
@@ -145,7 +146,7 @@ class BatchLane:
             row.failure = ValueError("this lane's model serves no adapters")
             return
         try:
-            row.adapter, row.slot = self.adapters.acquire_slot(path)
+            row.adapter, row.slot = self.adapters.acquire(path)
         except Exception as exc:  # a bad adapter fails its row alone
             row.failure = exc
 

@@ -69,7 +69,7 @@ def read_adapter(path: Path, model: Any, name: str | None = None) -> Adapter:
                                       "base model" if base is None
                                       else f"adapter {where}: {b_key} is missing", "adapter")
         lora_a, lora_b = weights[key], weights[b_key]
-        out_dims, in_dims = _dims(base)
+        out_dims, in_dims = linear_dims(base)
         if lora_a.shape != (in_dims, lora_a.shape[1]) or lora_b.shape != (lora_a.shape[1],
                                                                            out_dims):
             raise InvalidRequestError(
@@ -83,13 +83,11 @@ def read_adapter(path: Path, model: Any, name: str | None = None) -> Adapter:
     return Adapter(name or path.name, path, float(lora["scale"]), int(lora["rank"]), pairs)
 
 
-def _dims(layer: Any) -> tuple[int, int]:
+def linear_dims(layer: Any) -> tuple[int, int]:
     """(out, in) of a linear layer, quantized or not (a wrapped one: its base's)."""
-    layer = getattr(layer, "base", layer)
     if isinstance(layer, RowLoRALinear):
         layer = layer.base
-    weight = layer["weight"]
-    out_dims, in_dims = weight.shape
+    out_dims, in_dims = layer["weight"].shape
     bits = getattr(layer, "bits", None)
     if "scales" in layer and bits:
         in_dims = in_dims * 32 // bits
@@ -144,23 +142,20 @@ class RowAdapters:
         """The slot of a loaded adapter (0: the base)."""
         return 0 if name is None else self._order.index(name) + 1
 
-    def acquire_slot(self, path: str) -> tuple[str, int]:
-        """``acquire`` and the adapter's slot."""
-        name = self.acquire(path)
-        return name, self.slot(name)
-
-    def acquire(self, path: str, name: str | None = None) -> str:
-        """Load ``path`` (once) and hold it for a row; returns its name."""
-        key = name or str(Path(path).expanduser().resolve())
+    def acquire(self, path: str) -> tuple[str, int]:
+        """Load ``path`` (once) and hold it for a row: its name (the resolved path) and
+        its slot."""
+        key = str(Path(path).expanduser().resolve())
         adapter = self._slots.get(key)
         if adapter is None:
             adapter = read_adapter(Path(path).expanduser(), self.model, key)
             self._make_room(adapter.nbytes)
             self._slots[key] = adapter
+            _route_batches()  # from the first adapter on, batch forwards read row slots
             self._restack()
         self._slots.move_to_end(key)
         adapter.users += 1
-        return key
+        return key, self.slot(key)
 
     def release(self, name: str) -> None:
         adapter = self._slots.get(name)
@@ -190,9 +185,10 @@ class RowAdapters:
         paths = sorted({p for a in adapters for p in a.pairs})
         self._wrap(paths)
         rank = max((a.rank for a in adapters), default=0)
+        modules = dict(self.model.named_modules())
         self.stacks = {}
         for path in paths:
-            out_dims, in_dims = _dims(dict(self.model.named_modules())[path])
+            out_dims, in_dims = linear_dims(modules[path])
             dtype = next(a.pairs[path][0].dtype for a in adapters if path in a.pairs)
             a_rows = [mx.zeros((in_dims, rank), dtype)]
             b_rows = [mx.zeros((rank, out_dims), dtype)]
@@ -249,11 +245,10 @@ def rows_of(model: Any, slots: Sequence[int]) -> Iterator[None]:
 
 
 def attach(model: Any, max_bytes: int) -> RowAdapters:
-    """Give ``model`` a set of per-row adapters, and route mlx-lm's batch forwards through
-    the slots of their rows (``uid_slots``)."""
+    """Give ``model`` a set of per-row adapters; mlx-lm's batch forwards are routed through
+    the slots of their rows (``uid_slots``) once the first adapter loads."""
     adapters = RowAdapters(model, max_bytes)
     model._mlx_providers_adapters = adapters
-    _route_batches()
     return adapters
 
 

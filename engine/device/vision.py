@@ -5,9 +5,10 @@ it as on any text model); ``VisionTower`` holds the rest, built by mlx-vlm (the 
 extra, imported only for a checkpoint with a vision tower) from the same directory. Its
 language-model weights are never read: its token embedding is the text model's own module.
 
-``features`` runs the tower and projector for one image on the engine thread and returns
-what the family puts at that image's tokens: the embeddings mlx-vlm's own
-``get_input_embeddings`` computes there, read from a prompt of just the image's block. So
+``start`` builds the tower and projector's forward for one image on the engine thread,
+evaluated a block at a time (``FeatureRun``); it gives what the family puts at that image's
+tokens: the embeddings mlx-vlm's own ``get_input_embeddings`` computes there, read from a
+prompt of just the image's block. So
 whatever a family scales or normalises, the row gets the vision library's own values.
 Features are kept in an LRU bounded in bytes (``FeatureCache``), keyed by the image's hash
 and preprocessing: a conversation's second turn over a screenshot skips the tower.
@@ -177,9 +178,7 @@ class VisionTower:
         towers_root = getattr(vlm, "vision_tower", None)
         self._blocks = _block_class(towers_root) if towers_root is not None else None
         self.embed = embed
-        self.format = fmt
         self.stream = stream
-        self._stream = stream
         towers = [module for name, module in vlm.children().items()
                   if name != "language_model"]
         with mx.stream(stream):
@@ -189,24 +188,18 @@ class VisionTower:
         self.cache = FeatureCache(cache_bytes)
         self.counts = VisionCounts()
 
-    def features(self, image: PromptImage) -> mx.array:
-        """(span length, hidden) embeddings of ``image``'s span: the tower's features at its
-        image tokens, the family's own embeddings between them (row breaks); evaluated."""
-        run = self.start(image)
-        while (found := run.step()) is None:
-            pass
-        return found
-
     def start(self, image: PromptImage) -> FeatureRun:
         """The tower's forward for ``image``, to evaluate a block at a time
-        (``FeatureRun.step``); an image in the LRU is done at once."""
+        (``FeatureRun.step``, which ends with the (span length, hidden) embeddings of the
+        image's span: the tower's features at its image tokens, the family's own embeddings
+        between them); an image in the LRU is done at once."""
         found = self.cache.get(image.key)
         if found is not None:
             self.counts.feature_hits += 1
             return FeatureRun([], found, self, None)
         started = time.perf_counter()
         outputs: list[mx.array] = []
-        with mx.stream(self._stream), _recording(self._blocks, outputs):
+        with mx.stream(self.stream), _recording(self._blocks, outputs):
             pixels = mx.array(image.read_pixels())
             block = mx.array([list(image.block)])
             extra = {k: mx.array(v) if k in _ARRAY_INPUTS else v
@@ -240,7 +233,6 @@ class VisionTower:
         if at < end:
             pieces.append(self.embed(mx.array(prompt[at:end])))
         return mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-
 
     def prefill(self, cache: list[Any], ids: list[int], embeds: mx.array,
                 positions: np.ndarray | None) -> None:

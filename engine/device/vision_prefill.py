@@ -55,7 +55,8 @@ class VisionJob:
 
 
 class VisionPrefill:
-    """Image rows waiting for (or in) their own prefill, advanced one unit per step."""
+    """Image rows waiting for (or in) their own prefill, advanced by the credit each step
+    earns (``advance``)."""
 
     def __init__(self, model: Any, stream: Any, tower: VisionTower, chunk: int,
                  max_kv_size: int | None) -> None:

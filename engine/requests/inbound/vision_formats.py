@@ -34,7 +34,7 @@ import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -55,15 +55,17 @@ class ImageTokens:
 
 
 class VisionFormat(ABC):
-    """One family's image tokens and preprocessing."""
+    """One family's image tokens and preprocessing (each a frozen dataclass)."""
 
     family: str
     image_token: int  # the token whose embeddings the vision features replace
 
     @property
-    @abstractmethod
     def key(self) -> str:
-        """The preprocessing, as a feature-cache key's part: same key, same pixel values."""
+        """The format's every setting, as a feature-cache key's part: same key, same pixel
+        values and tokens."""
+        return ":".join(f"{f.name}={getattr(self, f.name)}"
+                        for f in fields(self))  # type: ignore[arg-type]
 
     @abstractmethod
     def read(self, image: DecodedImage) -> ImageTokens:
@@ -103,10 +105,6 @@ class Gemma3Format(VisionFormat):
     std: tuple[float, ...]
     rescale: float = 1 / 255
 
-    @property
-    def key(self) -> str:
-        return f"{self.family}:{self.image_size}:{self.mean}:{self.std}:{self.rescale}"
-
     def read(self, image: DecodedImage) -> ImageTokens:
         return ImageTokens(self.block_ids)
 
@@ -129,11 +127,6 @@ class Mistral3Format(VisionFormat):
     mean: tuple[float, ...]
     std: tuple[float, ...]
     rescale: float = 1 / 255
-
-    @property
-    def key(self) -> str:
-        return (f"{self.family}:{self.longest_edge}:{self.patch}:{self.mean}:{self.std}:"
-                f"{self.rescale}")
 
     def _grid(self, image: DecodedImage) -> tuple[int, int]:
         """(rows, columns) of tokens: the longest edge within bounds, sides rounded up."""
@@ -193,11 +186,6 @@ class QwenVLFormat(VisionFormat):
     std: tuple[float, ...]
     rescale: float = 1 / 255
 
-    @property
-    def key(self) -> str:
-        return (f"{self.family}:{self.patch}:{self.merge}:{self.temporal}:{self.min_pixels}:"
-                f"{self.max_pixels}:{self.mean}:{self.std}:{self.rescale}")
-
     def _size(self, image: DecodedImage) -> tuple[int, int]:
         width, height = image.size
         try:
@@ -253,12 +241,6 @@ class Lfm2VlFormat(VisionFormat):
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
     rescale: float = 1 / 255
     resample: int = 3  # BICUBIC
-
-    @property
-    def key(self) -> str:
-        return (f"{self.family}:{self.patch}:{self.downsample}:{self.min_tokens}:"
-                f"{self.max_tokens}:{self.tile_size}:{self.tolerance}:{self.min_tiles}:"
-                f"{self.max_tiles}:{self.thumbnail}:{self.mean}:{self.std}:{self.resample}")
 
     @property
     def max_patches(self) -> int:
