@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from engine.core.image_keys import position_shift
+from engine.core.reuse_key import position_shift
 from engine.requests.inbound.prompts import PromptImage
 from engine.requests.inbound.sampling import SamplingParams
 from engine.requests.outbound.results import TokenLogprob

@@ -40,6 +40,11 @@ class PlannedRow(Protocol):
     @property
     def prompt(self) -> list[int]: ...
 
+    @property
+    def key(self) -> list[int]:
+        """The prompt as prefix reuse keys it: rows share a head only where their KV is
+        the same (``engine.core.reuse_key``)."""
+
     head_len: int  # the shared head's tokens: the chat head, or a prefix shared with twins
 
 
@@ -49,7 +54,7 @@ P = TypeVar("P")
 
 def head_of(row: PlannedRow) -> HeadKey | None:
     """The row's shared head as a key (None without one)."""
-    return tuple(row.prompt[: row.head_len]) if row.head_len else None
+    return tuple(row.key[: row.head_len]) if row.head_len else None
 
 
 def cluster_heads(rows: Sequence[PlannedRow], min_tokens: int) -> None:
@@ -66,7 +71,7 @@ def cluster_heads(rows: Sequence[PlannedRow], min_tokens: int) -> None:
     # (key, members, the longest chat head among them)
     groups: list[tuple[np.ndarray[Any, Any], list[PlannedRow], int]] = []
     for row in rows:
-        prompt = np.asarray(row.prompt)
+        prompt = np.asarray(row.key)
         for i, (key, members, floor) in enumerate(groups):
             shared = common_prefix(key, prompt)
             if shared >= min_tokens and shared > max(floor, row.head_len):

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.core.drafts import ShadowDraft
-from engine.core.image_keys import adapter_tag, reuse_key
 from engine.core.lane import LaneRow
+from engine.core.reuse_key import RowContext, reuse_key
 from engine.device.first_tokens import Sampler
 from engine.device.speculation import SpeculatingRow
 from engine.requests.constraints.grammar import RowGrammar
@@ -61,13 +61,19 @@ class BatchRow:
     def prompt(self) -> list[int]:
         return self.row.prompt
 
+    @property
+    def context(self) -> RowContext:
+        """What besides its tokens decides this row's KV (its images, shift, adapter)."""
+        return RowContext(self.row.images, self.adapter)
+
+    @property
+    def key(self) -> list[int]:
+        """The prompt as prefix reuse keys it (what the prefill planner groups heads by)."""
+        return self.keyed(self.row.prompt)
+
     def keyed(self, tokens: list[int]) -> list[int]:
-        """``tokens`` of this row as prefix reuse keys them (image spans by their image; a
-        row with an adapter by it, from the first token: its KV is its adapter's)."""
-        keyed = reuse_key(tokens, self.row.images) if self.row.images else tokens
-        if self.adapter is not None and keyed:
-            keyed = [adapter_tag(self.adapter), *keyed[1:]]
-        return keyed
+        """``tokens`` of this row as prefix reuse keys them (``engine.core.reuse_key``)."""
+        return reuse_key(tokens, self.context)
 
 
 class BatchRows:

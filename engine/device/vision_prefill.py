@@ -79,7 +79,7 @@ class VisionPrefill:
         job = VisionJob(row, cache, done)
         if self.tower.grid_positions:
             job.positions = grid_positions(len(row.prompt), row.row.images)
-            # A resumed cache came from a row keyed by the same shift (``image_keys``).
+            # A resumed cache came from a row keyed by the same shift (``reuse_key``).
             job.frame = row.row.position_shift if done else 0
         self._jobs[row.request_id] = job
 

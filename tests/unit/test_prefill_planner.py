@@ -12,6 +12,11 @@ class Row:
     request_id: int
     prompt: list[int]
     head_len: int = 0
+    tag: int | None = None  # a reuse context's tag on the first token (an adapter, a shift)
+
+    @property
+    def key(self) -> list[int]:
+        return [self.tag, *self.prompt[1:]] if self.tag is not None else self.prompt
 
 
 def planner(group: int = 4, chunk: int = 8, reuse: bool = True) -> PrefillPlanner[Row]:
@@ -96,6 +101,21 @@ def test_a_leader_stops_at_its_head_and_its_twins_wait_for_it() -> None:
     released = p.head_done(tuple(head))
     assert released == [twin]
     assert p.leader_head(1) is None
+
+
+def test_rows_of_another_reuse_context_never_wait_for_a_head_they_cannot_reuse() -> None:
+    """An adapter row and a base row with the same chat head hold different KV: the base
+    row prefills at once instead of waiting for a head it would not find."""
+    head = list(range(20))
+    adapter_row = Row(1, [*head, 1, 2], head_len=20, tag=-(1 << 62))
+    base_row, base_twin = Row(2, [*head, 3, 4], head_len=20), Row(3, [*head, 5], head_len=20)
+    p = planner()
+    p.queue([adapter_row, base_row, base_twin])
+    taken = take(p)
+    assert [row for row, _ in taken] == [1, 2]  # the base row leads its own head
+    assert p.leader_head(1) == (-(1 << 62), *head[1:])
+    assert p.leader_head(2) == tuple(head)
+    assert p.head_done(tuple(head)) == [base_twin]
 
 
 def test_a_row_that_reused_its_head_is_not_split() -> None:
