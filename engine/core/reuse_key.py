@@ -23,6 +23,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+# Bump when what a key means changes: the disk tier then never reads files keyed otherwise.
+KEY_VERSION = 2
+
 # Image span ids lie in [-(2**60 + 2**20), -1]; context tags below -(2**61), so neither
 # can be mistaken for the other or for a real token id (>= 0).
 _TAG_BASE = 1 << 61

@@ -48,6 +48,7 @@ from engine.core.prefix_files import (
     read_header,
     write_entry,
 )
+from engine.core.reuse_key import KEY_VERSION
 from engine.device.row_cache import arrays_of
 
 log = logging.getLogger("engine")
@@ -67,8 +68,8 @@ _BY_NAME = {name: (dtype, np_type) for dtype, (name, np_type) in _DTYPES.items()
 
 def disk_key(model_path: Path, layout: Sequence[Any]) -> str:
     """What a file must have been written under to be read: the model's files, its cache
-    layout, and the versions of the engine, mlx and mlx-lm."""
-    digest = hashlib.sha256(f"format {FORMAT}\n".encode())
+    layout, the versions of the engine, mlx and mlx-lm, and what a reuse key means."""
+    digest = hashlib.sha256(f"format {FORMAT}\nreuse key {KEY_VERSION}\n".encode())
     for package in ("mlx-providers", "mlx", "mlx-lm"):
         try:
             version = importlib.metadata.version(package)

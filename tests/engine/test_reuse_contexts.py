@@ -71,3 +71,20 @@ def test_shifted_image_rows_and_text_rows_of_one_adapter_never_share_kv(
     for name in names:
         assert answer(eng, turns[name], params) == fresh[name], name
     assert eng.stats().prefix_hits >= before + 2
+
+
+def test_the_disk_tier_keeps_each_context_apart(make_engine: Callable[..., Engine],
+                                                qwen2_vl_dir: Path, adapter_dir: str,
+                                                tmp_path: Path) -> None:
+    """Prefixes written by one engine and read back by the next: an adapter's text row, its
+    shifted image row and the base model's text row each resume only their own."""
+    base, tuned = greedy(12), greedy(12, adapter=adapter_dir)
+    runs = [(text_turn(), base), (text_turn(), tuned), (image_turn(), tuned)]
+    fresh = [answer(make_engine(qwen2_vl_dir, prefix_cache_bytes=0), m, p) for m, p in runs]
+    disk = {"prefix_cache_dir": str(tmp_path / "prefixes"), "max_batch": 8}
+    writer = make_engine(qwen2_vl_dir, **disk)
+    assert [answer(writer, m, p) for m, p in runs] == fresh
+    writer.close()  # its stored prefixes are written out
+    reader = make_engine(qwen2_vl_dir, **disk)
+    assert [answer(reader, m, p) for m, p in reversed(runs)] == fresh[::-1]
+    assert reader.stats().prefix_disk_hits >= 3
