@@ -56,7 +56,9 @@ class MemoryBounds:
     prefix_cache_bytes: int
     buffer_cache_bytes: int
     runtime_bytes: int  # resident at load less the weights, plus STEP_ALLOWANCE
-    vision_bytes: int = 0  # a vision tower's weights and its feature LRU's cap
+    # A vision tower's weights (sized from the checkpoint at load; built at the first image)
+    # and its feature LRU's cap.
+    vision_bytes: int = 0
     adapter_bytes: int = 0  # the cap of the LoRA adapters loaded at once
 
     @property

@@ -48,12 +48,12 @@ from engine.device.row_adapters import attach
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
 from engine.device.speedups import report
-from engine.device.vision import VisionTower
+from engine.device.vision import VisionTower, checkpoint_tower_bytes
 from engine.device.vision_prefill import VisionPrefill
 from engine.device.weight_policy import WeightChoice, apply_weight_policy
 from engine.errors import InvalidModelError
 from engine.requests.constraints.grammar import GrammarCompiler
-from engine.requests.inbound.vision_formats import VisionFormat
+from engine.requests.inbound.vision_formats import GRID_POSITIONS, VisionFormat
 
 log = logging.getLogger("engine")
 
@@ -172,10 +172,14 @@ class Lanes:
         vision = self.batch.vision
         if vision is None:
             return {}
-        counts = vision.tower.counts
+        tower = vision.built  # None until the first image row builds it
+        if tower is None:
+            return {"vision_images": 0, "vision_seconds": 0.0, "vision_feature_hits": 0,
+                    "vision_feature_bytes": 0}
+        counts = tower.counts
         return {"vision_images": counts.images, "vision_seconds": counts.vision_seconds,
                 "vision_feature_hits": counts.feature_hits,
-                "vision_feature_bytes": vision.tower.cache.nbytes}
+                "vision_feature_bytes": tower.cache.nbytes}
 
     def disk_figures(self) -> dict[str, int]:
         """The disk tier's numbers as ``EngineStats`` fields (zeros without one)."""
@@ -272,7 +276,8 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
     reload); None makes them. Sharded, prefix reuse is off: the store's expiry and
     shrinking depend on each rank's clock and memory, and the ranks' lanes must make the
     same decisions. ``vision_format``: the checkpoint's image format (the preparer's), whose
-    tower is loaded here; sharded engines read no images.
+    tower is built by the first image row (not here: a model that serves only text never
+    imports mlx-vlm), and counted in the bounds from here; sharded engines read no images.
     """
     samplers = SamplerCache()
     if tiers is None:
@@ -290,13 +295,19 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
         loaded.bounds = replace(loaded.bounds, adapter_bytes=config.adapter_bytes)
     vision = None
     if vision_format is not None and loaded.group is None and loaded.path is not None:
-        tower = VisionTower(loaded.path, loaded.model, vision_format, loaded.stream,
-                            config.vision_cache_bytes)
-        # The tower's weights and its features count in what the process may hold.
-        loaded.bounds = replace(loaded.bounds,
-                                vision_bytes=tower.weight_bytes + config.vision_cache_bytes)
+        path, fmt = loaded.path, vision_format
+
+        def tower() -> VisionTower:
+            return VisionTower(path, loaded.model, fmt, loaded.stream,
+                               config.vision_cache_bytes)
+
+        # The tower's weights (sized from the checkpoint's headers: it is built later) and
+        # its features' cap count in what the process may hold, from load on.
+        loaded.bounds = replace(loaded.bounds, vision_bytes=checkpoint_tower_bytes(path)
+                                + config.vision_cache_bytes)
         vision = VisionPrefill(loaded.model, loaded.stream, tower, config.prefill_chunk,
-                               config.max_kv_size)
+                               config.max_kv_size,
+                               grid_positions=fmt.family in GRID_POSITIONS)
     batch = BatchLane(loaded.model, loaded.stream, compiler, samplers, reuse, planner,
                       max_batch=config.max_batch, max_kv_size=config.max_kv_size,
                       fast_forward=config.fast_forward, speculation=config.speculation,

@@ -2,8 +2,11 @@
 
 The text side is mlx-lm's model of the checkpoint (every lane, cache and kernel works on
 it as on any text model); ``VisionTower`` holds the rest, built by mlx-vlm (the ``vision``
-extra, imported only for a checkpoint with a vision tower) from the same directory. Its
-language-model weights are never read: its token embedding is the text model's own module.
+extra) from the same directory when the first image row needs it (``VisionPrefill``), not
+at load: a vision checkpoint that only ever serves text never imports the vision stack.
+Its language-model weights are never read: its token embedding is the text model's own
+module. ``checkpoint_tower_bytes`` sizes the tower from the checkpoint's files alone, so
+the memory bounds count it from load.
 
 ``start`` builds the tower and projector's forward for one image on the engine thread,
 evaluated a block at a time (``FeatureRun``); it gives what the family puts at that image's
@@ -16,6 +19,8 @@ and preprocessing: a conversation's second turn over a screenshot skips the towe
 
 from __future__ import annotations
 
+import json
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -259,6 +264,26 @@ class VisionTower:
             turned = self._rope(keys.reshape(b, h, n, 1, d), offset=-shift).reshape(b, h, n, d)
             layer.keys[..., :held, :] = turned
         mx.eval([layer.state for layer in cache])
+
+
+# Checkpoint tensors under these names are the tower and projector (what mlx-lm's text
+# models drop from a vision checkpoint: Gemma 3, Mistral 3, Qwen2-VL/2.5-VL, LFM2-VL).
+TOWER_NAMES = frozenset({"vision_tower", "visual", "multi_modal_projector"})
+
+
+def checkpoint_tower_bytes(path: Path) -> int:
+    """Bytes of the checkpoint's tower and projector tensors, read from its safetensors
+    headers (no weights read, no mlx-vlm): what the tower holds once built, as stored."""
+    total = 0
+    for file in sorted(Path(path).glob("model*.safetensors")):
+        with open(file, "rb") as handle:
+            size = struct.unpack("<Q", handle.read(8))[0]
+            header = json.loads(handle.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__" and TOWER_NAMES.intersection(name.split(".")):
+                start, end = entry["data_offsets"]
+                total += int(end) - int(start)
+    return total
 
 
 # The tower inputs mlx-vlm reads as arrays (the others as Python values).

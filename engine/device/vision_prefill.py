@@ -14,6 +14,11 @@ So on average the decoding rows keep 1/(1 + share) of their pace while an image 
 prefills, however coarse a unit is; with no row decoding the work runs at full speed.
 Cancelling a row drops its job, features and cache at once.
 
+The tower is built (mlx-vlm imported, its weights read) by the first unit of work that
+needs it, on the engine thread: until an image row comes, the vision stack costs nothing.
+Where it cannot be imported, each image row fails alone with an ``InvalidRequestError``
+naming its part and the ``vision`` extra; text rows are untouched.
+
 Where a family places image tokens on a grid of positions (M-RoPE: Qwen-VL), the text
 after the images sits ``LaneRow.position_shift`` positions away from its index, which the
 batch's offsets cannot say. The row is prefilled at its grid positions, and then its cached
@@ -24,6 +29,7 @@ batch, is at its own offset: the same attention as at its true position.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +40,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.device.batch_row import BatchRow
 from engine.device.row_adapters import rows_of
 from engine.device.vision import FeatureRun, VisionTower
+from engine.errors import InvalidRequestError
+from engine.requests.inbound.prompts import PromptImage
 
 
 @dataclass(eq=False)
@@ -58,11 +66,14 @@ class VisionPrefill:
     """Image rows waiting for (or in) their own prefill, advanced by the credit each step
     earns (``advance``)."""
 
-    def __init__(self, model: Any, stream: Any, tower: VisionTower, chunk: int,
-                 max_kv_size: int | None) -> None:
+    def __init__(self, model: Any, stream: Any, tower: Callable[[], VisionTower],
+                 chunk: int, max_kv_size: int | None, *, grid_positions: bool = False,
+                 ) -> None:
         self._model = model
         self._stream = stream
-        self.tower = tower
+        self._build = tower  # builds the tower: called once, by the first image's work
+        self.built: VisionTower | None = None
+        self.grid_positions = grid_positions  # the family places images on a grid (M-RoPE)
         self._chunk = max(1, chunk)
         self._max_kv_size = max_kv_size
         self._jobs: dict[int, VisionJob] = {}
@@ -77,11 +88,23 @@ class VisionPrefill:
         if cache is None:
             cache, done = make_prompt_cache(self._model, self._max_kv_size), 0
         job = VisionJob(row, cache, done)
-        if self.tower.grid_positions:
+        if self.grid_positions:
             job.positions = grid_positions(len(row.prompt), row.row.images)
             # A resumed cache came from a row keyed by the same shift (``reuse_key``).
             job.frame = row.row.position_shift if done else 0
         self._jobs[row.request_id] = job
+
+    def tower(self, image: PromptImage) -> VisionTower:
+        """The tower, built on first use; a missing vision stack refuses ``image``'s part."""
+        if self.built is None:
+            try:
+                self.built = self._build()
+            except ImportError as exc:  # mlx-vlm (or what it imports) is not installed
+                raise InvalidRequestError(
+                    f"{image.at}: reading this model's images needs the vision extra "
+                    f"(mlx-vlm), which could not be imported ({exc}): pip install "
+                    "'mlx-providers[vision]'", image.at) from exc
+        return self.built
 
     def drop(self, request_id: int) -> bool:
         """Forget a row's job (cancelled or failed): its features and cache go with it."""
@@ -129,11 +152,12 @@ class VisionPrefill:
         """One unit of ``job``: a block of the tower, or a prefill chunk sized to ``left``
         seconds (None: the lane's chunk)."""
         row = job.row.row
+        tower = self.tower(row.images[0])
         for image in row.images:  # the towers first, a block a unit
             if image.start + image.length > job.done and image.key not in job.features:
                 run = job.runs.get(image.key)
                 if run is None:
-                    run = job.runs[image.key] = self.tower.start(image)
+                    run = job.runs[image.key] = tower.start(image)
                 found = run.step()
                 if found is not None:
                     job.features[image.key] = found
@@ -144,20 +168,20 @@ class VisionPrefill:
             chunk = max(8, min(chunk, int(left / self._token_seconds)))
         end = min(job.done + chunk, job.end)
         if end > job.done:
-            embeds = self.tower.embeddings(row.prompt, job.done, end, row.images,
+            embeds = tower.embeddings(row.prompt, job.done, end, row.images,
                                            job.features)
             positions = (None if job.positions is None
                          else job.positions[:, job.done:end] - job.frame)
             started = time.perf_counter()
             with mx.stream(self._stream), rows_of(self._model, [job.row.slot]):
-                self.tower.prefill(job.cache, row.prompt[job.done:end], embeds, positions)
+                tower.prefill(job.cache, row.prompt[job.done:end], embeds, positions)
             self._token_seconds = (time.perf_counter() - started) / (end - job.done)
             job.done = end
         if job.done < job.end:
             return False
         if job.positions is not None:
             with mx.stream(self._stream):
-                self.tower.shift_positions(job.cache, row.position_shift - job.frame)
+                tower.shift_positions(job.cache, row.position_shift - job.frame)
         job.features.clear()
         job.runs.clear()
         return True

@@ -122,10 +122,18 @@ def _vision_of(model_path: Path, tokenizer: Any) -> tuple[VisionFormat | None, s
         found = vision_format(config, tokenizer, Path(model_path))
     except UnsupportedVision as exc:
         return None, str(exc)
-    if found is not None and importlib.util.find_spec("mlx_vlm") is None:
+    if found is not None and not _vision_stack_found():
         return None, ("its vision tower needs mlx-vlm, which is not installed: "
                       "pip install 'mlx-providers[vision]'")
     return found, None
+
+
+def _vision_stack_found() -> bool:
+    """mlx-vlm is installed (found, not imported: the tower imports it at the first image)."""
+    try:
+        return importlib.util.find_spec("mlx_vlm") is not None
+    except (ImportError, ValueError):  # an import hook that refuses it, a broken entry
+        return False
 
 
 def checked_request(request: Any) -> Request:

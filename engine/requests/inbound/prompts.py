@@ -85,6 +85,7 @@ class PromptImage:
     first: int = 0
     extra: Mapping[str, Any] = field(default_factory=dict)
     grid: tuple[int, int] | None = None  # M-RoPE families: its span's (rows, columns)
+    at: str = ""  # the content part it came from (``messages[i].content[k]``), for errors
 
     @property
     def positions(self) -> int:
@@ -210,7 +211,7 @@ class PromptRenderer:
             placed.append(PromptImage(len(ids) + first, last - first + 1,
                                       f"{image.digest}:{vision.key}",
                                       partial(vision.pixels, image), tokens.ids, first,
-                                      tokens.extra, tokens.grid))
+                                      tokens.extra, tokens.grid, image.at))
             ids.extend(tokens.ids)
         if pieces[-1]:
             ids.extend(encode(pieces[-1], add_special_tokens=False))
