@@ -81,9 +81,11 @@ class EngineStats:
     vision_seconds: float = 0.0
     vision_feature_hits: int = 0
     vision_feature_bytes: int = 0
+    vision_jobs: int = 0  # image rows waiting for or in their own prefill now
     # LoRA adapters (SamplingParams.adapter): loaded now, and their bytes (adapter_bytes caps).
     adapters_loaded: int = 0
     adapters_bytes: int = 0
+    adapters_in_use: int = 0  # rows holding an adapter now (an adapter in use stays loaded)
     # The disk tier (prefix_cache_dir): entries read back, written, refused; what it holds.
     prefix_disk_hits: int = 0
     prefix_disk_hit_tokens: int = 0

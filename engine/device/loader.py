@@ -165,7 +165,8 @@ class Lanes:
         adapters = self.batch.adapters
         if adapters is None:
             return {}
-        return {"adapters_loaded": len(adapters.names()), "adapters_bytes": adapters.nbytes}
+        return {"adapters_loaded": len(adapters.names()), "adapters_bytes": adapters.nbytes,
+                "adapters_in_use": adapters.in_use}
 
     def vision_figures(self) -> dict[str, int | float]:
         """The vision tower's numbers as ``EngineStats`` fields (none for a text model)."""
@@ -175,11 +176,11 @@ class Lanes:
         tower = vision.built  # None until the first image row builds it
         if tower is None:
             return {"vision_images": 0, "vision_seconds": 0.0, "vision_feature_hits": 0,
-                    "vision_feature_bytes": 0}
+                    "vision_feature_bytes": 0, "vision_jobs": len(vision)}
         counts = tower.counts
         return {"vision_images": counts.images, "vision_seconds": counts.vision_seconds,
                 "vision_feature_hits": counts.feature_hits,
-                "vision_feature_bytes": tower.cache.nbytes}
+                "vision_feature_bytes": tower.cache.nbytes, "vision_jobs": len(vision)}
 
     def disk_figures(self) -> dict[str, int]:
         """The disk tier's numbers as ``EngineStats`` fields (zeros without one)."""

@@ -138,6 +138,11 @@ class RowAdapters:
     def names(self) -> list[str]:
         return list(self._slots)
 
+    @property
+    def in_use(self) -> int:
+        """Rows holding an adapter now (each counted once per row)."""
+        return sum(a.users for a in self._slots.values())
+
     def slot(self, name: str | None) -> int:
         """The slot of a loaded adapter (0: the base)."""
         return 0 if name is None else self._order.index(name) + 1

@@ -67,6 +67,10 @@ class _EngineCollector(Collector):
             "vision_feature_bytes": ("mlx_engine_vision_feature_bytes",
                                      "Bytes of image features the LRU keeps "
                                      "(vision_cache_bytes)."),
+            "adapters_in_use": ("mlx_engine_adapters_in_use",
+                                "Rows holding a LoRA adapter now."),
+            "vision_jobs": ("mlx_engine_vision_jobs",
+                            "Image rows waiting for or in their own prefill."),
         }
         counters = {
             "generated_tokens": ("mlx_engine_generated_tokens", "Tokens generated."),
