@@ -2,10 +2,12 @@
 
 The checkpoint has Gemma 3's real layout (``model_type: gemma3``: a SigLIP vision tower,
 the pooling projector, a ``gemma3_text`` language model), so ``mlx_lm.load`` reads its
-text side and ``mlx_vlm`` its whole model. Weights are random (seeded); the tokenizer is the
-tiny model's (``tiny_model``) with Gemma 3's three image tokens added, and its ChatML
-template. Nothing is downloaded. ``fit_colour_namer`` then fits it for seconds to name an
-image's colour, so a test can show that an image's content reaches the answer.
+text side and ``mlx_vlm`` its whole model (and its processor: ``load_processor``). Weights
+are random (seeded); the tokenizer is the tiny model's (``tiny_model``), trained on whole
+files so that runs of newlines are tokens as in Gemma's own vocabulary, with Gemma 3's
+three image tokens added, and its ChatML template. Nothing is downloaded.
+``fit_colour_namer`` then fits it for seconds to name an image's colour, so a test can
+show that an image's content reaches the answer.
 """
 
 from __future__ import annotations
@@ -68,10 +70,19 @@ def build_tiny_vlm(out: Path, *, seed: int = 0, weight_scale: float = 4.0,
 
     tokenizer = _tokenizer(out, IMAGE_TOKENS, {
         "boi_token": IMAGE_TOKENS[0], "image_token": IMAGE_TOKENS[1],
-        "eoi_token": IMAGE_TOKENS[2]})
+        "eoi_token": IMAGE_TOKENS[2]}, paragraphs=True)
     eos = tokenizer.token_to_id("<|im_end|>")
     config = vlm_config(tokenizer.get_vocab_size(with_added_tokens=True), eos,
                         tokenizer.token_to_id(IMAGE_TOKENS[1]), **sizes)
+    side = config["vision_config"]["image_size"]
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "size": {"height": side, "width": side}, "resample": 2, "do_rescale": True,
+        "rescale_factor": 1 / 255, "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": False}))
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Gemma3Processor",
+        "image_seq_length": config["mm_tokens_per_image"]}))
     mx.random.seed(seed)
     model = gemma3.Model(model_config(config))
     # As in tiny_model: larger weights give varied greedy continuations; the embedding,
@@ -89,14 +100,16 @@ def build_tiny_vlm(out: Path, *, seed: int = 0, weight_scale: float = 4.0,
     return _saved(out, model, config, eos, tied=True)
 
 
-def _tokenizer(out: Path, image_tokens: Sequence[str], config: dict[str, Any]) -> Any:
-    """The tiny model's tokenizer with ``image_tokens`` added, saved to ``out``."""
+def _tokenizer(out: Path, image_tokens: Sequence[str], config: dict[str, Any], *,
+               paragraphs: bool = False) -> Any:
+    """The tiny model's tokenizer with ``image_tokens`` added, saved to ``out``;
+    ``paragraphs``: trained on whole files, not lines (newline runs become tokens)."""
     from tokenizers import AddedToken
 
     from testkit.tiny_model import CHAT_TEMPLATE, train_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer: Any = train_tokenizer(2048)
+    tokenizer: Any = _paragraph_tokenizer(2048) if paragraphs else train_tokenizer(2048)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                   for t in image_tokens])
     tokenizer.save(str(out / "tokenizer.json"))
@@ -105,6 +118,27 @@ def _tokenizer(out: Path, image_tokens: Sequence[str], config: dict[str, Any]) -
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
         "clean_up_tokenization_spaces": False, "model_max_length": 4096,
         "chat_template": CHAT_TEMPLATE, **config}, indent=2))
+    return tokenizer
+
+
+def _paragraph_tokenizer(vocab_size: int) -> Any:
+    """``tiny_model.train_tokenizer``'s BPE trained on whole files: its merges then span
+    line ends, so ``"\n\n"`` and ``"\n\n\n"`` are tokens of their own, as in real
+    vocabularies (where an image block's blank lines merge with the text's newlines)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from testkit.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, _corpus
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    texts = [Path(path).read_text(encoding="utf-8", errors="replace") for path in _corpus()]
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return tokenizer
 
 
@@ -263,9 +297,9 @@ def fit_colour_namer(model_dir: Path, *, steps: int = 90,
             answer = answers[name]
             for seed in range(2):
                 image = decoded_image(solid_image(rgb, noise=12, seed=seed + 10 * k), "fit")
-                ids = [*tokenizer.encode(before, add_special_tokens=False),
-                       *fmt.read(image).ids,  # Gemma 3: every image's block alike
-                       *tokenizer.encode(after, add_special_tokens=False)]
+                # The block written into the text and encoded whole, as the engine does.
+                ids = tokenizer.encode(before + fmt.text(fmt.read(image)) + after,
+                                       add_special_tokens=False)
                 rows.append(ids + answer + [end] * (width - len(answer)))
                 weights.append([0.0] * (len(ids) - 1) + [1.0] * len(answer)
                                + [0.0] * (width - len(answer)))

@@ -76,7 +76,8 @@ def _vision_stack() -> None:
 def _fitted_vlm(out: Path) -> Path:
     from testkit.vision_model import build_tiny_vlm, fit_colour_namer
 
-    return fit_colour_namer(build_tiny_vlm(out))
+    # Seed 1: with seed 0's weights the fit plateaus with two colours confused.
+    return fit_colour_namer(build_tiny_vlm(out, seed=1))
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +86,7 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _vision_stack()
     from testkit.vision_model import build_tiny_vlm
 
-    return _built(_cache_root(tmp_path_factory) / "tiny-gemma3-vlm-v1", build_tiny_vlm)
+    return _built(_cache_root(tmp_path_factory) / "tiny-gemma3-vlm-v2", build_tiny_vlm)
 
 
 @pytest.fixture(scope="session", params=["gemma3", "mistral3", "qwen2_vl", "lfm2_vl"])
@@ -99,7 +100,7 @@ def family_vlm_dir(request: pytest.FixtureRequest,
                 "mistral3": vision_model.build_tiny_mistral3,
                 "qwen2_vl": vision_model.build_tiny_qwen2_vl,
                 "lfm2_vl": vision_model.build_tiny_lfm2_vl}
-    name = "tiny-gemma3-vlm-v1" if request.param == "gemma3" else f"tiny-{request.param}-v1"
+    name = "tiny-gemma3-vlm-v2" if request.param == "gemma3" else f"tiny-{request.param}-v1"
     return _built(_cache_root(tmp_path_factory) / name, builders[request.param])
 
 
@@ -107,7 +108,7 @@ def family_vlm_dir(request: pytest.FixtureRequest,
 def colour_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Gemma 3 VLM fitted to name an image's colour (about 30 s, built once)."""
     _vision_stack()
-    return _built(_cache_root(tmp_path_factory) / "colour-gemma3-vlm-v1", _fitted_vlm)
+    return _built(_cache_root(tmp_path_factory) / "colour-gemma3-vlm-v2", _fitted_vlm)
 
 
 @pytest.fixture

@@ -189,7 +189,8 @@ class PromptRenderer:
     def _with_images(self, text: str, images: Sequence[DecodedImage],
                      ) -> tuple[list[int], tuple[PromptImage, ...]]:
         """The rendered text's ids with each image mark replaced by the family's image
-        block (pieces between marks are encoded on their own, as a processor does)."""
+        block, written into the text and encoded whole, as the family's processor does
+        (Gemma 3's blank lines around a block merge with the text's own newlines)."""
         encode = self.tokenizer.encode
         if not images:
             return list(encode(text, add_special_tokens=False)), ()
@@ -201,20 +202,31 @@ class PromptRenderer:
                 images[0].at)
         vision = self.vision
         assert vision is not None
-        ids: list[int] = []
+        blocks = [vision.read(image) for image in images]
+        written = [pieces[0]]
+        for block, piece in zip(blocks, pieces[1:]):
+            written += [vision.text(block), piece]
+        ids = list(encode("".join(written), add_special_tokens=False))
+        # Each block's image tokens are the prompt's next ones, in order: any other is text
+        # that spells the model's image token, which would take an image's place.
+        marks = [k for k, t in enumerate(ids) if t == vision.image_token]
+        if len(marks) != sum(block.ids.count(vision.image_token) for block in blocks):
+            spelled = dict(vision.spelling).get(vision.image_token, "")
+            raise InvalidRequestError(
+                f"{images[0].at}: the conversation's text holds the model's image token "
+                f"{spelled!r} outside its images; remove it from the text", images[0].at)
         placed = []
-        for piece, image in zip(pieces, images):
-            ids.extend(encode(piece, add_special_tokens=False) if piece else ())
-            tokens = vision.read(image)
-            marks = [k for k, t in enumerate(tokens.ids) if t == vision.image_token]
-            first, last = marks[0], marks[-1]
-            placed.append(PromptImage(len(ids) + first, last - first + 1,
-                                      f"{image.digest}:{vision.key}",
-                                      partial(vision.pixels, image), tokens.ids, first,
-                                      tokens.extra, tokens.grid, image.at))
-            ids.extend(tokens.ids)
-        if pieces[-1]:
-            ids.extend(encode(pieces[-1], add_special_tokens=False))
+        for image, block in zip(images, blocks):
+            inside = [k for k, t in enumerate(block.ids) if t == vision.image_token]
+            first, last = inside[0], inside[-1]
+            start, end = marks[0], marks[len(inside) - 1] + 1
+            del marks[:len(inside)]
+            # The span (its image tokens and any row breaks between) is special tokens
+            # only, so whole-text encoding writes it exactly as the block's own ids.
+            assert ids[start:end] == list(block.ids[first:last + 1]), image.at
+            placed.append(PromptImage(start, end - start, f"{image.digest}:{vision.key}",
+                                      partial(vision.pixels, image), block.ids, first,
+                                      block.extra, block.grid, image.at))
         return ids, tuple(placed)
 
     def _head_length(self, messages: list[ChatMessage], ids: list[int],

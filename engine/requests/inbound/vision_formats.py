@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,9 @@ class VisionFormat(ABC):
 
     family: str
     image_token: int  # the token whose embeddings the vision features replace
+    # How each token of the family's blocks is written in the prompt's text (an added
+    # token as itself, Gemma 3's blank lines as newlines): ``text``.
+    spelling: tuple[tuple[int, str], ...]
 
     @property
     def key(self) -> str:
@@ -70,6 +73,12 @@ class VisionFormat(ABC):
     @abstractmethod
     def read(self, image: DecodedImage) -> ImageTokens:
         """The image's tokens (from its size: its pixels are not read)."""
+
+    def text(self, tokens: ImageTokens) -> str:
+        """The image's block as the family's processor writes it into the prompt's text,
+        which is then encoded whole: text around the block merges with it as there."""
+        spelled = dict(self.spelling)
+        return "".join(spelled[t] for t in tokens.ids)
 
     @abstractmethod
     def pixels(self, image: DecodedImage) -> np.ndarray:
@@ -104,6 +113,7 @@ class Gemma3Format(VisionFormat):
     mean: tuple[float, ...]
     std: tuple[float, ...]
     rescale: float = 1 / 255
+    spelling: tuple[tuple[int, str], ...] = ()
 
     def read(self, image: DecodedImage) -> ImageTokens:
         return ImageTokens(self.block_ids)
@@ -127,6 +137,7 @@ class Mistral3Format(VisionFormat):
     mean: tuple[float, ...]
     std: tuple[float, ...]
     rescale: float = 1 / 255
+    spelling: tuple[tuple[int, str], ...] = ()
 
     def _grid(self, image: DecodedImage) -> tuple[int, int]:
         """(rows, columns) of tokens: the longest edge within bounds, sides rounded up."""
@@ -185,6 +196,7 @@ class QwenVLFormat(VisionFormat):
     mean: tuple[float, ...]
     std: tuple[float, ...]
     rescale: float = 1 / 255
+    spelling: tuple[tuple[int, str], ...] = ()
 
     def _size(self, image: DecodedImage) -> tuple[int, int]:
         width, height = image.size
@@ -241,6 +253,7 @@ class Lfm2VlFormat(VisionFormat):
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
     rescale: float = 1 / 255
     resample: int = 3  # BICUBIC
+    spelling: tuple[tuple[int, str], ...] = ()
 
     @property
     def max_patches(self) -> int:
@@ -379,7 +392,8 @@ def _gemma3(config: Mapping[str, Any], tokenizer: Any,
     side = int(size.get("height", vision.get("image_size", 896)) if isinstance(size, Mapping)
                else vision.get("image_size", 896))
     return Gemma3Format("gemma3", image_token, block, side, *_mean_std(processor, 0.5, 0.5),
-                        float(processor.get("rescale_factor", 1 / 255)))
+                        float(processor.get("rescale_factor", 1 / 255)),
+                        _spelling(tokenizer, block))
 
 
 # CLIP's statistics: Pixtral's processor defaults.
@@ -398,9 +412,15 @@ def _mistral3(config: Mapping[str, Any], tokenizer: Any,
     patch = int(vision.get("patch_size", 14)) * merge
     mean = tuple(float(v) for v in processor.get("image_mean", _CLIP_MEAN))
     std = tuple(float(v) for v in processor.get("image_std", _CLIP_STD))
-    return Mistral3Format("mistral3", image_token, _token_id(tokenizer, "[IMG_BREAK]"),
-                          _token_id(tokenizer, "[IMG_END]"), edge, patch, mean, std,
-                          float(processor.get("rescale_factor", 1 / 255)))
+    breaks, end = _token_id(tokenizer, "[IMG_BREAK]"), _token_id(tokenizer, "[IMG_END]")
+    return Mistral3Format("mistral3", image_token, breaks, end, edge, patch, mean, std,
+                          float(processor.get("rescale_factor", 1 / 255)),
+                          _spelling(tokenizer, (image_token, breaks, end)))
+
+
+def _spelling(tokenizer: Any, ids: Iterable[int]) -> tuple[tuple[int, str], ...]:
+    """Each token's text as a prompt writes it (an added token decodes to itself)."""
+    return tuple((i, str(tokenizer.decode([i]))) for i in sorted(set(ids)))
 
 
 def _token_id(tokenizer: Any, token: str) -> int:
@@ -424,15 +444,15 @@ def _qwen2_vl(config: Mapping[str, Any], tokenizer: Any,
     merge = int(processor.get("merge_size", vision.get("spatial_merge_size", 2)))
     mean = tuple(float(v) for v in processor.get("image_mean", _CLIP_MEAN))
     std = tuple(float(v) for v in processor.get("image_std", _CLIP_STD))
+    image = int(config.get("image_token_id", _token_id(tokenizer, "<|image_pad|>")))
+    start = int(config.get("vision_start_token_id", _token_id(tokenizer, "<|vision_start|>")))
+    end = _token_id(tokenizer, "<|vision_end|>")
     return QwenVLFormat(
-        str(config.get("model_type")),
-        int(config.get("image_token_id", _token_id(tokenizer, "<|image_pad|>"))),
-        int(config.get("vision_start_token_id", _token_id(tokenizer, "<|vision_start|>"))),
-        _token_id(tokenizer, "<|vision_end|>"), patch, merge,
+        str(config.get("model_type")), image, start, end, patch, merge,
         int(processor.get("temporal_patch_size", vision.get("temporal_patch_size", 2))),
         int(processor.get("min_pixels", 56 * 56)),
         int(processor.get("max_pixels", 28 * 28 * 1280)), mean, std,
-        float(processor.get("rescale_factor", 1 / 255)))
+        float(processor.get("rescale_factor", 1 / 255)), _spelling(tokenizer, (image, start, end)))
 
 
 def _lfm2_vl(config: Mapping[str, Any], tokenizer: Any,
@@ -447,17 +467,18 @@ def _lfm2_vl(config: Mapping[str, Any], tokenizer: Any,
                    if r * c <= max_tiles}
     resample = processor.get("resample")
     mean, std = _mean_std(processor, 0.5, 0.5)
+    image = int(config.get("image_token_index", config.get("image_token_id", 396)))
+    marks = (_token_id(tokenizer, "<|image_start|>"), _token_id(tokenizer, "<|image_end|>"),
+             _token_id(tokenizer, "<|img_thumbnail|>"))
     return Lfm2VlFormat(
-        str(config.get("model_type")),
-        int(config.get("image_token_index", config.get("image_token_id", 396))),
-        _token_id(tokenizer, "<|image_start|>"), _token_id(tokenizer, "<|image_end|>"),
-        _token_id(tokenizer, "<|img_thumbnail|>"), tile_tokens,
+        str(config.get("model_type")), image, *marks, tile_tokens,
         int(setting("encoder_patch_size", 16)), int(setting("downsample_factor", 2)),
         int(setting("min_image_tokens", 64)), int(setting("max_image_tokens", 256)),
         int(setting("tile_size", 512)), float(setting("max_pixels_tolerance", 2.0)),
         min_tiles, max_tiles, True, mean, std,
         float(processor.get("rescale_factor", 1 / 255)),
-        int(resample) if isinstance(resample, int) else 3)
+        int(resample) if isinstance(resample, int) else 3,
+        _spelling(tokenizer, (image, *marks, *tile_tokens.values())))
 
 
 FORMATS: dict[str, Callable[[Mapping[str, Any], Any, Mapping[str, Any]], VisionFormat]] = {
