@@ -82,17 +82,16 @@ def _ds(words: str) -> str:
     return "<\uff5c" + "\u2581".join(words.split()) + "\uff5c>"
 
 
-# DeepSeek-R1-Distill-Qwen's own added tokens over the same Qwen2 vocabulary.
+# DeepSeek-R1-Distill-Qwen's 22 added tokens (tokenizer_config.json of the 1.5B to 32B
+# distills): its own at 151643-151649 where Qwen2.5 has its ChatML and object-ref tokens,
+# then Qwen2.5's from 151650 to 151664. Its tool markers are no tokens: the template writes
+# them as text, which the vocabulary splits into ordinary tokens.
 DEEPSEEK_R1_ADDED = {
-    **_special((151643, _ds("end of sentence")), (151644, _ds("User")),
-               (151645, _ds("Assistant")), (151646, _ds("begin of sentence")),
-               (151647, "<|EOT|>")),
-    **_plain((151648, "<think>"), (151649, "</think>")),
-    **_special((151657, _ds("tool calls begin")), (151658, _ds("tool calls end")),
-               (151659, _ds("tool call begin")), (151660, _ds("tool call end")),
-               (151661, _ds("tool outputs begin")), (151662, _ds("tool outputs end")),
-               (151663, _ds("tool output begin")), (151664, _ds("tool output end")),
-               (151665, _ds("tool sep"))),
+    **_special((151643, _ds("end of sentence"))),
+    **_plain((151644, _ds("User")), (151645, _ds("Assistant"))),
+    **_special((151646, _ds("begin of sentence"))),
+    **_plain((151647, "<|EOT|>"), (151648, "<think>"), (151649, "</think>")),
+    **{token_id: QWEN_ADDED[token_id] for token_id in range(151650, 151665)},
 }
 
 # Llama 3.1/3.2 name reserved ids the Llama 3 vocab file still calls reserved.
@@ -328,8 +327,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("deepseek_r1_qwen", "qwen2", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
            _QWEN2_VOCAB, 152064, DEEPSEEK_R1_ADDED,
            {"bos_token": _ds("begin of sentence"), "eos_token": _ds("end of sentence"),
-            "pad_token": _ds("end of sentence"), "add_bos_token": True,
-            "tokenizer_class": "LlamaTokenizerFast"},
+            "pad_token": _ds("end of sentence"), "unk_token": None, "add_bos_token": True,
+            "add_eos_token": False, "legacy": True, "tokenizer_class": "LlamaTokenizerFast"},
            (_ds("end of sentence"),), {"tie_word_embeddings": False},
            title="DeepSeek-R1-Distill",
            expected=Expected("deepseek-r1", _ds("end of sentence"), _DS_CALL,

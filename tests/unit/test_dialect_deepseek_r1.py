@@ -1,4 +1,4 @@
-"""DeepSeek-R1's tool-call tokens and ``<think>`` reasoning read into channels (no model),
+"""DeepSeek-R1's tool-call markers and ``<think>`` reasoning read into channels (no model),
 fed whole and a character at a time; its forced calls."""
 
 from __future__ import annotations
@@ -98,6 +98,18 @@ def test_the_deepseek_vocabulary_speaks_deepseek() -> None:
     assert isinstance(dialect, DeepSeekR1) and dialect.markers[TOOL] == (CALLS_BEGIN,
                                                                           CALLS_END)
     assert DIALECT.reasoning_close == "</think>"
+
+
+def test_a_distill_whose_markers_are_template_text_speaks_deepseek() -> None:
+    # The distills keep Qwen's (or Llama's) vocabulary: no marker is a token, the published
+    # template writes them as text.
+    vocab = {"<think>": 0, "</think>": 1, "<tool_call>": 2}
+    template = ("{{'" + CALLS_BEGIN + CALL_BEGIN + "' + tool['type'] + '" + SEP
+                + "' + tool['function']['name'] + '" + CALL_END + "'}}{{'" + CALLS_END + "'}}")
+    dialect = dialect_for(TokenizerFacts(chat_template=template, vocab=vocab))
+    assert isinstance(dialect, DeepSeekR1)
+    assert dialect_for(TokenizerFacts(chat_template="<|im_start|>", vocab=vocab)).name != (
+        DeepSeekR1.name)
 
 
 def test_the_forced_call_is_the_templates_calls_block() -> None:

@@ -8,7 +8,10 @@ The chat template writes a call turn as (one line, broken here)::
 
 with ``\\n`` before each further ``<｜tool▁call▁begin｜>``. Reasoning is ``<think>...</think>``,
 opened by the prompt when thinking is on: a forced call closes it first (``Preparer``).
-No mlx here.
+DeepSeek-R1 has the markers as tokens; its distills onto Qwen and Llama keep their base's
+vocabulary, where the template writes them as text that splits into ordinary tokens. Both
+are read and forced as text (the splitter reads text; ``literal`` spells a marker that is
+no token as a quoted string). No mlx here.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ SYNTAX = CallSyntax(open=CALL_BEGIN, args=_FENCE, name_of=_name_of, close=CALL_E
 
 
 class DeepSeekR1(Dialect):
-    """DeepSeek-R1 and its distills (their tool-call tokens)."""
+    """DeepSeek-R1 and its distills (their tool-call markers, tokens or text)."""
 
     name = "deepseek-r1"
     priority = 50  # above the Qwen and Llama families its distills are built on
@@ -53,7 +56,10 @@ class DeepSeekR1(Dialect):
 
     @classmethod
     def matches(cls, facts: TokenizerFacts) -> bool:
-        return all(t in facts.vocab for t in (CALLS_BEGIN, CALL_BEGIN, SEP, CALL_END))
+        """DeepSeek's call markers as tokens, or (a distill's) as text of its template."""
+        marks = (CALLS_BEGIN, CALL_BEGIN, SEP, CALL_END)
+        return (all(mark in facts.vocab for mark in marks)
+                or all(mark in facts.chat_template for mark in marks))
 
     @property
     def markers(self) -> dict[str, tuple[str, str]]:
