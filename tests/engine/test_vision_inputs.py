@@ -1,5 +1,7 @@
 """An image's way into the prompt, per family, against mlx-vlm's own processor: the prompt ids
-the engine builds equal the processor's for the image before and after the text.
+the engine builds equal the processor's for the image before and after the text; sizes
+follow each family's resize rules; an image too long and thin for a family is refused by
+part, and one the family reads equals mlx-vlm's own generation.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from engine import ChatRequest, Engine
-from tests.conftest import greedy
-from tests.engine.test_vision import BLUE, RED, image_part, vlm_engine
+from engine import ChatRequest, Engine, InvalidRequestError
+from testkit.vision_model import vision_library_tokens
+from tests.conftest import greedy, prompts_of_lengths, request_for
+from tests.engine.test_vision import BLUE, RED, asking, image_part, vlm_engine
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -62,3 +65,76 @@ def test_prompt_ids_equal_the_vision_library_processors(
     prepared = eng._runtime.preparer().prepare(ChatRequest.from_openai(messages, greedy(4)))
     images = [part for part in content if part["type"] == "image_url"]
     assert prepared.prompt_ids == processor_prompt_ids(family_vlm_dir, messages, images)
+
+
+# The tiny models' refusals (``testkit.vision_model``): Qwen-VL's processors read aspect
+# ratios under 200 only; LFM2-VL's view of a 9 px side (raised to 32 px, the other side
+# kept in ratio) takes more patches than its tower's padded view (64 here).
+REFUSED = {("qwen2_vl", (2000, 9)): "aspect ratios under 200",
+           ("qwen2_vl", (9, 2000)): "aspect ratios under 200",
+           ("qwen2_5_vl", (2000, 9)): "aspect ratios under 200",
+           ("qwen2_5_vl", (9, 2000)): "aspect ratios under 200",
+           ("lfm2-vl", (2000, 9)): "patches, over the 64 its tower reads",
+           ("lfm2-vl", (9, 2000)): "patches, over the 64 its tower reads"}
+
+
+@pytest.mark.parametrize("size", [(2000, 9), (9, 2000), (1, 1)])
+def test_extreme_aspect_ratios_are_read_as_the_library_or_refused_by_part(
+        make_engine: Callable[..., Engine], family_vlm_dir: Path,
+        size: tuple[int, int]) -> None:
+    family = json.loads((family_vlm_dir / "config.json").read_text())["model_type"]
+    eng = vlm_engine(make_engine, family_vlm_dir)
+    params = greedy(8)
+    text = prompts_of_lengths(eng, [24], seed=6)[0]
+    alone = eng.submit(request_for(text, params)).result(timeout=60).token_ids
+    messages = asking(image_part(RED, size=size))
+    beside, image = (eng.submit(request_for(text, params)),
+                     eng.submit(ChatRequest.from_openai(messages, params)))
+    refusal = REFUSED.get((family, size))
+    if refusal is not None:
+        with pytest.raises(InvalidRequestError, match=refusal) as raised:
+            image.result(timeout=120)
+        assert raised.value.field == "messages[0].content[0]"
+        assert str(raised.value).startswith(f"messages[0].content[0]: an image of "
+                                            f"{size[0]}x{size[1]} px is too long and thin")
+    else:
+        ours = image.result(timeout=120).token_ids
+        prepared = eng._runtime.preparer().prepare(ChatRequest.from_openai(messages, params))
+        (read,) = prepared.images
+        assert list(ours) == vision_library_tokens(
+            family_vlm_dir, prepared.prompt_ids, [read.read_pixels()], 8, [dict(read.extra)])
+    assert beside.result(timeout=60).token_ids == alone  # the text row beside it: unmoved
+
+
+SIDES = [1, 2, 9, 13, 14, 15, 27, 28, 29, 41, 42, 56, 99, 300, 1000, 2000, 5000]
+
+
+def test_sizes_follow_the_vision_librarys_own_resize_rules() -> None:
+    pytest.importorskip("mlx_vlm")
+    from mlx_vlm.models.lfm2_vl.processing_lfm2_vl import _is_image_too_large, _smart_resize
+    from mlx_vlm.models.pixtral.image_processing_pixtral import get_resize_output_image_size
+    from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import _smart_resize_image
+
+    from engine.requests.inbound.images import DecodedImage
+    from engine.requests.inbound.vision_formats import (
+        Lfm2VlFormat,
+        Mistral3Format,
+        smart_resize,
+    )
+
+    mistral = Mistral3Format("mistral3", 10, 12, 13, 1024, 28, (0.5,) * 3, (0.5,) * 3)
+    lfm2 = Lfm2VlFormat("lfm2-vl", 396, 1, 2, 3, {})
+    for height in SIDES:
+        for width in SIDES:
+            image = DecodedImage(b"", "", (width, height))
+            if max(height, width) / min(height, width) <= 200:
+                assert smart_resize(height, width, 28, 56 * 56, 28 * 28 * 1280) == (
+                    _smart_resize_image(height, width, 28, 56 * 56, 28 * 28 * 1280))
+            # The library's token grid, but one row (or column) where it gives none.
+            expected = get_resize_output_image_size((height, width), 1024, 28)
+            assert mistral._grid(image) == (max(1, expected[0] // 28),
+                                            max(1, expected[1] // 28))
+            assert lfm2._single(height, width)[::-1] == _smart_resize(
+                height, width, 2, 64, 256, 16)
+            assert lfm2._too_large(height, width) == _is_image_too_large(
+                height, width, 256, 16, 2, 2.0)

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.errors import InvalidRequestError
 from engine.requests.inbound.images import DecodedImage
 
 
@@ -144,7 +145,10 @@ class Mistral3Format(VisionFormat):
         width, height = image.size
         ratio = max(height / self.longest_edge, width / self.longest_edge)
         if ratio > 1:
-            height, width = math.floor(height / ratio), math.floor(width / ratio)
+            # A side that floors to nothing keeps one pixel, so one row of tokens: the
+            # processors' own formula gives no rows there, an image they cannot read.
+            height = max(1, math.floor(height / ratio))
+            width = max(1, math.floor(width / ratio))
         return (height - 1) // self.patch + 1, (width - 1) // self.patch + 1
 
     def read(self, image: DecodedImage) -> ImageTokens:
@@ -164,11 +168,14 @@ class Mistral3Format(VisionFormat):
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int,
                  max_pixels: int) -> tuple[int, int]:
-    """Qwen-VL's size rule: each side a multiple of ``factor``, the area within bounds."""
+    """Qwen-VL's size rule: each side a multiple of ``factor``, the area within bounds
+    (its processor's, exactly: a side that rounds to nothing is scaled up to the least)."""
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"an image of {width}x{height}: the aspect ratio must be under 200")
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
+        raise ValueError(f"an image of {width}x{height} px is too long and thin for this "
+                         "model: its processor reads aspect ratios under 200 only; crop it "
+                         "or pad it nearer a square")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
         beta = math.sqrt((height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
@@ -204,8 +211,6 @@ class QwenVLFormat(VisionFormat):
             return smart_resize(height, width, self.patch * self.merge, self.min_pixels,
                                 self.max_pixels)
         except ValueError as exc:
-            from engine.errors import InvalidRequestError
-
             raise InvalidRequestError(f"{image.at}: {exc}", image.at) from exc
 
     def read(self, image: DecodedImage) -> ImageTokens:
@@ -325,6 +330,15 @@ class Lfm2VlFormat(VisionFormat):
         masks, shapes = [], []
         for kind, column, row, width, height in views:
             grid = (height // self.patch, width // self.patch)
+            if grid[0] * grid[1] > self.max_patches:
+                # A long thin image: its side is raised to the least while the other keeps
+                # the ratio, past what the tower's padded view holds (the processor cuts
+                # it short, and the tower then fails).
+                raise InvalidRequestError(
+                    f"{image.at}: an image of {image.size[0]}x{image.size[1]} px is too "
+                    f"long and thin for this model: its view would take "
+                    f"{grid[0] * grid[1]} patches, over the {self.max_patches} its tower "
+                    "reads; crop it or pad it nearer a square", image.at)
             if kind == "tile":
                 ids.append(self.tile_tokens[(row + 1, column + 1)])
             elif len(views) > 1:
