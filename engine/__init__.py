@@ -32,6 +32,7 @@ from engine.errors import (
     RequestCancelledError,
     RequestError,
     RequestTimeoutError,
+    UnsupportedCombinationError,
     UnsupportedModelError,
 )
 from engine.models import resolve_model
@@ -116,6 +117,7 @@ __all__ = [
     "ToolCallDelta",
     "ToolSpec",
     "TurnReport",
+    "UnsupportedCombinationError",
     "UnsupportedModelError",
     "Usage",
     "activate_fast_blas",

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.compatibility import check_combination
 from engine.config import EngineConfig, ModelSpec, checked_engine_args
 from engine.core.keep_alive import CONFIGURED, KeepAliveArg, check_keep_alive
 from engine.core.stats import EngineStats
@@ -103,9 +104,8 @@ class Engine:
             seconds = self.config.keep_alive
         else:
             seconds = check_keep_alive(keep_alive)
-            if self.config.shard is not None:
-                raise ValueError("keep_alive cannot be set on a sharded engine: its model "
-                                 "stays loaded until close()")
+        # Pairs the engine does not serve together are refused here, by one table.
+        check_combination(checked, self.config.shard, keep_alive is not CONFIGURED)
         if self.config.shard is not None:
             check_replicable(checked.params)  # never reaches the other ranks
         return self._runtime.submit(checked, on_token, timeout, seconds)

@@ -87,6 +87,23 @@ class InvalidRequestError(RequestError, ValueError, TypeError):
         return type(self), (str(self), self.field)
 
 
+class UnsupportedCombinationError(InvalidRequestError):
+    """Two features a request combines (or a request feature and its engine's mode) that
+    the engine does not serve together (``engine.compatibility`` says which, and why).
+    ``features``: the two, by the compatibility table's names."""
+
+    def __init__(self, message: str, field: str, features: tuple[str, str]) -> None:
+        super().__init__(message, field)
+        self.features = features
+
+    def __reduce__(self) -> tuple[type[InvalidRequestError], tuple[str, str]]:
+        return _unsupported, (str(self), self.field, *self.features)  # type: ignore[return-value]
+
+
+def _unsupported(message: str, field: str, a: str, b: str) -> UnsupportedCombinationError:
+    return UnsupportedCombinationError(message, field, (a, b))
+
+
 class InvalidConstraintError(RequestError, ValueError):
     """The schema or grammar cannot be compiled, or a token broke it; the message says why."""
 

@@ -24,7 +24,7 @@ from engine.core.scheduler import Scheduler, StepPlan, Ticket
 from engine.core.stats import StatsBook
 from engine.core.step_probe import StepProbe
 from engine.core.update import Ending, update
-from engine.errors import EngineDeadError, EngineError, InvalidRequestError, RequestTimeoutError
+from engine.errors import EngineDeadError, EngineError, RequestTimeoutError
 from engine.requests.outbound.results import FinishReason
 from engine.requests.prepare import Preparer
 
@@ -70,15 +70,6 @@ class StepCore:
             kv_bytes = self.scheduler.validate(len(prepared.prompt_ids),
                                                prepared.params.max_tokens)
             lane = self.scheduler.lane_for(prepared.params.needs_serial_lane)
-            if prepared.images and lane is LaneKind.SERIAL:
-                raise InvalidRequestError(
-                    "images are read in the shared batch only, and this request runs alone "
-                    "(a seed, or a model whose caches cannot batch): drop the seed", "seed")
-            if prepared.params.adapter is not None and lane is LaneKind.SERIAL:
-                raise InvalidRequestError(
-                    "adapters run in the shared batch only, and this request runs alone "
-                    "(a seed, or a model whose caches cannot batch): drop the seed",
-                    "adapter")
         except Exception as exc:
             self.end(Ending(row, FinishReason.ERROR, exc))
             return

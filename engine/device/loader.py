@@ -314,7 +314,7 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
                       fast_forward=config.fast_forward, speculation=config.speculation,
                       vision=vision, vision_share=config.vision_step_share)
     serial = SerialLane(loaded.model, loaded.stream, compiler, samplers, config.max_kv_size,
-                        config.prefill_chunk, fast_forward=config.fast_forward)
+                        config.prefill_chunk, fast_forward=config.fast_forward, vision=vision)
     lanes = Lanes(batch, serial, store, disk_dir=config.prefix_cache_dir,
                   disk_off=tiers.disk_off)
     if loaded.group is None:

@@ -4,6 +4,10 @@ For what cannot join the batch: seeded random sampling (its own PRNG key, so the
 seed alone decides the output) and models whose caches cannot merge (quantized KV).
 The scheduler admits one row at a time here; it runs between batch steps.
 
+Such rows may carry what batch rows do: a LoRA adapter (its slot runs every forward of the
+row) and images (the batch lane's image prefill, a unit a step, into the row's own cache,
+before its text is prefilled).
+
 Grammar fast-forward: after a constrained row samples a token, the tokens its grammar
 then forces are appended at once and fed with it in the row's next forward.
 """
@@ -18,7 +22,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.core.lane import LaneRow, LaneStep, RowToken
+from engine.device.batch_row import BatchRow
 from engine.device.logprobs import forced_logprob, token_logprob
+from engine.device.row_adapters import RowAdapters, adapters_of, rows_of
 from engine.device.sampling import (
     GrammarMask,
     Sampler,
@@ -27,6 +33,7 @@ from engine.device.sampling import (
     penalty_processors,
     seeded_sampler,
 )
+from engine.device.vision_prefill import VisionJob, VisionPrefill
 from engine.errors import InvalidConstraintError
 from engine.requests.constraints.grammar import GrammarCompiler
 from engine.requests.inbound.sampling import LogitsProcessor
@@ -47,10 +54,23 @@ class _SerialRow:
     failure: BaseException | None = None
     logprobs: Any = None  # of the last decoded token, (1, vocab)
     generated: int = 0
+    adapter: str | None = None  # the LoRA adapter it holds, in ``slot``
+    slot: int = 0
+    images: VisionJob | None = None  # its image prefill, until its cache holds the images
 
-    def advance(self, model: Any, chunk_size: int, fast_forward: bool) -> list[int] | None:
-        """Prefill one chunk (returns None) or decode one token (returns it, then the
-        tokens its grammar forces after it when ``fast_forward``)."""
+    def advance(self, model: Any, chunk_size: int, fast_forward: bool,
+                vision: VisionPrefill | None) -> list[int] | None:
+        """A unit of image work or a prefill chunk (returns None), or decode one token
+        (returns it, then the tokens its grammar forces after it when ``fast_forward``)."""
+        if self.images is not None:
+            assert vision is not None
+            if vision.work(self.images):
+                self.images = None
+            return None
+        with rows_of(model, [self.slot]):
+            return self._forward(model, chunk_size, fast_forward)
+
+    def _forward(self, model: Any, chunk_size: int, fast_forward: bool) -> list[int] | None:
         if self.unprefilled:
             chunk, self.unprefilled = self.unprefilled[:chunk_size], self.unprefilled[chunk_size:]
             model(mx.array(chunk)[None], cache=self.cache)
@@ -85,8 +105,10 @@ class SerialLane:
 
     def __init__(self, model: Any, stream: Any, compiler: GrammarCompiler,
                  samplers: SamplerCache, max_kv_size: int | None, prefill_chunk: int,
-                 fast_forward: bool = True) -> None:
+                 fast_forward: bool = True, vision: VisionPrefill | None = None) -> None:
         self._model = model
+        self.adapters: RowAdapters | None = adapters_of(model)
+        self.vision = vision  # the batch lane's image prefill, for rows that run alone
         self._stream = stream
         self._compiler = compiler
         self._samplers = samplers
@@ -110,12 +132,34 @@ class SerialLane:
                                 [], mask, row.prompt[:-1], row.prompt[-1:], list(row.prompt))
             serial.processors = [guarded(serial, p) for p in penalty_processors(params)]
             self._rows[row.request_id] = serial
+            try:
+                self._hold(serial)
+            except Exception as exc:  # a bad adapter, a model that reads no images: alone
+                serial.failure = exc
+
+    def _hold(self, serial: _SerialRow) -> None:
+        """The row's adapter loaded and held, its image prefill set up."""
+        row = serial.row
+        if row.params.adapter is not None:
+            if self.adapters is None:
+                raise ValueError("this lane's model serves no adapters")
+            serial.adapter, serial.slot = self.adapters.acquire(row.params.adapter)
+        if row.images:
+            if self.vision is None:
+                raise ValueError("this model reads no images")
+            serial.images = self.vision.job(BatchRow(row, slot=serial.slot),
+                                            serial.cache, 0)
+            serial.unprefilled = row.prompt[row.vision_end:-1]
 
     def remove(self, request_ids: Sequence[int]) -> None:
         for request_id in request_ids:
             serial = self._rows.pop(request_id, None)
-            if serial is not None and serial.mask is not None:
+            if serial is None:
+                continue
+            if serial.mask is not None:
                 serial.mask.grammar.close()
+            if serial.adapter is not None and self.adapters is not None:
+                self.adapters.release(serial.adapter)
 
     def reset(self) -> list[int]:
         dropped = list(self._rows)
@@ -125,11 +169,21 @@ class SerialLane:
     def step(self) -> LaneStep:
         result = LaneStep()
         for request_id, serial in list(self._rows.items()):
+            if serial.failure is not None:  # held nothing it needed (``_hold``)
+                result.failed[request_id] = serial.failure
+                continue
+            images = serial.images is not None
             try:
                 with mx.stream(self._stream):
-                    tokens = serial.advance(self._model, self._chunk, self.fast_forward)
+                    tokens = serial.advance(self._model, self._chunk, self.fast_forward,
+                                            self.vision)
             except InvalidConstraintError as exc:  # the row's own grammar: it fails alone
                 result.failed[request_id] = serial.failure or exc
+                continue
+            except Exception as exc:  # its image or its adapter's work: it fails alone
+                if not images:
+                    raise  # the model itself failed
+                result.failed[request_id] = exc
                 continue
             if serial.failure is not None:
                 result.failed[request_id] = serial.failure

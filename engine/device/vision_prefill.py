@@ -85,6 +85,11 @@ class VisionPrefill:
 
     def add(self, row: BatchRow, cache: list[Any] | None, done: int) -> None:
         """Queue ``row``, resuming ``cache`` (which holds ``prompt[:done]``) if given."""
+        self._jobs[row.request_id] = self.job(row, cache, done)
+
+    def job(self, row: BatchRow, cache: list[Any] | None, done: int) -> VisionJob:
+        """A row's image prefill, not queued: for a lane that runs it itself (``work``),
+        as the serial lane does for a row that runs alone."""
         if cache is None:
             cache, done = make_prompt_cache(self._model, self._max_kv_size), 0
         job = VisionJob(row, cache, done)
@@ -92,7 +97,7 @@ class VisionPrefill:
             job.positions = grid_positions(len(row.prompt), row.row.images)
             # A resumed cache came from a row keyed by the same shift (``reuse_key``).
             job.frame = row.row.position_shift if done else 0
-        self._jobs[row.request_id] = job
+        return job
 
     def tower(self, image: PromptImage) -> VisionTower:
         """The tower, built on first use; a missing vision stack refuses ``image``'s part."""
@@ -134,7 +139,7 @@ class VisionPrefill:
             job = next(iter(self._jobs.values()))
             started = time.perf_counter()
             try:
-                finished = self._advance(job, None if budget is None else self._credit)
+                finished = self.work(job, None if budget is None else self._credit)
             except Exception as exc:  # this row's image or prefill failed: it ends alone
                 self._jobs.pop(job.row.request_id, None)
                 failed[job.row.request_id] = exc
@@ -148,9 +153,9 @@ class VisionPrefill:
             self._credit = min(self._credit, 0.0)  # no saving up for the next image
         return done, failed
 
-    def _advance(self, job: VisionJob, left: float | None) -> bool:
+    def work(self, job: VisionJob, left: float | None = None) -> bool:
         """One unit of ``job``: a block of the tower, or a prefill chunk sized to ``left``
-        seconds (None: the lane's chunk)."""
+        seconds (None: the lane's chunk); True once its cache holds every image."""
         row = job.row.row
         tower = self.tower(row.images[0])
         for image in row.images:  # the towers first, a block a unit

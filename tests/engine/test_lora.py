@@ -26,7 +26,7 @@ from engine import (
     TextRequest,
 )
 from testkit.adapters import make_adapter, mlx_lm_tokens
-from tests.conftest import prompts_of_lengths
+from tests.conftest import prompts_of_lengths, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -196,10 +196,22 @@ def test_adapters_in_use_are_never_evicted(make_engine: Callable[..., Engine],
     assert len(run(small, prompt, greedy(4, adapter=adapters["B"]))) == 4
 
 
-def test_a_seeded_adapter_request_is_refused(make_engine: Callable[..., Engine],
-                                             adapters: dict[str, str]) -> None:
+def test_seeded_adapter_rows_run_alone_with_their_adapter(
+        make_engine: Callable[..., Engine], adapters: dict[str, str]) -> None:
+    """A seeded row runs on the serial lane with its adapter's slot: at a temperature so
+    low that sampling is the argmax it gives the greedy adapter row's tokens (which equal
+    mlx-lm's), and it releases the adapter when it ends."""
     eng = make_engine()
-    handle = eng.submit(TextRequest([1, 2, 3], SamplingParams(
-        max_tokens=4, temperature=0.7, seed=1, adapter=adapters["A"])))
-    with pytest.raises(InvalidRequestError, match="adapters run in the shared batch"):
-        handle.result(timeout=60)
+    prompt = [1, 2, 3, 40, 50]
+    greedy_row = run(eng, prompt, greedy(12, adapter=adapters["A"]))
+    assert greedy_row != run(eng, prompt, greedy(12))
+    cold = SamplingParams(max_tokens=12, temperature=1e-4, seed=1, adapter=adapters["A"])
+    assert run(eng, prompt, cold) == greedy_row
+    warm = SamplingParams(max_tokens=12, temperature=0.9, seed=2, adapter=adapters["B"])
+    alone = run(eng, prompt, warm)
+    handles = [eng.submit(TextRequest(prompt, greedy(12, adapter=adapters["A"]))),
+               eng.submit(TextRequest(prompt, warm))]
+    assert handles[0].result(timeout=60).token_ids == greedy_row
+    assert handles[1].result(timeout=60).token_ids == alone
+    wait_until(lambda: eng.stats().running == 0)
+    assert eng.stats().adapters_in_use == 0

@@ -240,14 +240,21 @@ def test_a_text_model_refuses_images_by_part(make_engine: Callable[..., Engine])
         handle.result(timeout=60)
 
 
-def test_a_seeded_image_request_is_refused(make_engine: Callable[..., Engine],
-                                           tiny_vlm_dir: Path) -> None:
-    eng = vlm_engine(make_engine, tiny_vlm_dir)
-    handle = eng.submit(ChatRequest.from_openai(
-        asking(image_part(RED)), SamplingParams(max_tokens=4, temperature=0.7, seed=3)))
-    with pytest.raises(InvalidRequestError, match="drop the seed"):
-        handle.result(timeout=60)
-    wait_until(lambda: eng.stats().running == 0)
+def test_seeded_image_rows_run_alone_and_read_their_image(
+        make_engine: Callable[..., Engine], family_vlm_dir: Path) -> None:
+    """A seeded row runs on the serial lane, image and all: at a temperature so low that
+    sampling is the argmax it gives the greedy batch row's tokens (which equal the vision
+    library's), and its seed reproduces it beside other rows."""
+    eng = vlm_engine(make_engine, family_vlm_dir)
+    greedy_row = tokens(eng, asking(image_part(RED)), greedy(10))
+    cold = SamplingParams(max_tokens=10, temperature=1e-4, seed=3)
+    assert tokens(eng, asking(image_part(RED)), cold) == greedy_row
+    warm = SamplingParams(max_tokens=10, temperature=0.9, seed=5)
+    alone = tokens(eng, asking(image_part(BLUE)), warm)
+    beside = [eng.submit(ChatRequest.from_openai(asking(image_part(GREEN)), greedy(10))),
+              eng.submit(ChatRequest.from_openai(asking(image_part(BLUE)), warm))]
+    assert beside[1].result(timeout=120).token_ids == alone
+    wait_until(lambda: eng.stats().running == 0 and eng.stats().vision_jobs == 0)
 
 
 def test_a_text_row_sharing_the_head_gets_its_own_tokens(
