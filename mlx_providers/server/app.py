@@ -138,10 +138,14 @@ async def prometheus(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> Response:
+    """Every served model once, each with its registered adapters (``base:name``), then
+    the embedding models."""
     ctx: ServerContext = request.app.state.ctx
-    names = [*(one.name for one in ctx.models),
-             *(f"{one.name}:{adapter}" for one in ctx.models for adapter in ctx.settings.adapters),
-             *ctx.embeddings]
+    models = list(ctx.models)  # each model once, though a path is also served by its alias
+    names = dict.fromkeys([
+        *(one.name for one in models),
+        *(f"{one.name}:{adapter}" for one in models for adapter in ctx.settings.adapters),
+        *ctx.embeddings])
     return JSONResponse({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "mlx-providers"}
         for name in names]})

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -14,6 +15,8 @@ from engine import EngineConfig, follow, get_engine
 from mlx_providers.server.keep_alive import keep_alive_option
 
 _NO_CAP = "none"  # what `--kv-budget-bytes none` parses to until the config is built
+# What an adapter directory holds (mlx-lm's LoRA format); the engine reads the rest.
+ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")
 
 
 def _byte_count(*words: str) -> Callable[[str], int | str]:
@@ -40,7 +43,7 @@ _ENGINE_OPTIONS: dict[str, Callable[[str], Any]] = {
     "buffer_cache_bytes": _byte_count("auto"), "prefix_cache_ttl": float,
     "shard": str, "distributed_timeout": float, "admission_window": float,
     "prefix_cache_dir": str, "prefix_cache_disk_bytes": _byte_count(),
-    "keep_alive": keep_alive_option,
+    "keep_alive": keep_alive_option, "adapter_bytes": _byte_count(),
 }
 # Where the server's default differs from the engine's: HTTP requests sent together reach
 # the engine spread over tens of ms (16 concurrent SDK streams here: ~20 ms), so an idle
@@ -80,9 +83,13 @@ def parser() -> argparse.ArgumentParser:
                        help="seconds a stored response can be continued")
     serve.add_argument("--store-max-bytes", type=int, default=64 << 20)
     serve.add_argument("--log-level", default="info")
-    serve.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+    serve.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
                        help="a LoRA adapter (mlx-lm's format) served as MODEL:NAME or by "
                        "the adapter field; repeat for several")
+    serve.add_argument("--allow-adapter-paths", action="store_true",
+                       help="also load a directory a request names in its adapter field "
+                       "(off: only --adapter names are served; any client could otherwise "
+                       "load any adapter directory on this machine)")
     engine = serve.add_argument_group("engine options (EngineConfig)")
     for name, kind in _ENGINE_OPTIONS.items():
         field = EngineConfig.model_fields[name]
@@ -108,6 +115,7 @@ def serve(args: argparse.Namespace) -> int:
     from mlx_providers.server.app import create_app, served_name
     from mlx_providers.server.context import ServerSettings
 
+    adapters = adapter_names(args.adapter)  # before the model loads: a typo fails fast
     config = engine_config(args)
     # Sharded (--shard, every rank runs this same command): ranks 1..n-1 follow rank 0's
     # engine until it shuts down; rank 0 goes on to serve.
@@ -120,7 +128,8 @@ def serve(args: argparse.Namespace) -> int:
                               default_temperature=args.temperature,
                               max_queue=args.max_queue, store_ttl_seconds=args.store_ttl,
                               store_max_bytes=args.store_max_bytes,
-                              adapters=adapter_names(args.adapter))
+                              adapters=adapters,
+                              allow_adapter_paths=args.allow_adapter_paths)
     models = {args.served_model_name: engine} if args.served_model_name else engine
     app = create_app(models, settings=settings,
                      embeddings=embedding_models(args.embedding_model))
@@ -167,16 +176,27 @@ def _close_on_shutdown(app: Any, engine: Any) -> None:
     app.router.lifespan_context = lifespan
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def adapter_names(given: list[str]) -> dict[str, str]:
-    """``--adapter NAME=PATH`` values as a mapping; a malformed one exits with its error."""
+    """``--adapter NAME=DIR`` values as a mapping, each directory checked now (a typo
+    fails the start, not a client's request later); a bad one exits naming the flag."""
     adapters: dict[str, str] = {}
     for item in given:
         name, sep, path = item.partition("=")
         if not sep or not name or not path or ":" in name:
-            raise SystemExit(f"--adapter {item!r}: give NAME=PATH (a name without ':')")
+            raise SystemExit(f"--adapter {item!r}: give NAME=DIR (a name without ':')")
+        if name in adapters:
+            raise SystemExit(f"--adapter {item!r}: the name {name!r} is given twice")
+        where = Path(path).expanduser()
+        if not where.is_dir():
+            raise SystemExit(f"--adapter {item!r}: {path} is not a directory")
+        missing = [file for file in ADAPTER_FILES if not (where / file).is_file()]
+        if missing:
+            raise SystemExit(f"--adapter {item!r}: {path} has no {' or '.join(missing)} "
+                             "(mlx-lm's LoRA format: adapter_config.json and "
+                             "adapters.safetensors)")
         adapters[name] = path
     return adapters
+
+
+if __name__ == "__main__":  # last, so every name above exists when main() runs
+    raise SystemExit(main())

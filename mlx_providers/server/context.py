@@ -31,8 +31,11 @@ class ServerSettings:
     store_ttl_seconds: float | None = 3600.0
     store_max_bytes: int = 64 << 20
     # LoRA adapters by name (``--adapter name=path``): a request names one as its model's
-    # suffix (``base:name``) or in its ``adapter`` field; a directory there loads too.
+    # suffix (``base:name``) or in its ``adapter`` field. Only these are served.
     adapters: Mapping[str, str] = field(default_factory=dict)
+    # ``--allow-adapter-paths``: the ``adapter`` field may also name a server directory to
+    # load. Off by default: a remote client could load (and probe) any local path.
+    allow_adapter_paths: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,17 +49,34 @@ class ServerContext:
 
 def route_model(ctx: ServerContext, model: str, adapter: str | None,
                 ) -> tuple[ServedModel, str | None]:
-    """The served model a request names and the adapter it asks for: ``base:name`` (a
-    registered adapter), or the ``adapter`` field (a registered name or a directory)."""
+    """The served model a request names and the adapter directory it asks for.
+
+    An adapter is a registered name, given as the model's suffix (``base:name``) or in the
+    ``adapter`` field; the field may name a directory only with ``allow_adapter_paths``.
+    Refusals list the registered names and nothing about the server's files.
+    """
+    registered = ctx.settings.adapters
     base, sep, suffix = model.rpartition(":")
-    if sep and suffix in ctx.settings.adapters and not ctx.models.serves(model):
+    if sep and not ctx.models.serves(model) and ctx.models.serves(base):
+        if suffix not in registered:
+            raise APIError(404, f"the model {model!r} does not exist on this server: "
+                           f"{suffix!r} is not a registered adapter; registered: "
+                           f"{sorted(registered)}", param="model", code="model_not_found")
         if adapter is not None and adapter != suffix:
             raise APIError(400, f"the model {model!r} names adapter {suffix!r} and the "
                            f"request's adapter field {adapter!r}: give one", param="adapter",
                            code="invalid_value")
-        return ctx.models.get(base), ctx.settings.adapters[suffix]
+        return ctx.models.get(base), registered[suffix]
     served = ctx.models.get(model)
-    return served, None if adapter is None else ctx.settings.adapters.get(adapter, adapter)
+    if adapter is None:
+        return served, None
+    if adapter in registered:
+        return served, registered[adapter]
+    if ctx.settings.allow_adapter_paths:
+        return served, adapter
+    # The value is not echoed: it may be a path, and whether it exists is nobody's business.
+    raise APIError(400, "adapter: not a registered adapter; registered: "
+                   f"{sorted(registered)}", param="adapter", code="invalid_value")
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:

@@ -7,7 +7,7 @@ SDK turn that body into their own exception types by status code.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -91,10 +91,20 @@ _TYPES = {"str", "int", "float", "bool", "list", "dict", "none", "is-instance", 
           "function-plain", "tagged-union"}
 
 
+def field_renamed(message: str, field: str, param: str) -> str:
+    """An engine message about ``field`` as a door that spells it ``param`` says it."""
+    if field == param:
+        return message
+    return message.replace(field, param, 1) if field and field in message else (
+        f"{param}: {message}")
+
+
 def from_engine(exc: BaseException, *, prompt_param: str = "messages",
                 constraint_param: str = "response_format",
-                max_tokens_param: str = "max_tokens") -> APIError:
-    """The client's answer for an engine error raised by one request."""
+                max_tokens_param: str = "max_tokens",
+                fields: Callable[[str], str] | None = None) -> APIError:
+    """The client's answer for an engine error raised by one request; ``fields`` spells
+    the rulebook's field names (chat messages) as the endpoint's own request names them."""
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, KVBudgetError):
@@ -102,8 +112,11 @@ def from_engine(exc: BaseException, *, prompt_param: str = "messages",
     if isinstance(exc, InvalidConstraintError):
         return APIError(400, str(exc), param=constraint_param, code="invalid_value")
     if isinstance(exc, InvalidRequestError):  # the rulebook names the field itself
-        param = max_tokens_param if exc.field == "max_tokens" else exc.field
-        return APIError(400, str(exc), param=param, code="invalid_value")
+        if exc.field == "max_tokens":
+            return APIError(400, str(exc), param=max_tokens_param, code="invalid_value")
+        param = fields(exc.field) if fields is not None else exc.field
+        return APIError(400, field_renamed(str(exc), exc.field, param), param=param,
+                        code="invalid_value")
     if isinstance(exc, EngineDeadError | EngineClosedError):
         return APIError(503, f"the model is unavailable: {exc}", type=SERVER_ERROR,
                         code="engine_unavailable")

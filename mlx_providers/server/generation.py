@@ -32,7 +32,7 @@ from engine import (
     StreamEvent,
 )
 from mlx_providers._keep_alive import submit_options
-from mlx_providers.server.errors import from_engine
+from mlx_providers.server.errors import APIError, from_engine
 from mlx_providers.server.metrics import ServerMetrics
 from mlx_providers.server.served import ServedModel, Slot
 
@@ -150,6 +150,13 @@ class Endpoint:
     name: str  # the metrics label
     metrics: ServerMetrics
     error_params: Mapping[str, str]  # ``from_engine`` keywords: which parameter to blame
+    # How this endpoint's request spells a chat-message field the rulebook names (the
+    # Responses API's ``input[i].content[k]``); None: as chat completions do.
+    fields: Callable[[str], str] | None = None
+
+    def error(self, exc: BaseException) -> APIError:
+        """An engine error as this endpoint's client is answered."""
+        return from_engine(exc, fields=self.fields, **self.error_params)
 
 
 async def serve(request: Request, endpoint: Endpoint, served: ServedModel,
@@ -201,7 +208,7 @@ async def _started(request: Request, engine: Engine, spec: ChatRequest,
         generation = await _submitted(request, engine, fitted, endpoint, options)
     assert generation.first is not None
     if generation.first.error is not None:
-        raise from_engine(generation.first.error, **endpoint.error_params)
+        raise endpoint.error(generation.first.error)
     return generation
 
 
@@ -210,7 +217,7 @@ async def _submitted(request: Request, engine: Engine, spec: ChatRequest,
     try:
         generation = Generation(engine.submit(spec, **options))
     except (ValueError, TypeError, EngineError) as exc:  # bad input, or a dead engine
-        raise from_engine(exc, **endpoint.error_params) from exc
+        raise endpoint.error(exc) from exc
     async with generation:  # a client that leaves while the row waits cancels it here
         await generation.start(request)
     return generation
@@ -221,7 +228,7 @@ async def _whole(endpoint: Endpoint, served: ServedModel, generation: Generation
     """Feed every event to ``answer``; a failed generation raises its HTTP error."""
     async for event in generation.events():
         if event.error is not None:
-            raise from_engine(event.error, **endpoint.error_params)
+            raise endpoint.error(event.error)
         answer.feed(event)
         if event.is_final:
             endpoint.metrics.observe(served.name, event.usage)

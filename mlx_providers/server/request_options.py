@@ -1,7 +1,7 @@
 """A request body's options as the engine's ``SamplingParams``: one conversion for both
 endpoints. Each of the engine's ``REQUEST_OPTIONS`` the body has a field for passes under
-its own name; the endpoint gives what it names differently (``max_output_tokens``) or
-defaults itself (the temperature)."""
+its own name; the endpoint gives what it names differently (``max_output_tokens``;
+Responses' ``include`` asks for ``logprobs``) or defaults itself (the temperature)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,11 @@ from mlx_providers.server.errors import from_engine, not_found
 from mlx_providers.server.generation import Endpoint, serve
 from mlx_providers.server.request_options import body_sampling
 from mlx_providers.server.responses_events import ResponseTranslator
-from mlx_providers.server.responses_request import ResponsesRequest, messages_of
+from mlx_providers.server.responses_request import (
+    InputFields,
+    ResponsesRequest,
+    input_messages,
+)
 
 log = logging.getLogger(__name__)
 ENDPOINT = "responses"
@@ -45,6 +49,7 @@ def _echo(req: ResponsesRequest, max_output_tokens: int, temperature: float) -> 
             "tool_choice": choice.model_dump() if choice is not None and not isinstance(
                 choice, str) else (choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+            "top_logprobs": req.top_logprobs,
             "top_p": req.top_p if req.top_p is not None else 1.0, "truncation": "disabled",
             "metadata": req.metadata or {}, "user": None}
 
@@ -104,18 +109,28 @@ async def create_response(request: Request) -> Response:
     max_tokens = req.max_output_tokens or ctx.settings.default_max_tokens
     temperature = (req.temperature if req.temperature is not None
                    else ctx.settings.default_temperature)
+    fields = InputFields()  # where the rulebook's message fields are in this request
+
+    def convert() -> ChatRequest:
+        """The engine's request (on a worker thread when images are decoded)."""
+        nonlocal fields  # kept for the refusals from_openai raises too
+        messages, fields = input_messages(items, req.instructions, history=len(history))
+        return ChatRequest.from_openai(
+            messages, params, tools=req.engine_tools(), tool_choice=req.engine_tool_choice(),
+            parallel_tool_calls=req.parallel_tool_calls,
+            chat_template_kwargs=req.template_kwargs())
+
     try:
         params = body_sampling(req, max_tokens=max_tokens, temperature=temperature,
-                               constraint=req.constraint())
-        spec = await off_loop(has_images(items), lambda: ChatRequest.from_openai(
-            messages_of(items, req.instructions), params, tools=req.engine_tools(),
-            tool_choice=req.engine_tool_choice(), parallel_tool_calls=req.parallel_tool_calls,
-            chat_template_kwargs=req.template_kwargs()))
+                               constraint=req.constraint(), logprobs=req.logprobs)
+        spec = await off_loop(has_images(items), convert)
     except ValueError as exc:  # the rulebook's refusals (a bad tool, SamplingParams' checks)
-        raise from_engine(exc, **_PARAMS) from exc
+        raise from_engine(exc, fields=fields.responses_field, **_PARAMS) from exc
     endpoint = Endpoint(ENDPOINT, ctx.metrics, {
-        **_PARAMS, "constraint_param": "text.format" if spec.params.constraint else "tools"})
-    translator = ResponseTranslator(served.name, _echo(req, max_tokens, temperature))
+        **_PARAMS, "constraint_param": "text.format" if spec.params.constraint else "tools"},
+        fields=fields.responses_field)
+    translator = ResponseTranslator(served.name, _echo(req, max_tokens, temperature),
+                                    token_text=served.token_text if req.logprobs else None)
     answer = ResponsesAnswer(ctx, req, items, translator)
     return await serve(request, endpoint, served, spec, answer, stream=req.stream,
                        fit_context=req.max_output_tokens is None, keep_alive=req.keep_alive)

@@ -9,6 +9,12 @@ Responses event sequence, each event with its ``sequence_number``: ``response.cr
 ``response.output_item.done``, and last ``response.completed`` or ``response.incomplete``.
 The non-streaming endpoint runs the same translator and returns its final response, so
 both paths produce the same output items.
+
+Logprobs (when asked for) are those of the message's tokens, in OpenAI's shape (the one
+conversion, ``engine.openai_logprobs``): each ``response.output_text.delta`` carries its
+tokens', and the part and ``response.output_text.done`` all of them. A token whose text
+is still held back (a stop string's possible start) goes with the next text; the tokens
+of reasoning and of function calls belong to no output_text and carry none.
 """
 
 from __future__ import annotations
@@ -16,7 +22,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine import Completion, FinishReason, StreamEvent, ToolCallDelta, Usage
+from engine import (
+    Completion,
+    FinishReason,
+    StreamEvent,
+    TokenLogprob,
+    TokenText,
+    ToolCallDelta,
+    Usage,
+    openai_logprobs,
+)
 from mlx_providers.server.chat_completions import new_id
 
 Event = dict[str, Any]
@@ -34,7 +49,9 @@ def usage_of(usage: Usage) -> dict[str, Any]:
 class ResponseTranslator:
     """One response's state: its output items so far, and the events that built them."""
 
-    def __init__(self, model: str, echo: dict[str, Any], response_id: str | None = None) -> None:
+    def __init__(self, model: str, echo: dict[str, Any], response_id: str | None = None,
+                 *, token_text: TokenText | None = None) -> None:
+        """``token_text``: how a token id reads, when logprobs were asked for (else None)."""
         self.id = response_id or new_id("resp_")
         self.created_at = int(time.time())
         self.model = model
@@ -46,6 +63,8 @@ class ResponseTranslator:
         self.incomplete_details: dict[str, Any] | None = None
         self._sequence = 0
         self._open: dict[str, Any] | None = None  # the item receiving deltas
+        self._token_text = token_text
+        self._pending: list[TokenLogprob] = []  # tokens whose text no delta carried yet
 
     # ----- the response object -------------------------------------------------------
 
@@ -74,12 +93,19 @@ class ResponseTranslator:
     def feed(self, event: StreamEvent) -> list[Event]:
         """The events one engine event becomes (the final one ends the response)."""
         events: list[Event] = []
+        if self._token_text is not None:
+            self._pending += event.logprobs or ()
         if event.reasoning:
             events += self._text_delta("reasoning", event.reasoning)
         if event.content:
             events += self._text_delta("message", event.content)
+        elif event.reasoning or event.tool_call_deltas:
+            self._pending = []  # thinking's or a call's tokens: no output_text has them
         for delta in event.tool_call_deltas:
             events += self._call_delta(delta)
+        if event.is_final and self._pending and self._open is not None and (
+                self._open["type"] == "message"):
+            events += self._text_delta("message", "")  # the last tokens, no text of their own
         if event.is_final and event.error is None:
             assert event.finish_reason is not None and event.usage is not None
             events += self._end(event.usage, event.finish_reason, event.completion)
@@ -108,7 +134,10 @@ class ResponseTranslator:
         self._open["_text"] += text
         name = "response.output_text.delta" if kind == "message" else (
             "response.reasoning_text.delta")
-        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {}
+        if kind == "message":
+            extra["logprobs"] = self._take_logprobs()
+            self._open["_logprobs"] += extra["logprobs"]
         events.append(self._event(name, item_id=self._open["id"], output_index=index,
                                   content_index=0, delta=text, **extra))
         return events
@@ -121,7 +150,7 @@ class ResponseTranslator:
             item = {"id": new_id("rs_"), "type": "reasoning", "status": "in_progress",
                     "summary": [], "content": []}
         self.output.append(item)
-        self._open = {"type": kind, "id": item["id"], "_text": ""}
+        self._open = {"type": kind, "id": item["id"], "_text": "", "_logprobs": []}
         index = len(self.output) - 1
         events = [self._event("response.output_item.added", output_index=index,
                               item=dict(item))]
@@ -144,11 +173,13 @@ class ResponseTranslator:
                                   item_id=item["id"], output_index=index,
                                   name=item["name"], arguments=text)]
         elif opened["type"] == "message":
-            part = _output_text(text)
+            logprobs = opened["_logprobs"]
+            part = _output_text(text, logprobs)
             item.update(status="completed", content=[part])
             events = [
                 self._event("response.output_text.done", item_id=item["id"],
-                            output_index=index, content_index=0, text=text, logprobs=[]),
+                            output_index=index, content_index=0, text=text,
+                            logprobs=list(logprobs)),
                 self._event("response.content_part.done", item_id=item["id"],
                             output_index=index, content_index=0, part=part)]
         else:
@@ -159,6 +190,15 @@ class ResponseTranslator:
         events.append(self._event("response.output_item.done", output_index=index,
                                   item=dict(item)))
         return events
+
+    def _take_logprobs(self) -> list[dict[str, Any]]:
+        """The waiting tokens' logprobs as OpenAI's entries (none when not asked for)."""
+        pending, self._pending = self._pending, []
+        if self._token_text is None or not pending:
+            return []
+        converted = openai_logprobs(pending, self._token_text)
+        assert converted is not None  # (None only for logprobs never asked for)
+        return list(converted["content"])
 
     def _call_delta(self, delta: ToolCallDelta) -> list[Event]:
         """A tool call's piece: its first opens a function_call item, arguments stream in."""
@@ -202,5 +242,6 @@ class ResponseTranslator:
         return events
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [],
+            "logprobs": list(logprobs or ())}

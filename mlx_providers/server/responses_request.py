@@ -16,6 +16,7 @@ completions) caps the reasoning tokens when the template opens the block.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
@@ -27,9 +28,13 @@ from engine import (
     messages_from_openai,
 )
 from mlx_providers.server.chat_request import OpenModel, ReasoningEffort
-from mlx_providers.server.errors import APIError
+from mlx_providers.server.errors import APIError, field_renamed
 from mlx_providers.server.keep_alive import KeepAliveField
 from mlx_providers.server.tool_options import output_constraint, tool_choice_name
+
+# The ``include`` value that asks for output_text logprobs (OpenAI's ``ResponseIncludable``;
+# the others name outputs this server does not produce, and are ignored).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 class InputText(OpenModel):
@@ -146,8 +151,11 @@ class ResponsesRequest(OpenModel):
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    # This server's: the sampling options chat completions take (no logprobs: Responses
-    # output carries none yet).
+    # ``include: ["message.output_text.logprobs"]`` puts each output_text token's logprobs
+    # on its part and its deltas, with ``top_logprobs`` alternatives (which ask for them too).
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # This server's: the sampling options chat completions take.
     top_k: Annotated[int, Field(ge=0)] | None = None
     min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
@@ -170,6 +178,12 @@ class ResponsesRequest(OpenModel):
     adapter: str | None = None
     # This server's, as on chat completions: how long the model stays loaded once idle.
     keep_alive: KeepAliveField = None
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether output_text carries logprobs: included, or alternatives asked for (an
+        ask for alternatives alone is not dropped without a word)."""
+        return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
 
     def input_items(self) -> list[dict[str, Any]]:
         """The new input as plain item dicts (a string is one user message)."""
@@ -200,18 +214,68 @@ class ResponsesRequest(OpenModel):
                                  "text.format.schema")
 
 
-def messages_of(items: list[dict[str, Any]], instructions: str | None) -> tuple[Message, ...]:
-    """Chat messages for a history of items, converted once by the engine's rulebook;
-    consecutive calls join one assistant turn. A refusal is a 400 naming the item field."""
+@dataclass
+class InputFields:
+    """Where each chat message the rulebook reads came from in the Responses request, so
+    its refusals (named as chat fields: ``messages[1].content[2]``) name what the client
+    sent (``input[0].content[3]``)."""
+
+    items: list[str] = field(default_factory=list)  # per message: its item ("input[3]")
+    contents: list[str] = field(default_factory=list)  # per message: the item's content field
+    # Per message: the item's index of each content part the rulebook sees (refusal parts
+    # are not passed on), or None where the content went as text.
+    parts: list[list[int] | None] = field(default_factory=list)
+    calls: dict[int, list[str]] = field(default_factory=dict)  # message -> its calls' items
+
+    def add(self, item: str, content: str, parts: list[int] | None = None) -> None:
+        """The next chat message came from ``item``, its content from ``content``."""
+        self.items.append(item)
+        self.contents.append(content)
+        self.parts.append(parts)
+
+    def responses_field(self, name: str) -> str:
+        """The Responses request field behind a field the rulebook named; a field that is
+        no message's (``tools[0].name``) is the same in both."""
+        if name == "messages":
+            return "input"
+        found = _MESSAGE_FIELD.fullmatch(name)
+        if found is None:
+            return name
+        index, call, rest = int(found.group(1)), found.group(2), found.group(3)
+        if index >= len(self.items):
+            return "input"
+        if call is not None:
+            calls = self.calls.get(index, [])
+            return _within(calls[int(call)], rest) if int(call) < len(calls) else (
+                self.items[index])
+        part = _CONTENT_FIELD.fullmatch(rest)
+        if part is None:
+            return _within(self.items[index], _ITEM_NAMES.get(rest, rest))
+        where, number, tail = self.contents[index], part.group(1), part.group(2)
+        if where in _WHOLE:
+            return where
+        if number is None:
+            return where + tail
+        kept = self.parts[index]
+        k = int(number)
+        return f"{where}[{kept[k] if kept is not None and k < len(kept) else k}]{tail}"
+
+
+def input_messages(items: list[dict[str, Any]], instructions: str | None, *,
+                   history: int = 0) -> tuple[tuple[Message, ...], InputFields]:
+    """Chat messages for a history of items, converted once by the engine's rulebook, and
+    where each came from; consecutive calls join one assistant turn. The first
+    ``history`` items are a stored response's (``previous_response_id``), the rest are
+    ``input``. A refusal is a 400 naming the item field."""
     messages: list[dict[str, Any]] = []
-    origins: list[str] = []  # the request field each message (or call) came from
-    calls: dict[int, list[str]] = {}
+    fields = InputFields()
     if instructions:
         messages.append({"role": "system", "content": instructions})
-        origins.append("instructions")
+        fields.add("instructions", "instructions")
     names: dict[str, str] = {}
     reasoning: list[str] = []  # reasoning items waiting for the assistant turn they precede
     for i, item in enumerate(items):
+        at = "previous_response_id" if i < history else f"input[{i - history}]"
         kind = item.get("type", "message")
         if kind == "reasoning":
             text = _reasoning_text(item)
@@ -219,8 +283,10 @@ def messages_of(items: list[dict[str, Any]], instructions: str | None) -> tuple[
                 reasoning.append(text)
             continue
         if kind == "message":
-            messages.append({"role": item["role"], "content": _content(item["content"])})
-            origins.append(f"input[{i}]")
+            where = _within(at, ".content")
+            content, kept = _content(item["content"], where)
+            messages.append({"role": item["role"], "content": content})
+            fields.add(at, where, kept)
         elif kind == "function_call" and item.get("status") == "incomplete":
             continue  # a call cut by its response's end (sent as written), never run
         elif kind == "function_call":
@@ -232,13 +298,14 @@ def messages_of(items: list[dict[str, Any]], instructions: str | None) -> tuple[
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-                origins.append(f"input[{i}]")
-            calls.setdefault(len(messages) - 1, []).append(f"input[{i}]")
+                fields.add(at, at)
+            fields.calls.setdefault(len(messages) - 1, []).append(at)
         elif kind == "function_call_output":
+            where = _within(at, ".output")
+            content, kept = _content(item["output"], where)
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "name": names.get(item["call_id"], ""),
-                             "content": _content(item["output"])})
-            origins.append(f"input[{i}]")
+                             "name": names.get(item["call_id"], ""), "content": content})
+            fields.add(at, where, kept)
         else:
             continue
         turn = messages[-1]
@@ -247,26 +314,30 @@ def messages_of(items: list[dict[str, Any]], instructions: str | None) -> tuple[
             turn["reasoning_content"] = "\n\n".join([past, *reasoning] if past else reasoning)
         reasoning = []  # taken by this assistant turn, or no assistant's thinking at all
     try:
-        return messages_from_openai(messages)
+        return messages_from_openai(messages), fields
     except InvalidRequestError as exc:
-        param = _item_field(exc.field, origins, calls)
-        raise APIError(400, f"{param}: {exc}", param=param, code="invalid_value") from exc
+        param = fields.responses_field(exc.field)
+        raise APIError(400, field_renamed(str(exc), exc.field, param), param=param,
+                       code="invalid_value") from exc
+
+
+def messages_of(items: list[dict[str, Any]], instructions: str | None) -> tuple[Message, ...]:
+    """``input_messages``' chat messages alone."""
+    return input_messages(items, instructions)[0]
 
 
 _MESSAGE_FIELD = re.compile(r"messages\[(\d+)\](?:\.tool_calls\[(\d+)\](?:\.function)?)?(.*)")
+_CONTENT_FIELD = re.compile(r"\.content(?:\[(\d+)\])?(.*)")
 # Chat-message field names as the Responses items spell them.
 _ITEM_NAMES = {".tool_call_id": ".call_id"}
+# Fields named whole: what the history of a stored response or the instructions hold is
+# not the client's to point into.
+_WHOLE = frozenset({"instructions", "previous_response_id"})
 
 
-def _item_field(field: str, origins: list[str], calls: dict[int, list[str]]) -> str:
-    """The Responses request field behind a chat-message field the rulebook named."""
-    found = _MESSAGE_FIELD.fullmatch(field)
-    if found is None:
-        return "input"
-    index, call, rest = int(found.group(1)), found.group(2), found.group(3)
-    if call is not None:
-        return calls[index][int(call)] + rest
-    return origins[index] + _ITEM_NAMES.get(rest, rest)
+def _within(at: str, rest: str) -> str:
+    """The field ``rest`` inside ``at`` (``at`` itself where it is named whole)."""
+    return at if at in _WHOLE else at + rest
 
 
 def _reasoning_text(item: dict[str, Any]) -> str:
@@ -277,19 +348,25 @@ def _reasoning_text(item: dict[str, Any]) -> str:
     return "\n\n".join(str(part.get("text", "")) for part in item.get("summary") or ())
 
 
-def _content(content: Any) -> str | list[Any]:
-    """An item's content for the rulebook: its text (a string, or the text of its parts:
-    input_text, output_text, ...), or, where it holds images, its parts in order with each
-    image as an ``input_image`` part."""
+def _content(content: Any, at: str) -> tuple[str | list[Any], list[int] | None]:
+    """An item's content for the rulebook, and the item's index of each part passed on:
+    its text (a string, or the text of its parts: input_text, output_text, ...), or,
+    where it holds images, its parts in order with each image as an ``input_image`` part.
+    ``at`` is the content's field, for a refusal."""
     if isinstance(content, str):
-        return content
-    parts = [part for part in content or () if isinstance(part, dict)]
-    if not any(part.get("type") == "input_image" for part in parts):
-        return "".join(str(part.get("text", "")) for part in parts
-                       if part.get("type") != "refusal")
-    if any(part.get("type") == "input_image" and part.get("image_url") is None
-           for part in parts):  # by file id: this server keeps no files
-        raise APIError(400, "input_image: send the image as image_url (a data: URI); "
-                       "file_id is not supported", param="input", code="invalid_value")
-    return [part if part.get("type") == "input_image" else str(part.get("text", ""))
-            for part in parts if part.get("type") != "refusal"]
+        return content, None
+    parts = list(enumerate(content or ()))
+    if not any(isinstance(part, dict) and part.get("type") == "input_image"
+               for _, part in parts):
+        return "".join(str(part.get("text", "")) for _, part in parts
+                       if isinstance(part, dict) and part.get("type") != "refusal"), None
+    kept = [(k, part) for k, part in parts
+            if isinstance(part, dict) and part.get("type") != "refusal"]
+    for k, part in kept:
+        if part.get("type") == "input_image" and part.get("image_url") is None:
+            # By file id: this server keeps no files.
+            param = at if at in _WHOLE else f"{at}[{k}]"
+            raise APIError(400, f"{param}: send the image as image_url (a data: URI); "
+                           "file_id is not supported", param=param, code="invalid_value")
+    return ([part if part.get("type") == "input_image" else str(part.get("text", ""))
+             for _, part in kept], [k for k, _ in kept])

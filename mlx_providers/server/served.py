@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
 
 from engine import Engine, TokenText, token_texts
 from mlx_providers.server.errors import APIError
@@ -109,11 +108,14 @@ class ServedModels:
             raise ValueError("a server needs at least one model")
         self._models = dict(models)
 
-    def __iter__(self) -> Any:
-        return iter(self._models.values())
+    def __iter__(self) -> Iterator[ServedModel]:
+        """Each served model once (a model served under an alias too is one model)."""
+        return iter(dict.fromkeys(self._models.values()))
 
     def engines(self) -> dict[str, Engine]:
-        return {name: served.engine for name, served in self._models.items()}
+        """Each served model's engine under its own name (its aliases are not counted
+        again in the metrics)."""
+        return {served.name: served.engine for served in self}
 
     def serves(self, name: str) -> bool:
         return name in self._models

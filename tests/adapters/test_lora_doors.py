@@ -1,6 +1,6 @@
 """A LoRA adapter per request at every door, on one shared engine over the tiny model:
 ``ChatMLXBatch(adapter=...)`` and per call, ``MLXBatchLLM(adapter=...)``, and the server
-through the ``openai`` SDK (``model="tiny:name"`` for a registered adapter, or the
+through the ``openai`` SDK (a registered adapter as ``model="tiny:name"`` or in the
 ``adapter`` field), each equal to the engine's own tokens with that adapter."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def server(chat: ChatMLXBatch, adapters: dict[str, str]) -> Iterator[LiveServer]
     from mlx_providers.server import ServerSettings, create_app
 
     live = LiveServer(create_app({"tiny": chat.engine},
-                                 settings=ServerSettings(adapters={"a": adapters["a"]}))).start()
+                                 settings=ServerSettings(adapters=adapters))).start()
     yield live
     live.stop()
 
@@ -79,13 +79,14 @@ def test_the_server_routes_adapters(server: LiveServer, chat: ChatMLXBatch,
     from openai import OpenAI
 
     client = OpenAI(base_url=server.base_url, api_key="none")
-    assert {"tiny", "tiny:a"} <= {m.id for m in client.models.list()}
+    assert [m.id for m in client.models.list()] == ["tiny", "tiny:a", "tiny:b"]
     named = client.chat.completions.create(model="tiny:a", max_tokens=8, messages=QUESTION)
     assert named.choices[0].message.content == engine_text(chat.engine, adapters["a"])
-    by_path = client.responses.create(model="tiny", max_output_tokens=8, input=QUESTION,
-                                      extra_body={"adapter": adapters["b"]})
-    assert by_path.output_text == engine_text(chat.engine, adapters["b"])
-    with pytest.raises(openai.BadRequestError, match=r"no adapter_config\.json") as raised:
+    by_field = client.responses.create(model="tiny", max_output_tokens=8, input=QUESTION,
+                                       extra_body={"adapter": "b"})
+    assert by_field.output_text == engine_text(chat.engine, adapters["b"])
+    # A directory is no registered name (only --allow-adapter-paths loads one).
+    with pytest.raises(openai.BadRequestError, match="not a registered adapter") as raised:
         client.chat.completions.create(model="tiny", max_tokens=4, messages=QUESTION,
-                                       extra_body={"adapter": "/nowhere"})
+                                       extra_body={"adapter": adapters["b"]})
     assert raised.value.body["param"] == "adapter"  # type: ignore[index]

@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 
 from engine import REQUEST_OPTIONS, SamplingParams
 from mlx_providers import ChatMLXBatch, MLXBatchLLM
-from mlx_providers.server import create_app
+from mlx_providers.server import ServerSettings, create_app
 from tests.fake_engine import ScriptedEngine, scripted
 
 
@@ -42,9 +42,11 @@ VALUES: dict[str, Any] = {
     "top_logprobs": 3, "reasoning_budget": 4, "repeat_answered_calls": True,
     "tool_call_limit": 2, "adapter": _adapter_dir(),
 }
-# What a door names otherwise, and what it does not take (with why).
+# What a door names otherwise: a field of its own, or a body that asks for the option.
 WIRE = {"responses": {"max_tokens": "max_output_tokens"}}
-NOT_TAKEN = {"responses": {"logprobs", "top_logprobs"}}  # Responses output carries none yet
+ASKED = {"responses": {"logprobs": {"include": ["message.output_text.logprobs"]}}}
+# The server serves registered adapters: a body names one, the engine gets its directory.
+SERVED_ADAPTER = "options"
 
 
 def test_every_option_is_a_sampling_field_with_a_test_value() -> None:
@@ -97,14 +99,26 @@ def test_llama_index_passes_the_option_as_a_field_and_per_call(name: str) -> Non
         assert getattr(_sent(fake), name) == VALUES[name]
 
 
+def _body(door: str, name: str) -> dict[str, Any]:
+    """The option (and what it needs) as ``door``'s request body says it."""
+    body: dict[str, Any] = {}
+    for key, value in _needs(name).items():
+        if key in ASKED.get(door, {}):
+            body.update(ASKED[door][key])
+        elif key == "adapter":
+            body["adapter"] = SERVED_ADAPTER
+        else:
+            body[WIRE.get(door, {}).get(key, key)] = _wire(value)
+    return body
+
+
 @pytest.mark.parametrize("door", ["chat", "responses"])
 @pytest.mark.parametrize("name", REQUEST_OPTIONS)
 def test_the_server_passes_the_option_in_the_body(door: str, name: str) -> None:
-    if name in NOT_TAKEN.get(door, ()):
-        pytest.skip(f"{door} does not take {name}: its output carries no logprobs yet")
     fake = ScriptedEngine()
-    options = {WIRE.get(door, {}).get(k, k): _wire(v) for k, v in _needs(name).items()}
-    with TestClient(create_app({"m": fake})) as client:  # type: ignore[dict-item]
+    options = _body(door, name)
+    settings = ServerSettings(adapters={SERVED_ADAPTER: VALUES["adapter"]})
+    with TestClient(create_app({"m": fake}, settings=settings)) as client:  # type: ignore[dict-item]
         if door == "chat":
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **options}
             reply = client.post("/v1/chat/completions", json=body)
