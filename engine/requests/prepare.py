@@ -94,7 +94,7 @@ class Preparer:
         return eos | frozenset(params.stop_token_ids)
 
     def row_text(self, params: SamplingParams) -> RowText:
-        return RowText(self.tokenizer.detokenizer, params.stop)
+        return RowText(self.tokenizer.detokenizer, params.stop, self.tokenizer.decode)
 
     def row_channels(self, request: Request, prepared: PreparedRequest) -> RowChannels:
         dialect = self.dialect

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engine.requests.outbound.text import RowText
 
 
@@ -16,3 +18,17 @@ def test_multibyte_characters_with_a_real_tokenizer(tiny_model_dir) -> None:  # 
     deltas.append(row.finish())
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)  # no half characters streamed
+
+
+def test_a_space_that_starts_the_output_streams_as_the_decode_keeps_it(
+        tiny_model_dir: Path) -> None:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    # mlx-lm's byte-level detokenizer trims it ("Hello"), a lone space too (nothing).
+    for text in (" Hello world", "  two spaces", " "):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        row = RowText(tokenizer.detokenizer, (), tokenizer.decode)
+        deltas = [row.add_token(t) for t in ids]
+        deltas.append(row.finish())
+        assert "".join(deltas) == row.text == tokenizer.decode(ids) == text

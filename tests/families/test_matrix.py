@@ -20,6 +20,7 @@ from engine import ChatRequest, Engine, TextRequest
 from testkit.families import Family
 from testkit.families.references import match_rate
 from testkit.families.transcripts import QUESTION, WEATHER_TOOL, tool_call_message
+from testkit.forcing import forcing
 from tests.conftest import greedy
 
 
@@ -131,3 +132,19 @@ def test_the_vocabulary_is_the_models_logits_width(family: Family, family_engine
     assert family_engine.submit(TextRequest([1, 2, last], greedy(2))).result(timeout=60).token_ids
     with pytest.raises(ValueError, match="out of range"):
         family_engine.submit(TextRequest([1, 2, family.vocab_size], greedy(2))).result(timeout=60)
+
+
+def test_the_streamed_text_is_the_decode_of_the_reply(family: Family,
+                                                      family_engine: Engine) -> None:
+    # A reply whose first token starts with a space (gpt-oss's " to=functions..." right
+    # after <|start|>assistant) keeps it, as the tokenizer's decode does; multi-byte
+    # characters split across tokens stream whole.
+    tokenizer = family_engine.tokenizer
+    ids = tokenizer.encode(" Hello wörld 🎉 日本", add_special_tokens=False)
+    request = ChatRequest.from_openai([{"role": "user", "content": "Hi"}],
+                                      greedy(len(ids), logits_processors=(forcing(ids),)))
+    handle = family_engine.submit(request)
+    streamed = "".join(event.text for event in handle)
+    result = handle.result(timeout=60)
+    assert list(result.token_ids) == ids
+    assert streamed == result.text == tokenizer.decode(ids)

@@ -2,12 +2,15 @@
 
 A suffix of the text that could still become a stop string is held back, so stop
 text is never streamed; when the row ends for another reason the held text is real
-output and is released.
+output and is released. The streamed text is the tokenizer's decode of the row's tokens:
+whitespace the streaming detokenizer trims from the start of the output and the decode
+keeps (mlx-lm's byte-level BPE one drops the space of a first token like gpt-oss's
+" to=functions...") is put back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 
@@ -23,26 +26,39 @@ class StreamingDetokenizer(Protocol):
 class RowText:
     """Turns one row's tokens into safe-to-stream text deltas."""
 
-    def __init__(self, detokenizer: StreamingDetokenizer | Any, stop: tuple[str, ...]) -> None:
+    def __init__(self, detokenizer: StreamingDetokenizer | Any, stop: tuple[str, ...],
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        """``decode``: the tokenizer's, which the first text is checked against."""
         self._detokenizer = detokenizer
         self._stop = stop
         self._held = ""
         self.text = ""  # everything streamed so far
         self.stopped = False  # a stop string matched
+        self._decode = decode
+        # The tokens before the first text, while it has not come (None after, or no decode).
+        self._before_text: list[int] | None = [] if decode is not None else None
 
     def add_token(self, token: int) -> str:
         """Feed one generated token; returns the text that may be streamed now."""
         if self.stopped:
             return ""
         self._detokenizer.add_token(token)
-        return self._release(self._detokenizer.last_segment)
+        segment = self._detokenizer.last_segment
+        if self._before_text is not None:
+            self._before_text.append(token)
+            if segment:
+                segment = self._first_text(segment)
+        return self._release(segment)
 
     def finish(self) -> str:
         """The row ended (not on a stop string): flush the detokenizer and held text."""
         if self.stopped:
             return ""
         self._detokenizer.finalize()
-        tail = self._held + self._detokenizer.last_segment
+        segment = self._detokenizer.last_segment
+        if self._before_text:
+            segment = self._first_text(segment)
+        tail = self._held + segment
         self._held = ""
         if self._stop:
             cut = _first_stop(tail, self._stop)
@@ -51,6 +67,15 @@ class RowText:
                 tail = tail[:cut]
         self.text += tail
         return tail
+
+    def _first_text(self, segment: str) -> str:
+        """The output's first text, with the leading whitespace the decode of the same
+        tokens has and the detokenizer trimmed (nothing is held back when text comes)."""
+        assert self._decode is not None and self._before_text is not None
+        whole = self._decode(self._before_text)
+        self._before_text = None
+        lost = whole[: len(whole) - len(segment)]
+        return lost + segment if whole.endswith(segment) and lost.isspace() else segment
 
     def _release(self, segment: str) -> str:
         if not self._stop:
