@@ -373,15 +373,41 @@ QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vide
 def build_tiny_qwen2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -> Path:
     """A tiny Qwen2-VL (its patch tower with 2x2 merging, a Qwen2 text model with M-RoPE):
     images resized to multiples of 28 px, 56x56 to 112x112, one token per 28 px square."""
-    import mlx.core as mx
-    from mlx_vlm.models import qwen2_vl
+    return _tiny_qwen_vl(out, "qwen2_vl", {
+        "model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": 64,
+        "num_heads": 2, "mlp_ratio": 2, "patch_size": 14, "spatial_patch_size": 14,
+        "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+    }, seed=seed, weight_scale=weight_scale)
 
+
+def build_tiny_qwen2_5_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -> Path:
+    """A tiny Qwen2.5-VL: Qwen2-VL's text side and image tokens, its own tower (RMSNorm,
+    SwiGLU blocks, attention within 56 px windows in the first block and over the whole
+    image in the last), the same image sizes as ``build_tiny_qwen2_vl``."""
+    return _tiny_qwen_vl(out, "qwen2_5_vl", {
+        "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+        "out_hidden_size": 64, "num_heads": 2, "patch_size": 14, "spatial_patch_size": 14,
+        "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+        "window_size": 56, "fullatt_block_indexes": [1], "tokens_per_second": 2,
+    }, seed=seed, weight_scale=weight_scale)
+
+
+def _tiny_qwen_vl(out: Path, family: str, vision: dict[str, Any], *, seed: int,
+                  weight_scale: float) -> Path:
+    """A tiny Qwen-VL of ``family`` (mlx-vlm's module) with the ``vision`` tower config."""
+    import importlib
+
+    import mlx.core as mx
+
+    module = importlib.import_module(f"mlx_vlm.models.{family}")
     tokenizer = _tokenizer(out, QWEN_VL_TOKENS, {})
     eos = tokenizer.token_to_id("<|im_end|>")
     vocab = (tokenizer.get_vocab_size(with_added_tokens=True) + 63) // 64 * 64
     ids = {t: tokenizer.token_to_id(t) for t in QWEN_VL_TOKENS}
     config = {
-        "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": family, "architectures": [
+            "Qwen2VLForConditionalGeneration" if family == "qwen2_vl"
+            else "Qwen2_5_VLForConditionalGeneration"],
         "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 256,
         "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-6,
         "vocab_size": vocab, "rope_theta": 1e6, "max_position_embeddings": 4096,
@@ -390,21 +416,17 @@ def build_tiny_qwen2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) 
         "torch_dtype": "float32", "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_config": {
-            "model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": 64,
-            "num_heads": 2, "mlp_ratio": 2, "patch_size": 14, "spatial_patch_size": 14,
-            "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
-        },
+        "vision_config": vision,
     }
     (out / "preprocessor_config.json").write_text(json.dumps({
         "min_pixels": 56 * 56, "max_pixels": 112 * 112, "patch_size": 14, "merge_size": 2,
         "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5]}))
     mx.random.seed(seed)
-    built = qwen2_vl.ModelConfig.from_dict(dict(config))
-    built.text_config = qwen2_vl.TextConfig.from_dict(built.text_config)
-    built.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
-    model = qwen2_vl.Model(built)
+    built = module.ModelConfig.from_dict(dict(config))
+    built.text_config = module.TextConfig.from_dict(built.text_config)
+    built.vision_config = module.VisionConfig.from_dict(config["vision_config"])
+    model = module.Model(built)
     _scaled(model, weight_scale)
     return _saved(out, model, config, eos)
 

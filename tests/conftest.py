@@ -89,7 +89,8 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _built(_cache_root(tmp_path_factory) / "tiny-gemma3-vlm-v2", build_tiny_vlm)
 
 
-@pytest.fixture(scope="session", params=["gemma3", "mistral3", "qwen2_vl", "lfm2_vl"])
+@pytest.fixture(scope="session",
+                params=["gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "lfm2_vl"])
 def family_vlm_dir(request: pytest.FixtureRequest,
                    tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight VLM of each family whose images are read."""
@@ -99,6 +100,7 @@ def family_vlm_dir(request: pytest.FixtureRequest,
     builders = {"gemma3": vision_model.build_tiny_vlm,
                 "mistral3": vision_model.build_tiny_mistral3,
                 "qwen2_vl": vision_model.build_tiny_qwen2_vl,
+                "qwen2_5_vl": vision_model.build_tiny_qwen2_5_vl,
                 "lfm2_vl": vision_model.build_tiny_lfm2_vl}
     name = "tiny-gemma3-vlm-v2" if request.param == "gemma3" else f"tiny-{request.param}-v1"
     return _built(_cache_root(tmp_path_factory) / name, builders[request.param])

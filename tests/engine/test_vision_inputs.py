@@ -1,5 +1,6 @@
 """An image's way into the prompt, per family, against mlx-vlm's own processor: the prompt ids
-the engine builds equal the processor's for the image before and after the text; sizes
+the engine builds equal the processor's for the image before and after the text, and the
+tower reads the processor's pixel values; sizes
 follow each family's resize rules; an image too long and thin for a family is refused by
 part, and one the family reads equals mlx-vlm's own generation.
 """
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from engine import ChatRequest, Engine, InvalidRequestError
@@ -31,10 +33,11 @@ PLACEHOLDERS = {"gemma3": "<start_of_image>", "mistral3": "[IMG]",
                 "lfm2-vl": "<image>"}
 
 
-def processor_prompt_ids(model_dir: Path, messages: list[dict[str, Any]],
-                         images: list[dict[str, Any]]) -> list[int]:
-    """mlx-vlm's prompt ids: the chat template's text with the family's placeholder for
-    each image, expanded and tokenized by the family's processor (``load_processor``)."""
+def processed(model_dir: Path, messages: list[dict[str, Any]],
+              images: list[dict[str, Any]]) -> tuple[list[int], np.ndarray]:
+    """mlx-vlm's prompt ids and pixel values: the chat template's text with the family's
+    placeholder for each image, expanded and tokenized by the family's processor
+    (``load_processor``), which also reads the images."""
     from PIL import Image
 
     family = json.loads((model_dir / "config.json").read_text())["model_type"]
@@ -49,8 +52,8 @@ def processor_prompt_ids(model_dir: Path, messages: list[dict[str, Any]],
                                                    add_generation_prompt=True)
     pictures = [Image.open(io.BytesIO(base64.b64decode(
         part["image_url"]["url"].split(",", 1)[1]))).convert("RGB") for part in images]
-    ids = processor(text=[text], images=pictures)["input_ids"]
-    return [int(t) for t in ids.tolist()[0]]
+    out = processor(text=[text], images=pictures)
+    return [int(t) for t in out["input_ids"].tolist()[0]], np.array(out["pixel_values"])
 
 
 @pytest.mark.parametrize("order", ["image first", "image last", "two images"])
@@ -64,7 +67,10 @@ def test_prompt_ids_equal_the_vision_library_processors(
     messages = [{"role": "user", "content": content}]
     prepared = eng._runtime.preparer().prepare(ChatRequest.from_openai(messages, greedy(4)))
     images = [part for part in content if part["type"] == "image_url"]
-    assert prepared.prompt_ids == processor_prompt_ids(family_vlm_dir, messages, images)
+    ids, pixels = processed(family_vlm_dir, messages, images)
+    assert prepared.prompt_ids == ids
+    if len(images) == 1:  # the tower reads the processor's own pixel values
+        np.testing.assert_allclose(prepared.images[0].read_pixels(), pixels, atol=1e-5)
 
 
 # The tiny models' refusals (``testkit.vision_model``): Qwen-VL's processors read aspect

@@ -496,10 +496,10 @@ def _lfm2_vl(config: Mapping[str, Any], tokenizer: Any,
 
 
 FORMATS: dict[str, Callable[[Mapping[str, Any], Any, Mapping[str, Any]], VisionFormat]] = {
-    "gemma3": _gemma3, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl, "lfm2-vl": _lfm2_vl,
-    "lfm2_vl": _lfm2_vl}
+    "gemma3": _gemma3, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_vl,
+    "lfm2-vl": _lfm2_vl, "lfm2_vl": _lfm2_vl}
 # Families whose text model places image tokens on a grid of positions (M-RoPE).
-GRID_POSITIONS = frozenset({"qwen2_vl"})
+GRID_POSITIONS = frozenset({"qwen2_vl", "qwen2_5_vl"})
 SUPPORTED = tuple(FORMATS)
 
 
