@@ -400,3 +400,48 @@ def _held(eng: Any) -> dict[str, int]:
             "live_matchers": stats.live_matchers, "kv_bytes": stats.kv_bytes_projected,
             "vision_jobs": stats.vision_jobs, "adapters_in_use": stats.adapters_in_use}
     return held
+
+
+@dataclass
+class Served:
+    """An engine of the matrix (or the fuzz), the admissions it reports, and the rows it has
+    already run alone."""
+
+    engine: Any
+    admissions: Admissions
+    embedding_model: Path | None = None
+    alone_runs: dict[str, Outcome] = field(default_factory=dict)
+
+    def run(self, drafts: list[Draft]) -> list[Outcome]:
+        """``drafts`` submitted together (embedding requests beside them where asked)."""
+        embed = None
+        if self.embedding_model is not None:
+            model = self.embedding_model
+
+            def embed() -> None:
+                self.engine.embed(["sunny skies", "rain in Paris"], model).result(timeout=60)
+        return run_rows(self.engine, drafts, self.admissions, embed)
+
+    def alone(self, draft: Draft) -> Outcome:
+        """The row run by itself on this engine (once; remembered)."""
+        key = repr(draft)
+        if key not in self.alone_runs:
+            self.alone_runs[key] = self.run([draft])[0]
+        return self.alone_runs[key]
+
+
+def start_engine(model: Path, config: Mapping[str, Any], *, serial: str | None = None,
+                 embedding_model: Path | None = None) -> Served:
+    """An engine whose probe cancels rows in their prefill on demand; ``serial``: the
+    model type whose rows it sends to the serial lane."""
+    from engine import Engine, EngineConfig, StepProbe
+
+    admissions = Admissions()
+    eng = Engine(model, EngineConfig(**config), probe=StepProbe(on_turn=admissions))
+    if serial is not None:
+        with runs_serially(serial):
+            eng.start()
+        assert eng.stats().batch_mode == "serial"
+    else:
+        eng.start()
+    return Served(eng, admissions, embedding_model)

@@ -17,26 +17,23 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from engine import Engine, EngineConfig, StepProbe, UnsupportedCombinationError
+from engine import UnsupportedCombinationError
 from engine.compatibility import Feature, Status, pairs
 from testkit.crossings import (
     NEUTRAL,
-    Admissions,
     Assets,
-    Draft,
-    Outcome,
+    Served,
     build_matrix_vlm,
     draft_of,
     engine_config,
     engine_features,
-    run_rows,
-    runs_serially,
     settled,
+    start_engine,
 )
 from tests.conftest import _built, _cache_root, _vision_stack, wait_until
 
@@ -46,15 +43,6 @@ SHARDED = {Feature.SHARDED_TENSOR, Feature.SHARDED_PIPELINE}
 LOCAL_PAIRS = [(a, b, v) for a, b, v in pairs()
                if v.status is not Status.EXCLUSIVE and not ({a, b} & SHARDED)]
 SIBLINGS = ["Name a colour.", "Count to five."]
-
-
-@dataclass
-class Served:
-    """One engine of the matrix, with what it has already computed."""
-
-    engine: Engine
-    admissions: Admissions
-    alone: dict[str, tuple[Outcome, ...]]
 
 
 class Matrix:
@@ -74,17 +62,10 @@ class Matrix:
 
     def _start(self, features: frozenset[Feature], disk: Path | None = None) -> Served:
         self._made += 1
-        admissions = Admissions()
         config = engine_config(features, disk or self.tmp / f"disk-{self._made}")
-        eng = Engine(self.assets.model, EngineConfig(**config),
-                     probe=StepProbe(on_turn=admissions))
-        if Feature.SERIAL in features:
-            with runs_serially("qwen2_vl"):
-                eng.start()
-            assert eng.stats().batch_mode == "serial"
-        else:
-            eng.start()
-        return Served(eng, admissions, {})
+        return start_engine(self.assets.model, config,
+                            embedding_model=self.assets.embedding_model,
+                            serial="qwen2_vl" if Feature.SERIAL in features else None)
 
     def reopened(self, served: Served, features: frozenset[Feature]) -> Served:
         """The disk tier's engine closed and a new one started on its directory: what it
@@ -98,21 +79,6 @@ class Matrix:
     def close(self) -> None:
         for served in self._engines.values():
             served.engine.close()
-
-    def run(self, served: Served, drafts: list[Draft]) -> list[Outcome]:
-        embed = None
-        if self.assets.embedding_model is not None:
-            model = self.assets.embedding_model
-
-            def embed() -> None:
-                served.engine.embed(["sunny skies", "rain in Paris"], model).result(timeout=60)
-        return run_rows(served.engine, drafts, served.admissions, embed)
-
-    def alone(self, served: Served, draft: Draft) -> Outcome:
-        key = repr(draft)
-        if key not in served.alone:
-            served.alone[key] = tuple(self.run(served, [draft]))
-        return served.alone[key][0]
 
 
 @pytest.fixture(scope="module")
@@ -150,13 +116,13 @@ def check_served(matrix: Matrix, a: Feature, b: Feature) -> None:
     at = position(a, b)
     engines = engine_features(features)
     served = matrix.engine(engines)
-    alone = matrix.alone(served, whole)
-    siblings = [matrix.alone(served, p) for p in plain]
+    alone = served.alone(whole)
+    siblings = [served.alone(p) for p in plain]
     assert alone.finish != "error", alone.error
     if Feature.PREFIX_DISK in features:  # resumed from what the first engine wrote
         served = matrix.reopened(served, engines)
     before = served.engine.stats()
-    outcomes = matrix.run(served, [*plain[:at], draft, *plain[at:]])
+    outcomes = served.run([*plain[:at], draft, *plain[at:]])
     row = outcomes.pop(at)
     assert outcomes == siblings, "a plain row beside it changed"
     if draft.ends_early:
@@ -172,12 +138,35 @@ def check_served(matrix: Matrix, a: Feature, b: Feature) -> None:
     if neutral and not draft.ends_early:
         # The other feature alone, every speed-up off, gives the same tokens.
         others = features - neutral
-        reference = matrix.alone(matrix.engine(frozenset()), draft_of(others, matrix.assets))
+        reference = matrix.engine(frozenset()).alone(draft_of(others, matrix.assets))
         assert row.tokens == reference.tokens, "a feature that changes no token changed them"
+    engaged(features, before, served.engine.stats())
     left = settled(served.engine)
     if Feature.KEEP_ALIVE in features:  # unloaded once idle, loaded again for the batch
         wait_until(lambda: served.engine.stats().unloads > before.unloads)
     assert not any(left.values()), f"left behind: {left}"
+
+
+def engaged(features: frozenset[Feature], before: Any, after: Any) -> None:
+    """Each feature did its work in the batched run, where the pair lets it (a pair whose
+    verdict makes it inert is not asked to)."""
+    a, b = sorted(features, key=list(Feature).index)
+    verdict = next(v for x, y, v in LOCAL_PAIRS if (x, y) == (a, b))
+    active = features - {verdict.inert} - {Feature.CANCEL_PREFILL, Feature.TIMEOUT}
+    if Feature.PREFIX_MEMORY in active:  # the same prompts ran before: resumed
+        assert after.prefix_hits > before.prefix_hits
+    if Feature.PREFIX_DISK in active:  # read back from what the first engine wrote
+        assert after.prefix_disk_hits > before.prefix_disk_hits
+    if Feature.FAST_FORWARD in active and active & {Feature.TOOLS_REQUIRED,
+                                                    Feature.TOOLS_NAMED, Feature.SCHEMA}:
+        assert after.forced_tokens > before.forced_tokens
+    if Feature.IMAGES in active and not active & {Feature.PREFIX_MEMORY, Feature.PREFIX_DISK,
+                                                  Feature.KEEP_ALIVE}:
+        # Its features again, from the tower's LRU (a resumed prefix needs none; a reload
+        # starts the tower's counts again).
+        assert after.vision_feature_hits > before.vision_feature_hits
+    if Feature.ADAPTER in active:
+        assert after.adapters_loaded >= 1
 
 
 def check_refused(matrix: Matrix, a: Feature, b: Feature) -> None:
