@@ -163,7 +163,6 @@ for _sharded in SHARDED:
     for _reuse in (Feature.PREFIX_MEMORY, Feature.PREFIX_DISK):
         _inert(_reuse, _sharded, "prefix reuse is off on a sharded engine: the store's "
                                  "expiry and shrinking depend on each rank's clock and memory")
-    _inert(Feature.SPECULATION, _sharded, "not measured across ranks: speculation stays off")
 _EXCLUSIVE[frozenset(SHARDED)] = "an engine is sharded one way"
 for _a, _b in combinations(CONSTRAINTS, 2):
     _EXCLUSIVE[frozenset((_a, _b))] = "a request has one tool choice and one output format"

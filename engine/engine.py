@@ -27,8 +27,9 @@ from engine.core.streams import RequestHandle
 from engine.distributed.protocol import check_replicable
 from engine.embedding.request import EmbeddingHandle, EmbeddingRequest, Embeddings, check_texts
 from engine.models import config_context_limit
+from engine.requests.inbound.chat import ChatRequest
 from engine.requests.inbound.sampling import TokenCallback, check_callbacks
-from engine.requests.inbound.text_request import Request
+from engine.requests.inbound.text_request import Request, TextRequest
 from engine.requests.prepare import checked_request
 from engine.runtime.runtime import Runtime
 
@@ -99,13 +100,15 @@ class Engine:
         brings back ``EngineConfig.keep_alive``. Not on a sharded engine.
         """
         check_callbacks(on_token, timeout)
+        if isinstance(request, ChatRequest | TextRequest):
+            # Pairs the engine does not serve together are refused first, by one table
+            # (before an adapter's files are read for a pair that can never run).
+            check_combination(request, self.config.shard, keep_alive is not CONFIGURED)
         checked = checked_request(request)
         if keep_alive is CONFIGURED:
             seconds = self.config.keep_alive
         else:
             seconds = check_keep_alive(keep_alive)
-        # Pairs the engine does not serve together are refused here, by one table.
-        check_combination(checked, self.config.shard, keep_alive is not CONFIGURED)
         if self.config.shard is not None:
             check_replicable(checked.params)  # never reaches the other ranks
         return self._runtime.submit(checked, on_token, timeout, seconds)

@@ -84,6 +84,7 @@ class Draft:
     """A request being put together feature by feature, and what happens to it."""
 
     question: str = QUESTION
+    system: str = SYSTEM
     images: list[dict[str, Any]] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=lambda: {"max_tokens": 12,
                                                               "temperature": 0.0})
@@ -92,6 +93,7 @@ class Draft:
     template_kwargs: dict[str, Any] | None = None
     stream: bool = False
     cancel: str | None = None  # "prefill" or "decode": cancelled at that stage
+    cancel_after: int = 3  # "decode": cancelled once this many tokens came
     timeout: float | None = None
     embeddings: bool = False  # embedding requests run while it decodes
 
@@ -103,7 +105,8 @@ class Draft:
     def messages(self) -> list[dict[str, Any]]:
         text = f"{FILLER}\n{self.question}" if self.cancel == "prefill" else self.question
         content: Any = [*self.images, {"type": "text", "text": text}] if self.images else text
-        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]
+        return [{"role": "system", "content": self.system},
+                {"role": "user", "content": content}]
 
     def request(self) -> Any:
         from engine import ChatRequest, SamplingParams
@@ -114,7 +117,7 @@ class Draft:
 
     def to_the_end(self) -> Draft:
         """The same request, neither cancelled nor timed out (its reference)."""
-        return replace(self, cancel=None, timeout=None, embeddings=False)
+        return replace(self, cancel=None, cancel_after=3, timeout=None, embeddings=False)
 
 
 @dataclass(frozen=True)
@@ -241,10 +244,10 @@ NEUTRAL = frozenset({Feature.LOGPROBS, Feature.STREAM, Feature.EMBEDDINGS,
 
 
 def draft_of(features: Collection[Feature], assets: Assets, question: str = QUESTION,
-             ) -> Draft:
+             system: str = SYSTEM) -> Draft:
     """A request with the request features and events among ``features`` (engine modes
     are the engine's: ``engine_config``)."""
-    draft = Draft(question=question)
+    draft = Draft(question=question, system=system)
     for feature in sorted(features, key=lambda f: list(Feature).index(f)):
         apply = APPLY.get(feature)
         if apply is not None:
@@ -336,9 +339,10 @@ def run_rows(eng: Any, drafts: list[Draft], admissions: Admissions | None = None
     for i, draft in enumerate(drafts):
         on_token = None
         if draft.cancel == "decode":
-            def on_token(token: int, text: str, i: int = i) -> bool:
+            def on_token(token: int, text: str, i: int = i, after: int = draft.cancel_after,
+                         ) -> bool:
                 decoded[i].append(token)
-                if len(decoded[i]) == 3:
+                if len(decoded[i]) == after:
                     handles[i].cancel()
                 return True
         if draft.cancel == "prefill":

@@ -66,6 +66,8 @@ class BatchLane:
     ``planner``: the prefill policy (its group size and chunk size the generator's too).
     ``direct_join``: rows back from a span or speculation join the decoding batch directly
     where this mlx-lm allows it (``rejoin``); False sends them through a prompt segment.
+    ``measured_costs``: False where every rank of a sharded engine runs this lane: spans and
+    checks are then decided by fixed thresholds, alike on every rank (``SpanCosts``).
     """
 
     def __init__(self, model: Any, stream: Any, compiler: GrammarCompiler,
@@ -73,7 +75,7 @@ class BatchLane:
                  planner: PrefillPlanner[BatchRow], *, max_batch: int,
                  max_kv_size: int | None, fast_forward: bool = True, speculation: int = 0,
                  direct_join: bool = True, vision: VisionPrefill | None = None,
-                 vision_share: float = 0.08) -> None:
+                 vision_share: float = 0.08, measured_costs: bool = True) -> None:
         self._model = model
         self._stream = stream
         self._compiler = compiler
@@ -103,7 +105,7 @@ class BatchLane:
         self.trims = trims_exactly(layers)
         words = compiler.words
         # Steps, spans and checks as measured here: what fast-forward and speculation decide by.
-        self.costs = SpanCosts()
+        self.costs = SpanCosts(measured_costs)
         self.forced_spans: ForcedSpanRunner | None = (
             ForcedSpanRunner(model, stream, self, words, self.costs) if self.fast_forward
             else None)

@@ -312,7 +312,8 @@ def build_lanes(loaded: LoadedModel, config: EngineConfig, compiler: GrammarComp
     batch = BatchLane(loaded.model, loaded.stream, compiler, samplers, reuse, planner,
                       max_batch=config.max_batch, max_kv_size=config.max_kv_size,
                       fast_forward=config.fast_forward, speculation=config.speculation,
-                      vision=vision, vision_share=config.vision_step_share)
+                      vision=vision, vision_share=config.vision_step_share,
+                      measured_costs=loaded.group is None)
     serial = SerialLane(loaded.model, loaded.stream, compiler, samplers, config.max_kv_size,
                         config.prefill_chunk, fast_forward=config.fast_forward, vision=vision)
     lanes = Lanes(batch, serial, store, disk_dir=config.prefix_cache_dir,

@@ -17,6 +17,9 @@ directions (a forced call 1.33x faster at 1 row, 0.92x at 8 rows on the CPU), so
 Speculation's checks are timed here too (``checked``): a check feeds a row its pending token
 and a draft in one forward outside the batch, and pays when the tokens it brings beat what
 the row would have decoded in the batch in that time (``check_floor``).
+
+A sharded engine's ranks each run the lane and must decide alike, but each times its own
+steps: there (``measured=False``) the shipped thresholds decide for good.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ class _Line:
 class SpanCosts:
     """Measured step and span costs, and the decision they give (``shortest``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, measured: bool = True) -> None:
+        self.measured = measured  # False: the shipped thresholds decide (ranks must agree)
         self._steps: dict[int, _Mean] = {}  # by width: seconds a plain decode step
         self._spans = _Line()  # forced tokens fed -> seconds added to the step
         self._check = _Mean()  # seconds a speculation check (one row, draft and all)
@@ -117,7 +121,7 @@ class SpanCosts:
         if not spans:
             return 2
         step = self._steps.get(width)
-        if self._spans.seen < WARM_SPANS or step is None:
+        if not self.measured or self._spans.seen < WARM_SPANS or step is None:
             return min_span(rows)
         return 2 if self._pays(spans, width, step.value) else max(spans) + 1
 
@@ -160,7 +164,7 @@ class SpanCosts:
         ``decoding + 1``. It pays when its tokens per second are the higher."""
         with_row = self._steps.get(decoding + 1)
         without = self._steps.get(decoding) if decoding else _Mean(0.0, 1.0)
-        if (self._checks < WARM_CHECKS or with_row is None or without is None
+        if (not self.measured or self._checks < WARM_CHECKS or with_row is None or without is None
                 or with_row.weight < 1 or without.weight < 1 or with_row.value <= 0):
             return None
         rows = decoding + 1
@@ -169,6 +173,8 @@ class SpanCosts:
     def check_summary(self) -> str:
         """Speculation's measured figures, for ``stats().speedups``."""
         floor = self.check_floor(0)
+        if not self.measured:
+            return "checks taken at the fixed acceptance floor (sharded: the ranks decide alike)"
         if floor is None:
             return (f"checks taken at the fixed acceptance floor until their cost is measured "
                     f"({min(self._checks, WARM_CHECKS)} of {WARM_CHECKS} checks so far)")
@@ -178,6 +184,9 @@ class SpanCosts:
 
     def summary(self) -> str:
         """The costs as measured, for ``stats().speedups``."""
+        if not self.measured:
+            return (f"spans taken at >= {min_span(1)} forced tokens alone, >= {min_span(2)} "
+                    "in a batch (sharded: the ranks decide alike)")
         if self._spans.seen < WARM_SPANS:
             return (f"spans taken at >= {min_span(1)} forced tokens alone, >= {min_span(2)} "
                     f"in a batch until their cost is measured ({self._spans.seen} of "

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.conftest import _built, _cache_root, request_for
+from tests.conftest import request_for
 from tests.distributed.rank_main import PROMPTS
 
 pytestmark = pytest.mark.distributed
@@ -31,13 +31,6 @@ pytestmark = pytest.mark.distributed
 RANK_MAIN = Path(__file__).with_name("rank_main.py")
 ROOT = Path(__file__).resolve().parents[2]
 HARD_TIMEOUT = 120.0
-
-
-@pytest.fixture(scope="session")
-def shardable_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny qwen2 with 4 heads, 2 KV heads and 4 layers: splits over two ranks."""
-    return _built(_cache_root(tmp_path_factory) / "tiny-qwen2-shardable-v1",
-                  heads=4, kv_heads=2, layers=4)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -85,15 +78,17 @@ def _launch_ranks(tmp_path: Path, argv: list[str], logs: list[Path],
 def run_ranks(tmp_path: Path, model: Path, shard: str, scenario: str, *,
               distributed_timeout: float = 60.0,
               signal_follower: int | None = None,
-              signal_leader: int | None = None) -> RankRun:
-    """Both ranks to the end (or killed at HARD_TIMEOUT); ``signal_follower`` is sent to
-    rank 1 (``signal_leader`` to rank 0) once rank 0 prints DECODING."""
+              signal_leader: int | None = None, script: Path = RANK_MAIN,
+              hard_timeout: float = HARD_TIMEOUT) -> RankRun:
+    """Both ranks of ``script`` to the end (or killed at ``hard_timeout``);
+    ``signal_follower`` is sent to rank 1 (``signal_leader`` to rank 0) once rank 0 prints
+    DECODING."""
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = _launch_ranks(tmp_path, [str(RANK_MAIN), str(model), shard, scenario,
+    procs = _launch_ranks(tmp_path, [str(script), str(model), shard, scenario,
                                      str(distributed_timeout)], logs, env)
     follower, leader = procs
-    deadline = time.monotonic() + HARD_TIMEOUT
+    deadline = time.monotonic() + hard_timeout
     killed_at = follower_seconds = 0.0
     try:
         if signal_follower is not None or signal_leader is not None:

@@ -36,6 +36,24 @@ def test_before_anything_is_measured_the_shipped_thresholds_decide() -> None:
     assert "until their cost is measured" in costs.summary()
 
 
+def test_unmeasured_costs_keep_the_shipped_thresholds_however_much_is_timed() -> None:
+    """A sharded engine's ranks time their own steps: decisions made from the timings
+    could differ between ranks and split their collectives, so there the thresholds
+    decide for good."""
+    timed = measured({1: 5 * MS, 8: 6 * MS}, span_fixed=2 * MS, per_token=0.1 * MS)
+    fixed = SpanCosts(measured=False)
+    for width, seconds in ((1, 5 * MS), (8, 6 * MS)):
+        for _ in range(10):
+            fixed.stepped(width, seconds)
+    for fed in (8, 16, 24, 40):
+        fixed.spanned(1, fed, 5 * MS + 2 * MS + 0.1 * MS * fed)
+        fixed.checked(3 * MS)
+    assert timed.shortest([10] * 8, 8, 8) == 2  # measured: taken
+    assert fixed.shortest([10] * 8, 8, 8) == min_span(8)  # thresholds: alike on every rank
+    assert fixed.shortest([3], 1, 1) == min_span(1)
+    assert fixed.check_floor(0) is None and "ranks decide alike" in fixed.summary()
+
+
 def test_a_gpu_like_device_takes_spans_only_where_the_batch_skips_steps() -> None:
     # Tokens are cheap in a forward, a step is mostly fixed cost: rows beside a decoding
     # batch save little, a batch whose every row spans skips whole steps.
