@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from engine import ChatRequest, Engine, TextRequest
+from engine import ChatRequest, Engine, TextRequest, TokenLogprob, openai_logprobs, token_texts
 from testkit.families import Family
 from testkit.families.references import match_rate
 from testkit.families.transcripts import QUESTION, WEATHER_TOOL, tool_call_message
@@ -148,3 +148,18 @@ def test_the_streamed_text_is_the_decode_of_the_reply(family: Family,
     result = handle.result(timeout=60)
     assert list(result.token_ids) == ids
     assert streamed == result.text == tokenizer.decode(ids)
+
+
+def test_logprob_bytes_are_each_tokens_own_and_add_up_to_the_text(
+        family: Family, family_engine: Engine) -> None:
+    # A rare character and an emoji split over byte tokens ("<0xF0>"... in sentencepiece,
+    # pieces of byte-level BPE's alphabet): each token's entry has its own bytes.
+    tokenizer = family_engine.tokenizer
+    text = "x 𠮷 🎉 日本"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    entries = openai_logprobs([TokenLogprob(i, -1.0) for i in ids], token_texts(tokenizer))
+    assert entries is not None
+    whole = b"".join(bytes(entry["bytes"]) for entry in entries["content"]).decode("utf-8")
+    # Sentencepiece starts the first word with its "▁", a space (its decoder may strip it).
+    first = tokenizer.convert_ids_to_tokens(ids[0])
+    assert whole == (" " if first.startswith("\u2581") else "") + text

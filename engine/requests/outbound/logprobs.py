@@ -10,8 +10,10 @@ completions, ``ChatOpenAI``'s ``response_metadata["logprobs"]`` and LlamaIndex's
                  ...],
      "refusal": None}
 
-``token`` is the token decoded on its own and ``bytes`` that text's UTF-8 bytes (a token
-holding part of a multi-byte character decodes to U+FFFD, as the tokenizer writes it).
+``token`` is the token decoded on its own (a token holding part of a multi-byte character
+decodes to U+FFFD, as the tokenizer writes it) and ``bytes`` the token's own bytes, from
+its vocabulary (``token_bytes``), so the bytes of consecutive tokens add up to the UTF-8 of
+their text; where the vocabulary is not read, the UTF-8 of the token's text.
 Pure: the caller passes how a token id becomes text (``token_texts`` of its tokenizer).
 """
 
@@ -22,17 +24,33 @@ from functools import lru_cache
 from typing import Any
 
 from engine.requests.outbound.results import TokenLogprob
+from engine.requests.outbound.token_bytes import token_bytes
 
 TokenText = Callable[[int], str]  # token id -> its text
 
 
+class DecodedToken(str):
+    """A token's text that also carries the token's own bytes (``raw``): a plain ``str``
+    to whoever reads it as text, so it passes through the faces' ``TokenText`` wrappers."""
+
+    raw: bytes | None
+
+    def __new__(cls, text: str, raw: bytes | None) -> DecodedToken:
+        """``text`` as decoded alone; ``raw`` None where the vocabulary was not read."""
+        token = super().__new__(cls, text)
+        token.raw = raw
+        return token
+
+
 def token_texts(tokenizer: Any) -> TokenText:
-    """A token's text with ``tokenizer``, remembered per id: a response lists each token
-    with up to 20 alternatives, and the same ids come back again and again."""
+    """A token's text with ``tokenizer`` (with its bytes: ``DecodedToken``), remembered
+    per id: a response lists each token with up to 20 alternatives, and the same ids come
+    back again and again."""
+    own_bytes = token_bytes(tokenizer)
 
     @lru_cache(maxsize=65536)
     def text(token_id: int) -> str:
-        return str(tokenizer.decode([token_id]))
+        return DecodedToken(str(tokenizer.decode([token_id])), own_bytes(token_id))
 
     return text
 
@@ -40,7 +58,10 @@ def token_texts(tokenizer: Any) -> TokenText:
 def openai_token(token_id: int, logprob: float, token_text: TokenText) -> dict[str, Any]:
     """One ``{"token", "logprob", "bytes"}`` entry."""
     text = token_text(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    raw = getattr(text, "raw", None)
+    # str(): a plain string for the JSON encoders, whatever subclass carried the bytes.
+    return {"token": str(text), "logprob": logprob,
+            "bytes": list(raw if raw is not None else text.encode())}
 
 
 def openai_logprobs(logprobs: Sequence[TokenLogprob] | None,
