@@ -1,5 +1,6 @@
 """LangChain's inputs as the engine's request values (pure, no model): messages -> the
-engine's ``Message`` values through its one rulebook (``engine.messages_from_openai``),
+engine's ``Message`` values through its one rulebook (``engine.messages_from_openai``, which
+decodes their images: ``carries_images`` says when that is worth a worker thread),
 LangChain tools and tool choices -> ``ToolSpec`` values and a resolved choice, response
 formats -> constraints.
 """
@@ -87,6 +88,23 @@ def past_reasoning(message: AIMessage) -> str:
     blocks = message.content if isinstance(message.content, list) else []
     return "".join(str(b.get("reasoning", "")) for b in blocks
                    if isinstance(b, Mapping) and b.get("type") == "reasoning")
+
+
+# Content part types that carry an image: OpenAI's, the Responses API's, LangChain's own.
+_IMAGE_PARTS = frozenset({"image", "image_url", "input_image"})
+
+
+def carries_images(messages: Sequence[BaseMessage | Mapping[str, Any]]) -> bool:
+    """Whether a message's content holds an image part: converting it decodes the image,
+    work the async paths hand to a worker thread."""
+    for message in messages:
+        content = (message.get("content") if isinstance(message, Mapping)
+                   else message.content)
+        if isinstance(content, list) and any(
+                isinstance(part, Mapping) and part.get("type") in _IMAGE_PARTS
+                for part in content):
+            return True
+    return False
 
 
 def chat_messages(messages: Sequence[BaseMessage]) -> tuple[Message, ...]:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
+import anyio
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -65,6 +67,7 @@ from mlx_providers._llama_index_agents import transcript_answer
 from mlx_providers._llama_index_messages import (
     StreamChunks,
     TokenLogProbs,
+    carries_images,
     chat_response,
     check_structured_chunk,
     completion_response,
@@ -286,6 +289,14 @@ class MLXBatchLLM(FunctionCallingLLM):
         """A request for chat messages (rendered by the model's chat template)."""
         return self._request(to_engine_messages(messages), kwargs)
 
+    async def _achat_request(self, messages: Sequence[ChatMessage],
+                             kwargs: Mapping[str, Any]) -> _Request:
+        """``_chat_request`` for the async paths: a history with images is converted on a
+        worker thread, where they are read and decoded, so the event loop never stalls."""
+        if not carries_images(messages):
+            return self._chat_request(messages, kwargs)
+        return await anyio.to_thread.run_sync(partial(self._chat_request, messages, kwargs))
+
     def _completion_request(self, prompt: str, formatted: bool,
                             kwargs: Mapping[str, Any]) -> _Request:
         """A raw-text request; ``formatted=False`` applies ``completion_to_prompt`` first."""
@@ -337,7 +348,7 @@ class MLXBatchLLM(FunctionCallingLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Await one assistant turn; cancelling the awaiting task evicts the row."""
-        request = self._chat_request(messages, kwargs)
+        request = await self._achat_request(messages, kwargs)
         completion = request.checked(await self._submit(request).aresult())
         return chat_response(completion, self.model_name, logprobs=request.logprobs(completion))
 
@@ -354,7 +365,7 @@ class MLXBatchLLM(FunctionCallingLLM):
     async def astream_chat(self, messages: Sequence[ChatMessage],
                            **kwargs: Any) -> ChatResponseAsyncGen:
         """An async generator of chunks; the request starts at its first iteration."""
-        request = self._chat_request(messages, kwargs)
+        request = await self._achat_request(messages, kwargs)
         chunks = StreamChunks(self.model_name, request.checked, request.openai_logprobs)
         return _achunks(lambda: self._submit(request), chunks.chat)
 

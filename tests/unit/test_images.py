@@ -114,3 +114,17 @@ def test_bytes_seen_again_are_not_decoded_until_their_pixels_are_read() -> None:
     assert again._pixels is None  # a hash of the bytes, no decode
     assert (again.digest, again.size, again.at) == (first.digest, first.size, "b")
     assert (again.pixels == first.pixels).all()  # decoded on demand, the same pixels
+
+
+def test_large_base64_is_decoded_in_pieces_as_strictly_as_whole() -> None:
+    from engine.requests.inbound import images
+
+    data = bytes(range(256)) * 20_000  # 5 MB: several pieces
+    text = b64(data)
+    assert len(text) > 3 * images._B64_PIECE
+    assert images._b64decoded(text) == data
+    inside = text[:images._B64_PIECE - 4] + "AA==" + text[images._B64_PIECE:]
+    with pytest.raises(ValueError, match="padding"):  # binascii.Error is a ValueError
+        images._b64decoded(inside)
+    with pytest.raises(ValueError):
+        images._b64decoded(text[:-1])  # a cut final quantum
