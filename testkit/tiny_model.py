@@ -56,7 +56,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _corpus(limit_bytes: int = 2_000_000) -> list[str]:
+def corpus(limit_bytes: int = 2_000_000) -> list[str]:
     stdlib = os.path.dirname(os.__file__)
     files, total = [], 0
     for path in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
@@ -80,7 +80,7 @@ def train_tokenizer(vocab_size: int) -> object:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train(_corpus(), trainer)
+    tokenizer.train(corpus(), trainer)
     tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return tokenizer

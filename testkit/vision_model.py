@@ -127,7 +127,7 @@ def _paragraph_tokenizer(vocab_size: int) -> Any:
     vocabularies (where an image block's blank lines merge with the text's newlines)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from testkit.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, _corpus
+    from testkit.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, corpus
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -135,7 +135,7 @@ def _paragraph_tokenizer(vocab_size: int) -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    texts = [Path(path).read_text(encoding="utf-8", errors="replace") for path in _corpus()]
+    texts = [Path(path).read_text(encoding="utf-8", errors="replace") for path in corpus()]
     tokenizer.train_from_iterator(texts, trainer)
     tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])

@@ -62,7 +62,9 @@ class Preparer:
         self.prompts = PromptRenderer(tokenizer, model_path, vocab_size,
                                       self.dialect.tool_formats, vision, no_vision)
         self.compiler = GrammarCompiler(tokenizer._tokenizer, vocab_size,
-                                        string_ngram=json_string_ngram)
+                                        string_ngram=json_string_ngram,
+                                        call_markers=self.dialect.structural_markers,
+                                        call_opener=self.dialect.call_opener)
         self.turn_grammar = TurnGrammar(self.dialect, self.compiler.lark_text)
 
     def prepare(self, request: Request) -> PreparedRequest:

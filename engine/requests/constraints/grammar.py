@@ -19,6 +19,7 @@ import numpy as np
 from engine.errors import InvalidConstraintError
 from engine.requests.constraints.choice_arrays import bound_choice_arrays
 from engine.requests.constraints.schemas import strict_schema
+from engine.requests.constraints.string_markers import MarkerIndex, StringMarkers
 from engine.requests.constraints.string_repeats import (
     DEFAULT_NGRAM,
     StringRepeats,
@@ -75,11 +76,17 @@ class GrammarCompiler:
     """Builds matchers for one tokenizer; caches compiled grammars by constraint."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, cache_size: int = 64,
-                 string_ngram: int = DEFAULT_NGRAM) -> None:
+                 string_ngram: int = DEFAULT_NGRAM, call_markers: Sequence[str] = (),
+                 call_opener: str = "") -> None:
         """``string_ngram``: inside JSON strings, refuse a token that repeats an n-gram of
-        this many tokens already in the string (``StringRepeats``); 0 turns it off."""
+        this many tokens already in the string (``StringRepeats``); 0 turns it off.
+        ``call_markers``: the dialect's structural markers, refused inside the strings of a
+        call's JSON, which follows ``call_opener`` (``StringMarkers``)."""
         self._hf_tokenizer = hf_tokenizer
         self.string_ngram = string_ngram
+        self.call_markers = tuple(call_markers)
+        self.call_opener = call_opener
+        self._marker_index: MarkerIndex | None = None
         self._token_bytes: list[bytes] | None = None
         self.vocab_size = vocab_size
         self._tokenizer: Any = None
@@ -153,9 +160,23 @@ class GrammarCompiler:
     def row(self, constraint: Constraint) -> RowGrammar:
         """A fresh matcher for one row; close() it when the row ends, however it ends."""
         matcher = self.compile(constraint).deep_copy()
+        json = writes_json(constraint)
         repeats = (StringRepeats(self.token_bytes(), self.string_ngram)
-                   if self.string_ngram and writes_json(constraint) else None)
-        return RowGrammar(self, matcher, repeats, describe(constraint))
+                   if self.string_ngram and json else None)
+        markers = None
+        if self.call_markers and json:
+            # A schema's answer is JSON from its first byte; a grammar's calls follow the
+            # dialect's opener (reasoning and prose before them are never read as JSON).
+            opener = b"" if isinstance(constraint, JsonSchema | JsonObject) else (
+                self.call_opener.encode())
+            markers = StringMarkers(self.token_bytes(), self.marker_index(), opener)
+        return RowGrammar(self, matcher, repeats, describe(constraint), markers)
+
+    def marker_index(self) -> MarkerIndex:
+        """The tokens that write a structural marker inside a string (built once)."""
+        if self._marker_index is None:
+            self._marker_index = MarkerIndex.of(self.token_bytes(), self.call_markers)
+        return self._marker_index
 
     def token_bytes(self) -> list[bytes]:
         """Every token id's bytes (built once per tokenizer, ~0.1 s)."""
@@ -172,17 +193,20 @@ class GrammarMark:
 
     consumed: int
     repeats: StringRepeats | None
+    markers: StringMarkers | None = None
 
 
 class RowGrammar:
     """One row's matcher: consume sampled tokens, fill the next-token mask."""
 
     def __init__(self, compiler: GrammarCompiler, matcher: Any,
-                 repeats: StringRepeats | None = None, name: str = "constraint") -> None:
+                 repeats: StringRepeats | None = None, name: str = "constraint",
+                 markers: StringMarkers | None = None) -> None:
         self._compiler = compiler
         self._matcher: Any = matcher
         self.name = name  # what the row's errors call its constraint
         self.repeats = repeats  # refuses loops inside JSON strings, None for other grammars
+        self.markers = markers  # refuses call markers inside a call's strings
         self.started = False  # the first sampler call sees the prompt's last token
         self._consumed = 0  # tokens consumed so far (what ``rollback`` counts back to)
         compiler.live_matchers += 1
@@ -195,6 +219,8 @@ class RowGrammar:
         self._consumed += 1
         if self.repeats is not None:
             self.repeats.advance(token)
+        if self.markers is not None:
+            self.markers.advance(token)
 
     def validate(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar accepts from here (none consumed)."""
@@ -204,7 +230,8 @@ class RowGrammar:
         """The matcher's position now, to roll back to (speculation consumes a draft to
         fill each position's mask, then keeps only what the model accepted)."""
         return GrammarMark(self._consumed,
-                           self.repeats.copy() if self.repeats is not None else None)
+                           self.repeats.copy() if self.repeats is not None else None,
+                           self.markers.copy() if self.markers is not None else None)
 
     def rollback(self, mark: GrammarMark) -> None:
         """Undo every token consumed since ``mark``."""
@@ -214,6 +241,7 @@ class RowGrammar:
                                          f"{self._matcher.get_error()}")
         self._consumed = mark.consumed
         self.repeats = mark.repeats
+        self.markers = mark.markers
 
     def forced(self, limit: int) -> list[int]:
         """The tokens the grammar alone decides next (at most ``limit``), not consumed.
@@ -244,6 +272,10 @@ class RowGrammar:
                 f"{self._matcher.get_error() or 'no token is allowed'}")
         if self.repeats is not None:
             refused = self.repeats.refused()
+            if refused:
+                refuse_in_bitmask(bitmask[row:row + 1], refused)
+        if self.markers is not None:
+            refused = self.markers.refused()
             if refused:
                 refuse_in_bitmask(bitmask[row:row + 1], refused)
 

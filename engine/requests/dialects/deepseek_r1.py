@@ -65,6 +65,14 @@ class DeepSeekR1(Dialect):
     def markers(self) -> dict[str, tuple[str, str]]:
         return {**self.facts.markers, TOOL: (CALLS_BEGIN, CALLS_END)}
 
+    @property
+    def call_opener(self) -> str:
+        return CALL_BEGIN  # each call of a block opens with it
+
+    @property
+    def structural_markers(self) -> tuple[str, ...]:
+        return (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
+
     def splitter(self, start: str = CONTENT, tools: Sequence[ToolSpec] = ()) -> Splitter:
         return MarkedCallSplitter(SYNTAX, self.markers.get(REASONING), start)
 

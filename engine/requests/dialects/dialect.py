@@ -169,6 +169,18 @@ class Dialect:
         return tagged_json_calls(tools, choice, parallel, literal(start), literal(end))
 
     @property
+    def call_opener(self) -> str:
+        """The text before each call's JSON (empty where a call is bare JSON)."""
+        return self.markers.get(TOOL, ("", ""))[0]
+
+    @property
+    def structural_markers(self) -> tuple[str, ...]:
+        """Text that must never be written inside a call's argument strings: what opens
+        and closes a call (``string_markers`` refuses it there, so a model that starts one
+        is steered to close the string instead)."""
+        return tuple(marker for marker in self.markers.get(TOOL, ()) if marker)
+
+    @property
     def reasoning_close(self) -> str | None:
         """Text that ends the reasoning block, when the family has one."""
         pair = self.markers.get(REASONING)

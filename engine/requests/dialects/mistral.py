@@ -57,6 +57,10 @@ class Mistral(Dialect):
         return TOOL_CALLS in facts.vocab and ARGS in facts.vocab
 
     @property
+    def structural_markers(self) -> tuple[str, ...]:
+        return (TOOL_CALLS, ARGS, CALL_ID)
+
+    @property
     def markers(self) -> dict[str, tuple[str, str]]:
         markers = {TOOL: (TOOL_CALLS, "")}
         if self.reasons:
