@@ -1,11 +1,15 @@
 """Many LoRA adapters in one batch against base rows, and against one engine per adapter.
 
-On the default model (SmolLM2-135M-Instruct, as the engine loads it here), with rank-8
-adapters on every layer's q and v projections made by hand (``testkit.adapters``). Sixteen
-rows decode ``--tokens`` tokens each, in one batch:
+On the default model (SmolLM2-135M-Instruct, as the engine loads it here), with adapters
+made by hand (``testkit.adapters``): rank 8 on every layer's q and v projections, unless a
+case says otherwise. Sixteen rows decode ``--tokens`` tokens each, in one batch:
 
 - all on the base model (the baseline), with adapters loaded but unused too;
 - all with one adapter, with 4 distinct adapters (4 rows each), with 16 (1 each);
+- 8 base rows beside 8 rows of one adapter;
+- 4 adapters of mixed ranks (two rank 8, two rank 64), 4 rows each;
+- adapters in mlx-lm's default shape (``mlx_lm.lora``: rank 8, scale 20, every linear of
+  the last 16 blocks): one adapter on 16 rows, and 4 adapters x 4 rows;
 - and the way an MLX user serves adapters today: one engine per fused adapter (mlx-lm's
   ``fuse``), each running its rows, one after another (load time reported apart).
 
@@ -33,13 +37,22 @@ from testkit.adapters import make_adapter
 ROWS = 16
 
 
-def adapters_for(model: Path, count: int) -> list[str]:
+# mlx-lm's default LoRA shape (``mlx_lm.lora``'s defaults): every linear of a block.
+EVERY_LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def adapters_for(model: Path, count: int, *, rank: int = 8, scale: float = 2.0,
+                 keys: tuple[str, ...] = ("self_attn.q_proj", "self_attn.v_proj"),
+                 layers: int | None = None, tag: str = "r8") -> list[str]:
+    """``count`` adapters of one shape, made once and kept in the user cache."""
     root = Path.home() / ".cache" / "mlx-providers" / "bench" / f"adapters-{model.name}"
     paths = []
     for k in range(count):
-        out = root / f"r8-{k}"
+        out = root / f"{tag}-{k}"
         if not (out / "adapters.safetensors").exists():
-            make_adapter(out, model, seed=100 + k, rank=8, scale=2.0)
+            make_adapter(out, model, seed=100 + k, rank=rank, scale=scale, keys=keys,
+                         layers=layers)
         paths.append(str(out))
     return paths
 
@@ -73,9 +86,9 @@ def run_rows(eng: Engine, prompts: list[list[int]], adapters: list[str | None],
              tokens: int) -> float:
     """Seconds for every row to finish, all submitted at once."""
     started = time.perf_counter()
-    handles = [eng.submit(TextRequest(p, SamplingParams(max_tokens=tokens, temperature=0.0,
-                                                        ignore_eos=True, adapter=a)))
-               for p, a in zip(prompts, adapters)]
+    handles = [eng.submit(TextRequest(tuple(p), SamplingParams(
+        max_tokens=tokens, temperature=0.0, ignore_eos=True, adapter=a)))
+        for p, a in zip(prompts, adapters)]
     for handle in handles:
         handle.result(timeout=600)
     return time.perf_counter() - started
@@ -89,25 +102,36 @@ def main() -> int:
     eng = Engine(None, EngineConfig(max_batch=ROWS, speculation=0)).start()
     model = eng.model_path
     adapters = adapters_for(model, ROWS)
+    mixed = adapters[:2] + adapters_for(model, 2, rank=64, tag="r64")
+    default_shape = adapters_for(model, 4, scale=20.0, keys=EVERY_LINEAR, layers=16,
+                                 tag="mlx-lm-default")
     tokenizer = eng.tokenizer
     prompts = [tokenizer.encode(f"Write a short note about topic {k}: rivers, salt and "
                                 f"clocks, number {k}.") for k in range(ROWS)]
     total = ROWS * args.tokens
-    cases = {
+    cases: dict[str, list[str | None]] = {
         "16 base rows": [None] * ROWS,
         "1 adapter x 16 rows": [adapters[0]] * ROWS,
+        "8 base rows + 1 adapter x 8 rows": [None, adapters[0]] * (ROWS // 2),
         "4 adapters x 4 rows": [adapters[k % 4] for k in range(ROWS)],
-        "16 adapters x 1 row": adapters[:ROWS],
+        "16 adapters x 1 row": list(adapters[:ROWS]),
+        "4 adapters, ranks 8 and 64, x 4 rows": [mixed[k % 4] for k in range(ROWS)],
+        "1 mlx-lm default-shape adapter x 16 rows": [default_shape[0]] * ROWS,
+        "4 mlx-lm default-shape adapters x 4 rows": [default_shape[k % 4]
+                                                     for k in range(ROWS)],
     }
-    run_rows(eng, prompts[:4], [None, *adapters[:3]], 4)  # warm-up: shapes, loads
+    run_rows(eng, prompts, [None] * ROWS, 4)  # warm-up: shapes
     for path in adapters:  # every adapter loaded once before timing
         run_rows(eng, prompts[:1], [path], 1)
+    stats = eng.stats()  # the 16 rank-8 adapters alone
+    weights, adapter_bytes = stats.weights_bytes, stats.adapters_bytes
+    for path in mixed[2:] + default_shape:
+        run_rows(eng, prompts[:1], [path], 1)
+    held, held_bytes = eng.stats().adapters_loaded, eng.stats().adapters_bytes
     seconds: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.repeats):
         for name, chosen in cases.items():
             seconds[name].append(run_rows(eng, prompts, chosen, args.tokens))
-    stats = eng.stats()
-    weights, adapter_bytes = stats.weights_bytes, stats.adapters_bytes
     eng.close()
     # One engine per fused adapter, one after another: 4 adapters, their 4 rows each.
     per_engine: list[float] = []
@@ -146,6 +170,8 @@ def main() -> int:
           f"{adapter_bytes / 2**20:.1f} MiB = {(weights + adapter_bytes) / 2**20:.1f} MiB; "
           f"a fused copy per adapter: {ROWS} x {weights / 2**20:.1f} = "
           f"{ROWS * weights / 2**20:.1f} MiB")
+    print(f"adapters held while timing: {held}, {held_bytes / 2**20:.1f} MiB "
+          "(16 rank-8 on q and v, 2 rank-64 on q and v, 4 in mlx-lm's default shape)")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Tiny LoRA adapters in mlx-lm's format, made by hand in a second, and mlx-lm's own greedy
 tokens with an adapter (as ``load(..., adapter_path=...)`` applies it, or fused): the
-reference a row with that adapter must equal."""
+reference a row with that adapter must equal. ``fused_checkpoint`` fuses one into a copy of
+a checkpoint, for references (mlx-vlm's) that cannot load adapters."""
 
 from __future__ import annotations
 
@@ -36,12 +37,53 @@ def make_adapter(out: Path, model_dir: Path, *, seed: int, rank: int = 8,
             out_dims, in_dims = linear_dims(modules[path])
             weights[f"{path}.lora_a"] = mx.random.normal((in_dims, rank)) * in_dims ** -0.5
             weights[f"{path}.lora_b"] = mx.random.normal((rank, out_dims)) * rank ** -0.5
+    return write_adapter(out, weights, rank=rank, scale=scale, keys=keys,
+                         num_layers=len(chosen))
+
+
+def write_adapter(out: Path, weights: dict[str, Any], *, rank: int, scale: float = 10.0,
+                  keys: Sequence[str] = (), num_layers: int = 0) -> Path:
+    """Write ``weights`` (``<module path>.lora_a`` and ``.lora_b``) as an adapter directory
+    whose config says ``rank`` (what mlx-lm builds its layers at)."""
+    import mlx.core as mx
+
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "adapters.safetensors"), weights)
     (out / "adapter_config.json").write_text(json.dumps({
-        "fine_tune_type": "lora", "num_layers": len(chosen),
+        "fine_tune_type": "lora", "num_layers": num_layers,
         "lora_parameters": {"rank": rank, "scale": scale, "dropout": 0.0,
                             "keys": list(keys)}}, indent=2))
+    return out
+
+
+def fused_checkpoint(model_dir: Path, adapter_dir: Path, out: Path) -> Path:
+    """A copy of the (unquantized) checkpoint at ``model_dir`` with the adapter fused into
+    its weights as mlx-lm's ``LoRALinear.fuse`` does (``W + (scale * B.T) @ A.T``): the
+    reference for a library that cannot load the adapter itself (mlx-vlm)."""
+    import shutil
+
+    import mlx.core as mx
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    scale = float(config["lora_parameters"]["scale"])
+    lora = mx.load(str(adapter_dir / "adapters.safetensors"))
+    assert isinstance(lora, dict)
+    pending = {k[: -len(".lora_a")] for k in lora if k.endswith(".lora_a")}
+    out.mkdir(parents=True, exist_ok=True)
+    for item in model_dir.iterdir():
+        if item.suffix != ".safetensors":
+            shutil.copy(item, out / item.name)
+            continue
+        weights = mx.load(str(item))
+        assert isinstance(weights, dict)
+        for path in sorted(pending & {k[: -len(".weight")] for k in weights}):
+            assert f"{path}.scales" not in weights, "a quantized layer: fuse it yourself"
+            weight = weights[f"{path}.weight"]
+            delta = (scale * lora[f"{path}.lora_b"].T) @ lora[f"{path}.lora_a"].T
+            weights[f"{path}.weight"] = weight + delta.astype(weight.dtype)
+            pending.discard(path)
+        mx.save_safetensors(str(out / item.name), weights)
+    assert not pending, f"no weights in the checkpoint for {sorted(pending)[:3]}"
     return out
 
 

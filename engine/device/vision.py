@@ -32,6 +32,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from engine.device.row_adapters import adapters_of
 from engine.requests.inbound.prompts import PromptImage
 from engine.requests.inbound.vision_formats import GRID_POSITIONS, VisionFormat
 
@@ -173,6 +174,9 @@ class VisionTower:
             # An image row's prefill runs through the vision library's language model,
             # which places image tokens on their grid of positions: the text model's own
             # weights, shared (its layers read nothing from disk).
+            adapters = adapters_of(text_model)
+            if adapters is not None:  # an adapter row's image prefill adds its adapter here
+                adapters.mirror(language, _text_language(text_model))
             _share_weights(language, _text_language(text_model))
             self._rope = text_model.layers[0].self_attn.rope
         else:  # only its embedding is used: the text model's own
