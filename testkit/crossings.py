@@ -9,7 +9,7 @@ tokens, and nothing is left behind.
 
 The model is a tiny random Qwen2-VL (images on a grid of positions, the hardest family to
 batch) with ``<think>``/``</think>`` in its vocabulary and a template that opens the
-reasoning block when ``enable_thinking`` is set, so every request feature runs on it.
+reasoning block when its ``think`` variable is set, so every request feature runs on it.
 """
 
 from __future__ import annotations
@@ -29,14 +29,18 @@ from engine.compatibility import Feature, Kind
 # ----- the model ---------------------------------------------------------------------------
 
 THINK = ("<think>", "</think>")
+MATRIX_MODEL = "matrix-qwen2_vl-v2"  # its directory name in a test cache (bump on change)
 _GENERATION_PROMPT = "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}"
+# Its own variable: mlx-lm sets ``enable_thinking`` for every model that can reason, and
+# the matrix wants rows that answer at once beside rows that reason.
 _OPENS_REASONING = ("{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}"
-                    "{%- if enable_thinking -%}{{- '<think>\n' -}}{%- endif -%}")
+                    "{%- if think -%}{{- '<think>\n' -}}{%- endif -%}")
+THINK_ON = {"think": True}
 
 
 def build_matrix_vlm(out: Path) -> Path:
     """The tiny Qwen2-VL of ``testkit.vision_model``, able to reason: the thinking markers
-    in its vocabulary and a template that opens the block when ``enable_thinking`` is set."""
+    in its vocabulary and a template that opens the block when ``think`` is set."""
     from tokenizers import AddedToken, Tokenizer
 
     from testkit.vision_model import build_tiny_qwen2_vl
@@ -153,7 +157,7 @@ def _constraint(make: Callable[[], Any]) -> Callable[[Draft, Assets], None]:
 def _tools(choice: Any, *tools: dict[str, Any]) -> Callable[[Draft, Assets], None]:
     def apply(draft: Draft, assets: Assets) -> None:
         draft.tools, draft.tool_choice = list(tools), choice
-        draft.sampling["max_tokens"] = 40  # a whole call
+        draft.sampling["max_tokens"] = 60  # a whole call
     return apply
 
 
@@ -166,7 +170,7 @@ def _adapter(draft: Draft, assets: Assets) -> None:
 
 
 def _budget(draft: Draft, assets: Assets) -> None:
-    draft.template_kwargs = {"enable_thinking": True}
+    draft.template_kwargs = dict(THINK_ON)
     draft.sampling.update(reasoning_budget=3, max_tokens=16)
 
 

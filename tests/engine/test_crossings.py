@@ -25,6 +25,7 @@ import pytest
 from engine import UnsupportedCombinationError
 from engine.compatibility import Feature, Status, pairs
 from testkit.crossings import (
+    MATRIX_MODEL,
     NEUTRAL,
     Assets,
     Served,
@@ -86,7 +87,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Matrix]:
     _vision_stack()
     from testkit.adapters import make_adapter
 
-    model = _built(_cache_root(tmp_path_factory) / "matrix-qwen2_vl-v1", build_matrix_vlm)
+    model = _built(_cache_root(tmp_path_factory) / MATRIX_MODEL, build_matrix_vlm)
     adapter = make_adapter(tmp_path_factory.mktemp("matrix-adapter") / "a", model, seed=3,
                            rank=4)
     try:

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from engine.compatibility import Feature, Kind, Status, verdict
 from testkit.crossings import (
     BASE_CONFIG,
+    MATRIX_MODEL,
     Assets,
     Draft,
     Served,
@@ -81,7 +82,7 @@ def families(tmp_path_factory: pytest.TempPathFactory,
     except Exception:  # offline without the wheel: no embeddings are drawn
         embedding = None
     root = _cache_root(tmp_path_factory)
-    qwen = _built(root / "matrix-qwen2_vl-v1", build_matrix_vlm)
+    qwen = _built(root / MATRIX_MODEL, build_matrix_vlm)
     gemma = _built(root / "tiny-gemma3-vlm-v1", build_tiny_vlm)
     every = tuple(f for f in ROW_FEATURES if embedding is not None or
                   f is not Feature.EMBEDDINGS)
