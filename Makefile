@@ -44,8 +44,9 @@ test-real: $(STAMP)
 
 # Many more generated requests than the suite's bounded run.
 fuzz: $(STAMP)
-	MLX_PROVIDERS_FUZZ_EXAMPLES=2000 $(BIN)/python -m pytest -ra $(XDIST) tests/engine/test_fuzz_engine.py \
-		tests/adapters/test_fuzz_adapters.py tests/server/test_fuzz_server.py
+	MLX_PROVIDERS_FUZZ_EXAMPLES=2000 MLX_PROVIDERS_CROSSING_EXAMPLES=2000 $(BIN)/python -m pytest \
+		-ra $(XDIST) tests/engine/test_fuzz_engine.py tests/adapters/test_fuzz_adapters.py \
+		tests/server/test_fuzz_server.py tests/engine/test_fuzz_crossings.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check engine mlx_providers tests testkit bench examples

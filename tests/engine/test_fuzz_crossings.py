@@ -11,8 +11,8 @@ Invariants, whatever was drawn:
 - nothing is left behind: rows, pending requests, grammar matchers, KV, image jobs,
   pinned adapters; the prefix store within its bound.
 
-Bounded for ``make test`` (``MLX_PROVIDERS_FUZZ_EXAMPLES``, default 16 per family); ``make
-fuzz`` runs 2,000.
+Bounded for ``make test`` (``MLX_PROVIDERS_CROSSING_EXAMPLES`` in all, default 48: 16 a
+family); ``make fuzz`` runs 2,000.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from tests.conftest import _built, _cache_root, _vision_stack
 
 pytestmark = pytest.mark.timeout(3600)
 
-EXAMPLES = int(os.environ.get("MLX_PROVIDERS_FUZZ_EXAMPLES", "16"))
+FAMILIES = ("qwen2_vl", "gemma3", "qwen2_serial")
+EXAMPLES = -(-int(os.environ.get("MLX_PROVIDERS_CROSSING_EXAMPLES", "48")) // len(FAMILIES))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
@@ -153,7 +154,7 @@ def check(family: Family, drafts: list[Draft]) -> None:
     assert stats.prefix_bytes <= max(stats.prefix_cache_limit_bytes, 0)
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "gemma3", "qwen2_serial"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_generated_crossings_are_served_exactly(families: dict[str, Family],
                                                 name: str) -> None:
     family = families[name]
