@@ -100,6 +100,7 @@ class Draft:
     cancel_after: int = 3  # "decode": cancelled once this many tokens came
     timeout: float | None = None
     embeddings: bool = False  # embedding requests run while it decodes
+    features: frozenset[Feature] = frozenset()  # what it was made of (``draft_of``)
 
     @property
     def ends_early(self) -> bool:
@@ -251,7 +252,7 @@ def draft_of(features: Collection[Feature], assets: Assets, question: str = QUES
              system: str = SYSTEM) -> Draft:
     """A request with the request features and events among ``features`` (engine modes
     are the engine's: ``engine_config``)."""
-    draft = Draft(question=question, system=system)
+    draft = Draft(question=question, system=system, features=frozenset(features))
     for feature in sorted(features, key=lambda f: list(Feature).index(f)):
         apply = APPLY.get(feature)
         if apply is not None:
@@ -336,7 +337,7 @@ def run_rows(eng: Any, drafts: list[Draft], admissions: Admissions | None = None
              embed: Callable[[], None] | None = None) -> list[Outcome]:
     """Submit ``drafts`` together (one batch where they can be), let each be cancelled as
     it says, and return every row's outcome in order."""
-    from engine import FinishReason
+    from engine import FinishReason, RequestTimeoutError
 
     handles: list[Any] = []
     decoded: list[list[int]] = [[] for _ in drafts]
@@ -366,15 +367,22 @@ def run_rows(eng: Any, drafts: list[Draft], admissions: Admissions | None = None
     outcomes = []
     try:
         for draft, handle in zip(drafts, handles):
-            streamed = None
-            if draft.stream:
-                streamed = tuple(_streamed_tokens(handle))
             try:
                 result = handle.result(timeout=120)
+            except RequestTimeoutError as exc:  # its own timeout: a typed failure
+                outcomes.append(Outcome((), FinishReason.ERROR.value,
+                                        error=f"{type(exc).__name__}: {exc}"))
+                continue
+            except TimeoutError as exc:  # the row never ended: a hang, which fails loudly
+                state = engine_state(eng)
+                print("HUNG", draft, state, flush=True)
+                raise TimeoutError(f"{exc}; the engine then: {state}") from exc
             except Exception as exc:  # a typed failure: its outcome says which
                 outcomes.append(Outcome((), FinishReason.ERROR.value,
                                         error=f"{type(exc).__name__}: {exc}"))
                 continue
+            # Its events stay queued until read: read after the end, none is lost.
+            streamed = tuple(_streamed_tokens(handle)) if draft.stream else None
             outcomes.append(Outcome(
                 tuple(result.token_ids), result.finish_reason.value, result.text,
                 len(result.logprobs or ()), streamed))
@@ -406,6 +414,7 @@ def _held(eng: Any) -> dict[str, int]:
     stats = eng.stats()
     held = {"running": stats.running, "pending": stats.pending,
             "live_matchers": stats.live_matchers, "kv_bytes": stats.kv_bytes_projected,
+            "kv_bytes_held": stats.kv_bytes_held,
             "vision_jobs": stats.vision_jobs, "adapters_in_use": stats.adapters_in_use}
     return held
 
@@ -453,3 +462,20 @@ def start_engine(model: Path, config: Mapping[str, Any], *, serial: str | None =
     else:
         eng.start()
     return Served(eng, admissions, embedding_model)
+
+
+def engine_state(eng: Any) -> str:
+    """What a hung engine holds, for the failure's message: its figures and its rows."""
+    stats = eng.stats()
+    parts = [f"running={stats.running} pending={stats.pending} steps={stats.steps} "
+             f"generated={stats.generated_tokens} vision_jobs={stats.vision_jobs}"]
+    composition = getattr(eng._runtime, "composition", None)
+    if composition is not None:
+        lanes = composition.built.lanes
+        for row in list(lanes.batch.rows):
+            parts.append(f"batch row {row.request_id}: uid={row.uid} generated={row.generated} "
+                         f"speculating={row.speculating is not None} "
+                         f"vision_ready={row.vision_ready is not None} "
+                         f"max_tokens={row.row.params.max_tokens}")
+        parts.append(f"serial rows={len(lanes.serial)}")
+    return "; ".join(parts)

@@ -68,6 +68,7 @@ class EngineStats:
     forced_tokens: int = 0  # of those, dictated by a grammar and fed without a step each
     drafted_tokens: int = 0  # of those, prompt-lookup drafts the model confirmed (speculation)
     kv_bytes_projected: int = 0  # worst-case KV bytes of the running rows
+    kv_bytes_held: int = 0  # KV bytes the batch lane's generator holds now (0 when idle)
     live_matchers: int = 0  # grammar matchers held by constrained rows
     prefix_hits: int = 0  # rows that started from a reused KV prefix
     prefix_misses: int = 0

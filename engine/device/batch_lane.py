@@ -272,15 +272,23 @@ class BatchLane:
                 if row is not None and row.uid in removed:
                     cache, tokens = removed[row.uid]
                     self.reuse.keep(row.keyed(list(tokens)), cache)
+        released: list[BatchRow] = []
         for request_id in request_ids:
             if self.vision is not None:
                 self.vision.drop(request_id)
-            self._forget(request_id)
+            released += self._forget(request_id)
+        # Twins an abandoned leader released start once every row of this removal is gone:
+        # started earlier, one removed with it would join the generator and stay there.
+        leaving = set(request_ids)
+        released = [row for row in released if row.request_id not in leaving]
+        if released:
+            self._start(released, joining=True)
 
-    def _forget(self, request_id: int) -> None:
+    def _forget(self, request_id: int) -> list[BatchRow]:
+        """Drop the row and what it held; returns the twins its abandoned head released."""
         row = self.rows.forget(request_id)
         if row is None:
-            return
+            return []
         spec = row.speculating
         if spec is not None and self.reuse.enabled:
             self.reuse.keep(row.keyed(list(spec.history)), spec.cache)
@@ -288,9 +296,7 @@ class BatchLane:
             row.grammar.close()
         if row.adapter is not None and self.adapters is not None:
             self.adapters.release(row.adapter)
-        released = self._planner.forget(row)  # a leader abandoned: a twin leads now
-        if released:
-            self._start(released, joining=True)
+        return self._planner.forget(row)  # a leader abandoned: a twin leads now
 
     def reset(self) -> list[int]:
         dropped = list(self.rows.by_request)

@@ -157,6 +157,7 @@ class Turns:
         self._book.set(
             running=scheduler.running, pending=scheduler.pending,
             kv_bytes_projected=scheduler.kv_bytes_projected,
+            kv_bytes_held=lanes.batch_kv_bytes(),
             live_matchers=self.composition.built.preparer.compiler.live_matchers,
             prefix_hits=store.stats.hits, prefix_misses=store.stats.misses,
             prefix_hit_tokens=store.stats.hit_tokens,

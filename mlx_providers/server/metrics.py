@@ -67,6 +67,8 @@ class _EngineCollector(Collector):
             "vision_feature_bytes": ("mlx_engine_vision_feature_bytes",
                                      "Bytes of image features the LRU keeps "
                                      "(vision_cache_bytes)."),
+            "kv_bytes_held": ("mlx_engine_kv_bytes_held",
+                              "KV bytes the batch holds now, in every stage of a prompt."),
             "adapters_in_use": ("mlx_engine_adapters_in_use",
                                 "Rows holding a LoRA adapter now."),
             "vision_jobs": ("mlx_engine_vision_jobs",

@@ -154,3 +154,28 @@ def test_cancellation_storm_leaves_no_rows(make_engine) -> None:  # type: ignore
     assert stats.completed == finished + len(keep)  # + the reference runs
     # No row is left in a lane, nor in mlx-lm's generator (its KV would still be held).
     assert settled.lane_rows == {"batch": 0, "serial": 0} and settled.batch_kv_bytes == 0
+
+
+def test_a_leader_and_its_twin_cancelled_together_leave_nothing_in_the_batch(
+        make_engine) -> None:  # type: ignore[no-untyped-def]
+    """Rows sharing a long head: the first prefills it, its twins wait. Cancelling the
+    leader and a waiting twin in one turn used to start the twin (released by its leader)
+    while it was being removed: it joined mlx-lm's generator and stayed there, decoding
+    for no one, every step slower, until the engine stalled."""
+    from engine import StepProbe
+    from testkit.crossings import Admissions
+
+    admissions = Admissions()
+    reference = make_engine(prefix_cache_bytes=0)
+    eng = make_engine(max_batch=8, prefill_chunk=16, probe=StepProbe(on_turn=admissions))
+    for seed in range(3):  # a new head each time: none is stored yet, so twins wait for it
+        head = prompts_of_lengths(eng, [240], seed=11 + seed)[0]
+        prompts = [[*head, 40 + i, 50 + i, 60 + i] for i in range(3)]
+        kept_alone = alone(reference, [prompts[2]], greedy(12))[0]
+        handles = [eng.submit(request_for(p, greedy(12))) for p in prompts]
+        for handle in handles[:2]:  # cancelled the turn they are admitted: in their prefill
+            admissions.waiting[handle.request_id] = handle
+        results = [h.result(timeout=60) for h in handles]
+        assert [r.finish_reason for r in results[:2]] == [FinishReason.CANCELLED] * 2
+        assert results[2].token_ids == kept_alone
+        wait_until(lambda: eng.stats().running == 0 and eng.stats().kv_bytes_held == 0)

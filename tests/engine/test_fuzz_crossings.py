@@ -17,6 +17,7 @@ family); ``make fuzz`` runs 2,000.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -134,6 +135,9 @@ def rows(draw: st.DrawFn, family: Family) -> list[Draft]:
 
 def check(family: Family, drafts: list[Draft]) -> None:
     served = family.served
+    if os.environ.get("MLX_PROVIDERS_FUZZ_TRACE"):  # which example a hang came from
+        print("EXAMPLE", json.dumps([[sorted(f.value for f in d.features), d.question,
+                                      d.cancel_after, d.timeout] for d in drafts]), flush=True)
     alone = [served.alone(d.to_the_end()) for d in drafts]
     outcomes = served.run(drafts)
     for draft, outcome, reference in zip(drafts, outcomes, alone):
