@@ -175,3 +175,35 @@ def test_a_dead_grammar_fails_its_row_naming_the_constraint(tiny_model_dir: Path
     with pytest.raises(InvalidConstraintError, match=r"JSON schema .*no token can continue"):
         grammar.fill(bitmask, 0)
     grammar.close()
+
+
+def test_a_grammar_with_a_bounded_lexeme_rolls_back_through_a_copy(tiny_model_dir: Path) -> None:
+    """A reasoning budget's ``thinking[max_tokens=N]`` lexeme is one llguidance cannot roll
+    back; speculation marks a row's grammar, consumes a draft and rolls it back. Found by
+    the interaction fuzz (a reasoning budget, a forced call and speculation): the row
+    failed with "cannot roll back". Such a grammar's mark now keeps a copy of its matcher."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    compiler = GrammarCompiler(tokenizer, vocab)
+    budget = LarkGrammar('start: thinking "</think>" answer\nthinking[max_tokens=4]: /(?s:.*)/\n'
+                         'answer: "yes" | "no"')
+    grammar, twin = compiler.row(budget), compiler.row(budget)
+    words = tokenizer.encode(" hello there", add_special_tokens=False)
+    grammar.consume(words[0])
+    twin.consume(words[0])
+    mark = grammar.mark()
+    for token in words[1:]:  # a draft, consumed to fill its masks
+        grammar.consume(token)
+    grammar.rollback(mark)
+    for state in (grammar, twin):  # both where they were: the same mask next
+        state.consume(words[1])
+    masks = [np.zeros((1, compiler.words), dtype=np.int32) for _ in range(2)]
+    grammar.fill(masks[0], 0)
+    twin.fill(masks[1], 0)
+    assert (masks[0] == masks[1]).all()
+    grammar.close()
+    twin.close()
+    assert compiler.live_matchers == 0

@@ -31,6 +31,7 @@ from engine.compatibility import Feature, Kind, Status, verdict
 from testkit.crossings import (
     BASE_CONFIG,
     MATRIX_MODEL,
+    SYSTEM,
     Assets,
     Draft,
     Served,
@@ -61,6 +62,7 @@ class Family:
     served: Served
     assets: Assets
     features: tuple[Feature, ...]
+    system: str = SYSTEM
 
 
 def _adapter_for(model: Path, tmp: pytest.TempPathFactory, name: str) -> str:
@@ -85,21 +87,24 @@ def families(tmp_path_factory: pytest.TempPathFactory,
         embedding = None
     root = _cache_root(tmp_path_factory)
     qwen = _built(root / MATRIX_MODEL, build_matrix_vlm)
-    gemma = _built(root / "tiny-gemma3-vlm-v1", build_tiny_vlm)
+    gemma = _built(root / "tiny-gemma3-vlm-v2", build_tiny_vlm)
     every = tuple(f for f in ROW_FEATURES if embedding is not None or
                   f is not Feature.EMBEDDINGS)
     speedups = {**BASE_CONFIG, "fast_forward": True, "speculation": 4,
                 "prefix_cache_bytes": 32 << 20}
     found: dict[str, Family] = {}
-    for name, model, config, serial, features in (
-            ("qwen2_vl", qwen, speedups, None, every),
+    for name, model, config, serial, features, system in (
+            ("qwen2_vl", qwen, speedups, None, every, SYSTEM),
             ("gemma3", gemma, {"max_batch": 8, "prefill_chunk": 16}, None,
-             tuple(f for f in every if f is not Feature.REASONING_BUDGET)),
+             tuple(f for f in every if f is not Feature.REASONING_BUDGET), SYSTEM),
+            # Rows one at a time there: a short system prompt keeps each example quick.
             ("qwen2_serial", tiny_model_dir, {**BASE_CONFIG, "fast_forward": True}, "qwen2",
-             tuple(f for f in every if f not in (Feature.IMAGES, Feature.REASONING_BUDGET)))):
+             tuple(f for f in every if f not in (Feature.IMAGES, Feature.REASONING_BUDGET)),
+             "You answer questions about the weather.")):
         assets = Assets(model, _adapter_for(model, tmp_path_factory, name), embedding)
         found[name] = Family(name, start_engine(model, config, serial=serial,
-                                                embedding_model=embedding), assets, features)
+                                                embedding_model=embedding), assets, features,
+                             system)
     yield found
     for family in found.values():
         family.served.engine.close()
@@ -124,7 +129,8 @@ def rows(draw: st.DrawFn, family: Family) -> list[Draft]:
     drafts = []
     for _ in range(draw(st.integers(1, 6))):
         features = draw(row_features(family.features))
-        draft = draft_of(features, family.assets, question=draw(st.sampled_from(QUESTIONS)))
+        draft = draft_of(features, family.assets, question=draw(st.sampled_from(QUESTIONS)),
+                         system=family.system)
         if draft.cancel == "decode":
             draft = replace(draft, cancel_after=draw(st.integers(1, 6)))
         if draft.timeout is not None:

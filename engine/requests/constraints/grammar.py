@@ -9,6 +9,7 @@ filled into a numpy bitmask that the runner applies to the whole batch at once.
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -160,6 +161,7 @@ class GrammarCompiler:
     def row(self, constraint: Constraint) -> RowGrammar:
         """A fresh matcher for one row; close() it when the row ends, however it ends."""
         matcher = self.compile(constraint).deep_copy()
+        rewinds = not bounded_lexemes(constraint)
         json = writes_json(constraint)
         repeats = (StringRepeats(self.token_bytes(), self.string_ngram)
                    if self.string_ngram and json else None)
@@ -170,7 +172,7 @@ class GrammarCompiler:
             opener = b"" if isinstance(constraint, JsonSchema | JsonObject) else (
                 self.call_opener.encode())
             markers = StringMarkers(self.token_bytes(), self.marker_index(), opener)
-        return RowGrammar(self, matcher, repeats, describe(constraint), markers)
+        return RowGrammar(self, matcher, repeats, describe(constraint), markers, rewinds)
 
     def marker_index(self) -> MarkerIndex:
         """The tokens that write a structural marker inside a string (built once)."""
@@ -194,6 +196,8 @@ class GrammarMark:
     consumed: int
     repeats: StringRepeats | None
     markers: StringMarkers | None = None
+    # A copy of the matcher, where it cannot roll back (lexemes bounded in tokens).
+    matcher: Any = None
 
 
 class RowGrammar:
@@ -201,9 +205,10 @@ class RowGrammar:
 
     def __init__(self, compiler: GrammarCompiler, matcher: Any,
                  repeats: StringRepeats | None = None, name: str = "constraint",
-                 markers: StringMarkers | None = None) -> None:
+                 markers: StringMarkers | None = None, rewinds: bool = True) -> None:
         self._compiler = compiler
         self._matcher: Any = matcher
+        self._rewinds = rewinds  # llguidance rolls it back (else a mark keeps a copy)
         self.name = name  # what the row's errors call its constraint
         self.repeats = repeats  # refuses loops inside JSON strings, None for other grammars
         self.markers = markers  # refuses call markers inside a call's strings
@@ -231,12 +236,16 @@ class RowGrammar:
         fill each position's mask, then keeps only what the model accepted)."""
         return GrammarMark(self._consumed,
                            self.repeats.copy() if self.repeats is not None else None,
-                           self.markers.copy() if self.markers is not None else None)
+                           self.markers.copy() if self.markers is not None else None,
+                           None if self._rewinds else self._matcher.deep_copy())
 
     def rollback(self, mark: GrammarMark) -> None:
         """Undo every token consumed since ``mark``."""
         undo = self._consumed - mark.consumed
-        if undo > 0 and not self._matcher.rollback(undo):
+        if mark.matcher is not None:  # llguidance cannot rewind it: back to the copy
+            if undo > 0:
+                self._matcher = mark.matcher.deep_copy()
+        elif undo > 0 and not self._matcher.rollback(undo):
             raise InvalidConstraintError(f"cannot roll back {undo} tokens: "
                                          f"{self._matcher.get_error()}")
         self._consumed = mark.consumed
@@ -310,6 +319,13 @@ def fill_rows(executor: Any, rows: Sequence[tuple[RowGrammar, int]],
         except InvalidConstraintError as exc:
             failed[row] = exc
     return failed
+
+
+def bounded_lexemes(constraint: Constraint) -> bool:
+    """Whether a Lark grammar bounds a lexeme in tokens or by a stop string (a reasoning
+    budget's ``thinking[max_tokens=N]``): llguidance cannot roll such a matcher back."""
+    return isinstance(constraint, LarkGrammar) and re.search(
+        r"\[\s*(max_tokens|stop)\s*=", constraint.grammar) is not None
 
 
 def writes_json(constraint: Constraint) -> bool:
