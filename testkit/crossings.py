@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import json
 import threading
 import time
@@ -98,6 +99,9 @@ class Draft:
     stream: bool = False
     cancel: str | None = None  # "prefill" or "decode": cancelled at that stage
     cancel_after: int = 3  # "decode": cancelled once this many tokens came
+    # "prefill": a number that opens its filler, new for each draft, so no earlier row left
+    # this prompt's KV to resume and the row is still prefilling when it is cancelled.
+    filler_id: int = 0
     timeout: float | None = None
     embeddings: bool = False  # embedding requests run while it decodes
     features: frozenset[Feature] = frozenset()  # what it was made of (``draft_of``)
@@ -108,7 +112,8 @@ class Draft:
         return self.cancel is not None or self.timeout is not None
 
     def messages(self) -> list[dict[str, Any]]:
-        text = f"{FILLER}\n{self.question}" if self.cancel == "prefill" else self.question
+        text = (f"Case {self.filler_id}. {FILLER}\n{self.question}" if self.cancel == "prefill"
+                else self.question)
         content: Any = [*self.images, {"type": "text", "text": text}] if self.images else text
         return [{"role": "system", "content": self.system},
                 {"role": "user", "content": content}]
@@ -122,7 +127,8 @@ class Draft:
 
     def to_the_end(self) -> Draft:
         """The same request, neither cancelled nor timed out (its reference)."""
-        return replace(self, cancel=None, cancel_after=3, timeout=None, embeddings=False)
+        return replace(self, cancel=None, cancel_after=3, filler_id=0, timeout=None,
+                       embeddings=False)
 
 
 @dataclass(frozen=True)
@@ -186,9 +192,14 @@ def _stream(draft: Draft, assets: Assets) -> None:
     draft.stream = True
 
 
+_FILLER_IDS = itertools.count(1)
+
+
 def _cancel(stage: str) -> Callable[[Draft, Assets], None]:
     def apply(draft: Draft, assets: Assets) -> None:
         draft.cancel = stage
+        if stage == "prefill":
+            draft.filler_id = next(_FILLER_IDS)
         draft.sampling["max_tokens"] = max(draft.sampling["max_tokens"], 16)
     return apply
 
@@ -217,7 +228,9 @@ def _regex() -> Any:
 def _lark() -> Any:
     from engine import LarkGrammar
 
-    return LarkGrammar('start: "yes" | "no" | "maybe so"')
+    # Several tokens on any machine (a cancel after the third lands), with a forced stretch.
+    return LarkGrammar('start: ("yes" | "no" | "maybe so") " because it is " '
+                       '("sunny" | "raining" | "late")')
 
 
 # How each request feature and event is written into a request.
@@ -448,9 +461,11 @@ class Served:
 
 
 def start_engine(model: Path, config: Mapping[str, Any], *, serial: str | None = None,
-                 embedding_model: Path | None = None) -> Served:
+                 embedding_model: Path | None = None, eager_spans: bool = False) -> Served:
     """An engine whose probe cancels rows in their prefill on demand; ``serial``: the
-    model type whose rows it sends to the serial lane."""
+    model type whose rows it sends to the serial lane; ``eager_spans``: fast-forward takes
+    every forced span, whatever this machine's step costs say (the matrix proves that spans
+    cross other features exactly; tests/engine/test_span_costs.py proves when they pay)."""
     from engine import Engine, EngineConfig, StepProbe
 
     admissions = Admissions()
@@ -461,6 +476,9 @@ def start_engine(model: Path, config: Mapping[str, Any], *, serial: str | None =
         assert eng.stats().batch_mode == "serial"
     else:
         eng.start()
+    composition = eng._runtime.composition
+    if eager_spans and composition is not None:  # (one that unloads when idle: as shipped)
+        composition.built.lanes.batch.costs.shortest = lambda spans, width, rows: 2
     return Served(eng, admissions, embedding_model)
 
 
