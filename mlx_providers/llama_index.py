@@ -64,21 +64,20 @@ from engine import (
 )
 from mlx_providers._keep_alive import submit_options
 from mlx_providers._llama_index_agents import transcript_answer
-from mlx_providers._llama_index_messages import (
+from mlx_providers._llama_index_inbound import carries_images, to_engine_messages
+from mlx_providers._llama_index_outbound import (
     StreamChunks,
     TokenLogProbs,
-    carries_images,
     chat_response,
-    check_structured_chunk,
     completion_response,
-    json_kwargs,
-    keep_first_call,
     llama_logprobs,
-    parse_structured,
-    to_engine_messages,
-    tool_selections,
-    tool_specs,
 )
+from mlx_providers._llama_index_structured import (
+    check_structured_chunk,
+    json_kwargs,
+    parse_structured,
+)
+from mlx_providers._llama_index_tools import keep_first_call, tool_selections, tool_specs
 from mlx_providers._logprobs import RequestLogprobs
 from mlx_providers._sampling import call_sampling
 

@@ -44,7 +44,7 @@ from engine.requests.dialects.dialect import TokenizerFacts
 from engine.requests.dialects.registry import dialect_for
 from engine.requests.inbound.messages import template_messages
 from mlx_providers import MLXBatchLLM
-from mlx_providers._llama_index_messages import to_engine_messages
+from mlx_providers._llama_index_inbound import to_engine_messages
 from testkit.families import FAMILIES, AssetUnavailable, built_family_model
 from tests.conftest import _cache_root, own_copy, prompt_renderer, request_for
 from tests.fake_engine import scripted

@@ -19,14 +19,9 @@ from llama_index.core.tools import FunctionTool
 
 from engine import Completion, FinishReason, StreamEvent, ToolCall, Usage
 from engine.requests.inbound.messages import template_messages
-from mlx_providers._llama_index_messages import (
-    StreamChunks,
-    chat_response,
-    keep_first_call,
-    openai_tool,
-    to_engine_messages,
-    tool_selections,
-)
+from mlx_providers._llama_index_inbound import to_engine_messages
+from mlx_providers._llama_index_outbound import StreamChunks, chat_response
+from mlx_providers._llama_index_tools import keep_first_call, openai_tool, tool_selections
 
 
 def add(a: int, b: int) -> int:

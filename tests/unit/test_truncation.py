@@ -32,12 +32,8 @@ from engine import (
 from engine.requests.outbound.results import FORCED_CALL, STRUCTURED_JSON, truncation
 from mlx_providers._langchain_outbound import ai_message, event_chunk
 from mlx_providers._langchain_structured import TruncatedOutputError, structured_parser, with_raw
-from mlx_providers._llama_index_messages import (
-    StreamChunks,
-    chat_response,
-    check_structured_chunk,
-    parse_structured,
-)
+from mlx_providers._llama_index_outbound import StreamChunks, chat_response
+from mlx_providers._llama_index_structured import check_structured_chunk, parse_structured
 
 
 class Forecast(BaseModel):

@@ -18,7 +18,8 @@ from pydantic import BaseModel
 from engine import InvalidRequestError, messages_from_openai
 from mlx_providers import ChatMLXBatch, MLXBatchLLM
 from mlx_providers._langchain_inbound import json_schema_of, openai_tools
-from mlx_providers._llama_index_messages import json_kwargs, to_engine_messages
+from mlx_providers._llama_index_inbound import to_engine_messages
+from mlx_providers._llama_index_structured import json_kwargs
 
 NOWHERE = "/nonexistent/validation-model"  # never loaded: every call fails at the door
 HI = [LIChatMessage(role=MessageRole.USER, content="hi")]
