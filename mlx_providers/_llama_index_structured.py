@@ -1,6 +1,6 @@
 """Structured output for ``structured_predict`` and its streams: the options that force JSON
-valid against a pydantic class, the class parsed from the answer, and a cut answer raised as
-``OutputTruncatedError``.
+valid against a pydantic class, the class parsed from the answer, a cut answer raised as
+``OutputTruncatedError``, and partial objects as the JSON streams in.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from typing import Any
 
 from llama_index.core.base.llms.types import ChatResponse
 from llama_index.core.bridge.pydantic import BaseModel
+from llama_index.core.llms.llm import LLM
+from llama_index.core.program.utils import process_streaming_objects
 
 from engine import JsonSchema, OutputTruncatedError
 
@@ -55,3 +57,27 @@ def check_structured_chunk(output_cls: type[Any], response: ChatResponse) -> Non
     (earlier chunks carry no finish reason and pass as partial objects)."""
     _cut_structured(output_cls, response)
 
+
+class PartialObjects:
+    """One structured stream's step, whichever iterator feeds it: each chunk of the
+    constrained answer in turn gives the objects parsed so far (partial while the JSON is
+    still open); the last chunk raises if max_tokens cut the JSON.
+
+    The sync and async streams both map their chunks through one of these, so the
+    partial-object logic exists once (``(step(r) for r in stream)`` or ``async for``).
+    """
+
+    def __init__(self, output_cls: type[Any], llm: LLM) -> None:
+        """Nothing parsed yet; ``llm`` reads tool calls, should a chunk carry any."""
+        self.output_cls = output_cls
+        self.llm = llm
+        self.current: list[Any] | None = None  # the previous chunk's objects, to build on
+
+    def __call__(self, response: ChatResponse) -> Any:
+        """The objects ``response`` (everything streamed so far) holds."""
+        check_structured_chunk(self.output_cls, response)
+        objects = process_streaming_objects(response, self.output_cls,
+                                            cur_objects=self.current, flexible_mode=True,
+                                            llm=self.llm)
+        self.current = objects if isinstance(objects, list) else [objects]
+        return objects

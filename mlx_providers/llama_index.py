@@ -39,7 +39,6 @@ from llama_index.core.instrumentation.events.llm import (
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
-from llama_index.core.program.utils import process_streaming_objects
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import PydanticProgramMode
 
@@ -72,11 +71,7 @@ from mlx_providers._llama_index_outbound import (
     completion_response,
     llama_logprobs,
 )
-from mlx_providers._llama_index_structured import (
-    check_structured_chunk,
-    json_kwargs,
-    parse_structured,
-)
+from mlx_providers._llama_index_structured import PartialObjects, json_kwargs, parse_structured
 from mlx_providers._llama_index_tools import keep_first_call, tool_selections, tool_specs
 from mlx_providers._logprobs import RequestLogprobs
 from mlx_providers._sampling import call_sampling
@@ -481,17 +476,8 @@ class MLXBatchLLM(FunctionCallingLLM):
             return super()._structured_stream_call(output_cls, prompt, llm_kwargs, **prompt_args)
         messages = self._get_messages(prompt, **prompt_args)
         stream = self.stream_chat(messages, **json_kwargs(output_cls, llm_kwargs))
-
-        def gen() -> Any:
-            current: list[Any] | None = None
-            for response in stream:
-                check_structured_chunk(output_cls, response)
-                objects = process_streaming_objects(response, output_cls, cur_objects=current,
-                                                    flexible_mode=True, llm=self)
-                current = objects if isinstance(objects, list) else [objects]
-                yield objects
-
-        return gen()
+        step = PartialObjects(output_cls, self)
+        return (step(response) for response in stream)
 
     async def _structured_astream_call(self, output_cls: type[Any], prompt: Any,
                                        llm_kwargs: dict[str, Any] | None = None,
@@ -502,17 +488,8 @@ class MLXBatchLLM(FunctionCallingLLM):
                                                           **prompt_args)
         messages = self._get_messages(prompt, **prompt_args)
         stream = await self.astream_chat(messages, **json_kwargs(output_cls, llm_kwargs))
-
-        async def gen() -> Any:
-            current: list[Any] | None = None
-            async for response in stream:
-                check_structured_chunk(output_cls, response)
-                objects = process_streaming_objects(response, output_cls, cur_objects=current,
-                                                    flexible_mode=True, llm=self)
-                current = objects if isinstance(objects, list) else [objects]
-                yield objects
-
-        return gen()
+        step = PartialObjects(output_cls, self)  # the sync stream's step, over async chunks
+        return (step(response) async for response in stream)
 
 
 _Chunk = TypeVar("_Chunk")
