@@ -10,132 +10,173 @@ scrapes, never copied, and so is which speed-ups are on for each model's cache k
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine import Engine, Usage
+from engine import Engine, EngineStats, Usage
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+Family = GaugeMetricFamily | CounterMetricFamily
+GAUGE = GaugeMetricFamily  # what is true now; may go down
+COUNTER = CounterMetricFamily  # counted since the engine started; only goes up
+
+
+class EngineFigure(NamedTuple):
+    """One engine figure on /metrics, per served model: its name, help text, kind, and the
+    ``EngineStats`` field its value is read from."""
+
+    name: str
+    help: str
+    kind: type[GaugeMetricFamily] | type[CounterMetricFamily]
+    field: str
+
+
+# What /metrics reports of each engine, in the order it is rendered.
+ENGINE_FIGURES: tuple[EngineFigure, ...] = (
+    EngineFigure("mlx_engine_model_loaded",
+                 "1 while the chat model is loaded; 0 before its first request and once "
+                 "keep_alive has unloaded it.", GAUGE, "loaded"),
+    EngineFigure("mlx_engine_model_last_load_seconds",
+                 "Seconds the chat model's last load took.", GAUGE, "last_load_seconds"),
+    EngineFigure("mlx_engine_running_rows", "Rows admitted (prefilling or decoding).",
+                 GAUGE, "running"),
+    EngineFigure("mlx_engine_pending_rows", "Requests waiting for admission.", GAUGE, "pending"),
+    EngineFigure("mlx_engine_peak_batch_width", "Most rows decoded in one step.",
+                 GAUGE, "peak_running"),
+    EngineFigure("mlx_engine_kv_bytes", "Worst-case KV bytes of the running rows.",
+                 GAUGE, "kv_bytes_projected"),
+    EngineFigure("mlx_engine_prefix_cache_bytes", "KV bytes the prefix cache holds.",
+                 GAUGE, "prefix_bytes"),
+    EngineFigure("mlx_engine_prefix_disk_bytes",
+                 "Bytes of prefix entries on disk (prefix_cache_dir).", GAUGE,
+                 "prefix_disk_bytes"),
+    # Memory against its bound (docs/memory.md): what is held, then what may be.
+    EngineFigure("mlx_engine_mlx_active_bytes",
+                 "Bytes in MLX's live arrays (weights, KV, prefix store).", GAUGE,
+                 "mlx_active_bytes"),
+    EngineFigure("mlx_engine_mlx_cache_bytes", "Freed bytes MLX's allocator keeps for reuse.",
+                 GAUGE, "mlx_cache_bytes"),
+    EngineFigure("mlx_engine_process_resident_bytes", "The process's resident set size.",
+                 GAUGE, "resident_bytes"),
+    EngineFigure("mlx_engine_weights_bytes", "Bytes of the model's weights.",
+                 GAUGE, "weights_bytes"),
+    EngineFigure("mlx_engine_kv_budget_bytes",
+                 "Bound on running rows' KV plus the prefix cache (0 = none).", GAUGE,
+                 "kv_budget_bytes"),
+    EngineFigure("mlx_engine_prefix_cache_limit_bytes", "Bound on the prefix cache's bytes.",
+                 GAUGE, "prefix_cache_limit_bytes"),
+    EngineFigure("mlx_engine_mlx_cache_limit_bytes", "Bound on MLX's cache of freed buffers.",
+                 GAUGE, "buffer_cache_limit_bytes"),
+    EngineFigure("mlx_engine_resident_bound_bytes",
+                 "What the settings let the process hold: weights + KV budget + buffer cache "
+                 "limit + runtime.", GAUGE, "resident_bound_bytes"),
+    EngineFigure("mlx_engine_embed_pending_requests",
+                 "Embedding requests waiting on the engine thread.", GAUGE, "embed_pending"),
+    EngineFigure("mlx_engine_adapters_loaded", "LoRA adapters loaded now.",
+                 GAUGE, "adapters_loaded"),
+    EngineFigure("mlx_engine_adapters_bytes",
+                 "Bytes of the LoRA adapters loaded now (adapter_bytes caps).", GAUGE,
+                 "adapters_bytes"),
+    EngineFigure("mlx_engine_vision_feature_bytes",
+                 "Bytes of image features the LRU keeps (vision_cache_bytes).", GAUGE,
+                 "vision_feature_bytes"),
+    EngineFigure("mlx_engine_kv_bytes_held",
+                 "KV bytes the batch holds now, in every stage of a prompt.", GAUGE,
+                 "kv_bytes_held"),
+    EngineFigure("mlx_engine_adapters_in_use", "Rows holding a LoRA adapter now.",
+                 GAUGE, "adapters_in_use"),
+    EngineFigure("mlx_engine_vision_jobs", "Image rows waiting for or in their own prefill.",
+                 GAUGE, "vision_jobs"),
+    EngineFigure("mlx_engine_generated_tokens", "Tokens generated.",
+                 COUNTER, "generated_tokens"),
+    EngineFigure("mlx_engine_forced_tokens",
+                 "Generated tokens a grammar forced (fast-forward, no step each).", COUNTER,
+                 "forced_tokens"),
+    EngineFigure("mlx_engine_drafted_tokens",
+                 "Generated tokens from speculative drafts the model confirmed.", COUNTER,
+                 "drafted_tokens"),
+    EngineFigure("mlx_engine_prompt_tokens", "Prompt tokens admitted for prefill.",
+                 COUNTER, "prompt_tokens"),
+    EngineFigure("mlx_engine_prefix_cache_hit_tokens",
+                 "Prompt tokens not prefilled thanks to the prefix cache.", COUNTER,
+                 "prefix_hit_tokens"),
+    EngineFigure("mlx_engine_prefix_disk_hit_tokens",
+                 "Prompt tokens read back from disk, not prefilled.", COUNTER,
+                 "prefix_disk_hit_tokens"),
+    EngineFigure("mlx_engine_prefix_disk_written_entries", "Prefix entries written to disk.",
+                 COUNTER, "prefix_disk_written"),
+    EngineFigure("mlx_engine_prefix_disk_skipped_files",
+                 "Prefix files refused (short, altered, another model).", COUNTER,
+                 "prefix_disk_skipped"),
+    EngineFigure("mlx_engine_steps", "Engine steps.", COUNTER, "steps"),
+    EngineFigure("mlx_engine_model_loads",
+                 "Chat model loads: the first, and each after keep_alive unloaded it.",
+                 COUNTER, "loads"),
+    EngineFigure("mlx_engine_model_unloads", "Chat model unloads by keep_alive.",
+                 COUNTER, "unloads"),
+    # The engine's own request outcomes (HTTP outcomes are mlx_server_requests).
+    EngineFigure("mlx_engine_completed_requests", "Requests that finished.",
+                 COUNTER, "completed"),
+    EngineFigure("mlx_engine_cancelled_requests",
+                 "Requests cancelled (disconnects, timeouts, callers).", COUNTER, "cancelled"),
+    EngineFigure("mlx_engine_failed_requests", "Requests that failed.", COUNTER, "failed"),
+    EngineFigure("mlx_engine_embed_requests", "Embedding requests that finished with vectors.",
+                 COUNTER, "embed_requests"),
+    EngineFigure("mlx_engine_embed_texts", "Texts embedded.", COUNTER, "embed_texts"),
+    EngineFigure("mlx_engine_embed_tokens", "Tokens the encoder read.",
+                 COUNTER, "embed_tokens"),
+    EngineFigure("mlx_engine_embed_batches", "Encoder calls.", COUNTER, "embed_batches"),
+    EngineFigure("mlx_engine_embed_cancelled_requests",
+                 "Embedding requests cancelled or timed out.", COUNTER, "embed_cancelled"),
+    EngineFigure("mlx_engine_embed_failed_requests", "Embedding requests that failed.",
+                 COUNTER, "embed_failed"),
+    EngineFigure("mlx_engine_vision_images",
+                 "Images the vision tower read (features not in the LRU).", COUNTER,
+                 "vision_images"),
+    EngineFigure("mlx_engine_vision_seconds", "Seconds the vision tower and projector ran.",
+                 COUNTER, "vision_seconds"),
+    EngineFigure("mlx_engine_vision_feature_hits", "Images whose features came from the LRU.",
+                 COUNTER, "vision_feature_hits"),
+)
+
+
+def _speedups(snapshots: Mapping[str, EngineStats]) -> GaugeMetricFamily:
+    """``mlx_engine_speedup``: one sample per model and speed-up, its detail a label (the
+    detail is fixed once the model loads, so the label set stays small)."""
+    speedups = GaugeMetricFamily(
+        "mlx_engine_speedup", "1 if the speed-up is on for the model's caches, else 0; "
+        "detail says how it works on them, or why it is off.",
+        labels=["model", "speedup", "cache_kinds", "detail"])
+    for model, stats in snapshots.items():
+        kinds = ",".join(stats.cache_kinds)
+        for speedup in stats.speedups:
+            speedups.add_metric([model, speedup.name, kinds, speedup.detail],
+                                1.0 if speedup.on else 0.0)
+    return speedups
 
 
 class _EngineCollector(Collector):
     """Engine counters and gauges, labelled by served model, read at scrape time."""
 
     def __init__(self, engines: Callable[[], Mapping[str, Engine]]) -> None:
+        """``engines``: the served models' engines, asked anew at every scrape."""
         self._engines = engines
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        gauges = {
-            "loaded": ("mlx_engine_model_loaded",
-                       "1 while the chat model is loaded; 0 before its first request and once "
-                       "keep_alive has unloaded it."),
-            "last_load_seconds": ("mlx_engine_model_last_load_seconds",
-                                  "Seconds the chat model's last load took."),
-            "running": ("mlx_engine_running_rows", "Rows admitted (prefilling or decoding)."),
-            "pending": ("mlx_engine_pending_rows", "Requests waiting for admission."),
-            "peak_running": ("mlx_engine_peak_batch_width", "Most rows decoded in one step."),
-            "kv_bytes_projected": ("mlx_engine_kv_bytes",
-                                   "Worst-case KV bytes of the running rows."),
-            "prefix_bytes": ("mlx_engine_prefix_cache_bytes", "KV bytes the prefix cache holds."),
-            "prefix_disk_bytes": ("mlx_engine_prefix_disk_bytes",
-                                  "Bytes of prefix entries on disk (prefix_cache_dir)."),
-            # Memory against its bound (docs/memory.md): what is held, then what may be.
-            "mlx_active_bytes": ("mlx_engine_mlx_active_bytes",
-                                 "Bytes in MLX's live arrays (weights, KV, prefix store)."),
-            "mlx_cache_bytes": ("mlx_engine_mlx_cache_bytes",
-                                "Freed bytes MLX's allocator keeps for reuse."),
-            "resident_bytes": ("mlx_engine_process_resident_bytes",
-                               "The process's resident set size."),
-            "weights_bytes": ("mlx_engine_weights_bytes", "Bytes of the model's weights."),
-            "kv_budget_bytes": ("mlx_engine_kv_budget_bytes",
-                                "Bound on running rows' KV plus the prefix cache (0 = none)."),
-            "prefix_cache_limit_bytes": ("mlx_engine_prefix_cache_limit_bytes",
-                                         "Bound on the prefix cache's bytes."),
-            "buffer_cache_limit_bytes": ("mlx_engine_mlx_cache_limit_bytes",
-                                         "Bound on MLX's cache of freed buffers."),
-            "resident_bound_bytes": ("mlx_engine_resident_bound_bytes",
-                                     "What the settings let the process hold: weights + KV "
-                                     "budget + buffer cache limit + runtime."),
-            "embed_pending": ("mlx_engine_embed_pending_requests",
-                              "Embedding requests waiting on the engine thread."),
-            "adapters_loaded": ("mlx_engine_adapters_loaded", "LoRA adapters loaded now."),
-            "adapters_bytes": ("mlx_engine_adapters_bytes",
-                               "Bytes of the LoRA adapters loaded now (adapter_bytes caps)."),
-            "vision_feature_bytes": ("mlx_engine_vision_feature_bytes",
-                                     "Bytes of image features the LRU keeps "
-                                     "(vision_cache_bytes)."),
-            "kv_bytes_held": ("mlx_engine_kv_bytes_held",
-                              "KV bytes the batch holds now, in every stage of a prompt."),
-            "adapters_in_use": ("mlx_engine_adapters_in_use",
-                                "Rows holding a LoRA adapter now."),
-            "vision_jobs": ("mlx_engine_vision_jobs",
-                            "Image rows waiting for or in their own prefill."),
-        }
-        counters = {
-            "generated_tokens": ("mlx_engine_generated_tokens", "Tokens generated."),
-            "forced_tokens": ("mlx_engine_forced_tokens",
-                              "Generated tokens a grammar forced (fast-forward, no step each)."),
-            "drafted_tokens": ("mlx_engine_drafted_tokens",
-                               "Generated tokens from speculative drafts the model confirmed."),
-            "prompt_tokens": ("mlx_engine_prompt_tokens", "Prompt tokens admitted for prefill."),
-            "prefix_hit_tokens": ("mlx_engine_prefix_cache_hit_tokens",
-                                  "Prompt tokens not prefilled thanks to the prefix cache."),
-            "prefix_disk_hit_tokens": ("mlx_engine_prefix_disk_hit_tokens",
-                                       "Prompt tokens read back from disk, not prefilled."),
-            "prefix_disk_written": ("mlx_engine_prefix_disk_written_entries",
-                                    "Prefix entries written to disk."),
-            "prefix_disk_skipped": ("mlx_engine_prefix_disk_skipped_files",
-                                    "Prefix files refused (short, altered, another model)."),
-            "steps": ("mlx_engine_steps", "Engine steps."),
-            "loads": ("mlx_engine_model_loads",
-                      "Chat model loads: the first, and each after keep_alive unloaded it."),
-            "unloads": ("mlx_engine_model_unloads", "Chat model unloads by keep_alive."),
-            # The engine's own request outcomes (HTTP outcomes are mlx_server_requests).
-            "completed": ("mlx_engine_completed_requests", "Requests that finished."),
-            "cancelled": ("mlx_engine_cancelled_requests",
-                          "Requests cancelled (disconnects, timeouts, callers)."),
-            "failed": ("mlx_engine_failed_requests", "Requests that failed."),
-            "embed_requests": ("mlx_engine_embed_requests",
-                               "Embedding requests that finished with vectors."),
-            "embed_texts": ("mlx_engine_embed_texts", "Texts embedded."),
-            "embed_tokens": ("mlx_engine_embed_tokens", "Tokens the encoder read."),
-            "embed_batches": ("mlx_engine_embed_batches", "Encoder calls."),
-            "embed_cancelled": ("mlx_engine_embed_cancelled_requests",
-                                "Embedding requests cancelled or timed out."),
-            "embed_failed": ("mlx_engine_embed_failed_requests", "Embedding requests that failed."),
-            "vision_images": ("mlx_engine_vision_images",
-                              "Images the vision tower read (features not in the LRU)."),
-            "vision_seconds": ("mlx_engine_vision_seconds",
-                               "Seconds the vision tower and projector ran."),
-            "vision_feature_hits": ("mlx_engine_vision_feature_hits",
-                                    "Images whose features came from the LRU."),
-        }
-        families: list[GaugeMetricFamily | CounterMetricFamily] = []
+    def collect(self) -> Iterator[Family]:
+        """Every figure of ``ENGINE_FIGURES`` for each model, then the speed-ups."""
+        # One snapshot per engine per scrape, so every figure of a model is from one moment.
         snapshots = {name: engine.stats() for name, engine in self._engines().items()}
-        for field, (name, doc) in gauges.items():
-            gauge = GaugeMetricFamily(name, doc, labels=["model"])
+        for figure in ENGINE_FIGURES:
+            family = figure.kind(figure.name, figure.help, labels=["model"])
             for model, stats in snapshots.items():
-                gauge.add_metric([model], float(getattr(stats, field)))
-            families.append(gauge)
-        for field, (name, doc) in counters.items():
-            counter = CounterMetricFamily(name, doc, labels=["model"])
-            for model, stats in snapshots.items():
-                counter.add_metric([model], float(getattr(stats, field)))
-            families.append(counter)
-        speedups = GaugeMetricFamily(
-            "mlx_engine_speedup", "1 if the speed-up is on for the model's caches, else 0; "
-            "detail says how it works on them, or why it is off.",
-            labels=["model", "speedup", "cache_kinds", "detail"])
-        for model, stats in snapshots.items():
-            kinds = ",".join(stats.cache_kinds)
-            for speedup in stats.speedups:
-                speedups.add_metric([model, speedup.name, kinds, speedup.detail],
-                                    1.0 if speedup.on else 0.0)
-        families.append(speedups)
-        yield from families
+                family.add_metric([model], float(getattr(stats, figure.field)))
+            yield family
+        yield _speedups(snapshots)
 
 
 class ServerMetrics:
