@@ -63,6 +63,7 @@ class Tally:
     cut: int = 0
     marked: int = 0  # argument strings holding a call marker
     tokens: int = 0
+    invalid: int = 0  # replies holding call-like text that did not parse
 
 
 def run(model: str | None, guarded: bool, agents: int, turns: int, max_tokens: int,
@@ -88,11 +89,11 @@ def run(model: str | None, guarded: bool, agents: int, turns: int, max_tokens: i
             for agent, handle in zip(live, handles):
                 result = handle.result(timeout=1800)
                 tally.tokens += result.usage.completion_tokens
-                strings = [str(v) for call in (*result.tool_calls,
-                                              *result.invalid_tool_calls)
+                strings = [str(v) for call in result.tool_calls
                            for v in (call.arguments.values()
                                      if isinstance(call.arguments, dict) else [call.arguments])]
                 tally.marked += sum(any(m in s for m in markers) for s in strings)
+                tally.invalid += bool(result.invalid_tool_calls)
                 if result.tool_calls:
                     tally.calls += 1
                     call = result.tool_calls[0]
@@ -132,15 +133,15 @@ def main() -> None:
         name = "guard on" if guarded else "guard off"
         print(f"{name} ({seconds:.0f} s)")
         print(f"{'turn':>5} {'calls':>6} {'answers':>8} {'cut':>4} {'marker in arg':>14} "
-              f"{'tokens':>7}")
+              f"{'tokens':>7} {'unparsed':>9}")
         for turn, t in enumerate(tallies, 1):
             print(f"{turn:>5} {t.calls:>6} {t.answers:>8} {t.cut:>4} {t.marked:>14} "
-                  f"{t.tokens:>7}")
+                  f"{t.tokens:>7} {t.invalid:>9}")
         total = Tally(*(sum(getattr(t, k) for t in tallies)
-                        for k in ("calls", "answers", "cut", "marked", "tokens")))
+                        for k in ("calls", "answers", "cut", "marked", "tokens", "invalid")))
         totals[name] = total
         print(f"{'all':>5} {total.calls:>6} {total.answers:>8} {total.cut:>4} "
-              f"{total.marked:>14} {total.tokens:>7}\n")
+              f"{total.marked:>14} {total.tokens:>7} {total.invalid:>9}\n")
     on, off = totals["guard on"], totals["guard off"]
     replies_on = on.calls + on.answers + on.cut
     replies_off = off.calls + off.answers + off.cut
