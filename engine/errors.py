@@ -38,6 +38,16 @@ class ModelFormatError(ModelLoadError, ValueError):
     a corrupt or inconsistent config, weights that do not fit the architecture."""
 
 
+class UnsupportedUpstreamError(ModelLoadError, ImportError):
+    """This install's mlx, mlx-lm or mlx-vlm lacks names the engine relies on (a release
+    outside the pins): raised at load, naming each missing name, the installed versions
+    and the supported ones (``names``: the missing names)."""
+
+    def __init__(self, message: str, names: list[str]) -> None:
+        super().__init__(message)
+        self.names = names
+
+
 class EngineClosedError(EngineError):
     """The engine was closed before or while the request ran."""
 

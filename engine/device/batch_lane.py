@@ -42,16 +42,17 @@ from engine.device.batch_row import BatchRow, BatchRows, OutRow
 from engine.device.first_tokens import FirstToken, SamplerTap
 from engine.device.forced_span_runner import ForcedSpanRunner
 from engine.device.forced_spans import spans_supported
-from engine.device.grammar_step import GrammarProcessor, MaskFiller, install
+from engine.device.grammar_step import GrammarProcessor, MaskFiller
 from engine.device.logprobs import token_logprobs
 from engine.device.prefix_reuse import PrefixReuse
-from engine.device.rejoin import decoding, direct_join_supported, join_decoding, next_inputs
-from engine.device.row_adapters import adapters_of
-from engine.device.row_cache import copied, trims_exactly
+from engine.device.row_adapters import adapters_of, routed
+from engine.device.row_cache import copied, merged, trims_exactly
 from engine.device.sampling import GrammarMask, SamplerCache, guarded, penalty_processors
 from engine.device.span_costs import SpanCosts
 from engine.device.speculator import Speculator
 from engine.device.speedups import cache_kinds
+from engine.device.upstream.batches import install
+from engine.device.upstream.decoding_batch import decoding, join_decoding, next_inputs, settle
 from engine.device.vision_prefill import VisionPrefill
 from engine.requests.constraints.grammar import GrammarCompiler
 from engine.requests.inbound.sampling import LogitsProcessor
@@ -65,7 +66,7 @@ class BatchLane:
 
     ``planner``: the prefill policy (its group size and chunk size the generator's too).
     ``direct_join``: rows back from a span or speculation join the decoding batch directly
-    where this mlx-lm allows it (``rejoin``); False sends them through a prompt segment.
+    (``upstream.decoding_batch``); False sends them through a prompt segment.
     ``measured_costs``: False where every rank of a sharded engine runs this lane: spans and
     checks are then decided by fixed thresholds, alike on every rank (``SpanCosts``).
     """
@@ -116,8 +117,9 @@ class BatchLane:
 
     def _new_generator(self) -> BatchGenerator:
         generator = BatchGenerator(self._model, stream=self._stream, **self._options)
-        # Constrained rows masked together, while the forward runs (``grammar_step``).
-        self.masks_batched = install(generator, self.masks)
+        # Constrained rows masked together while the forward runs (``grammar_step``), and
+        # each row's adapter in every forward (``row_adapters``): the seam's subclasses.
+        install(generator, self.masks, routed)
         return generator
 
     def __len__(self) -> int:
@@ -467,10 +469,10 @@ class BatchLane:
         through a prompt segment.
         """
         direct = [out for out in rows if len(out.unfed) == 1]
-        if direct and self.direct_join and direct_join_supported(self._generator):
+        if direct and self.direct_join:
             with mx.stream(self._stream):
                 uids = join_decoding(
-                    self._generator, [out.cache for out in direct],
+                    self._generator, merged([out.cache for out in direct]),
                     [out.history for out in direct], [out.unfed[0] for out in direct],
                     [out.row.sampler for out in direct],
                     [self._processors(out.row) for out in direct], self._no_stops, _NO_LIMIT)
@@ -478,7 +480,9 @@ class BatchLane:
                 self.rows.joined(out.row, uid)
                 out.row.echo = out.unfed[0]
             rows = [out for out in rows if len(out.unfed) != 1]
-            self._settle_batch()
+            # Evaluated now: the work is this step's, and span costs are measured per step
+            # (left lazy, it landed in the next plain step, making spans look cheaper).
+            settle(self._generator, self._stream)
         if not rows:
             return
         uids = self._generator.insert_segments(
@@ -492,16 +496,6 @@ class BatchLane:
         )
         for uid, out in zip(uids, rows):
             self.rows.joined(out.row, uid)
-
-    def _settle_batch(self) -> None:
-        """Evaluate the decoding batch's cache now that rows were cut out and merged in: the
-        work is this step's, and span costs are measured per step (left lazy, it landed in
-        the next plain step, which then looked dearer and made spans look cheaper)."""
-        batch = getattr(self._generator, "_generation_batch", None)
-        cache = getattr(batch, "prompt_cache", None)
-        if cache:
-            with mx.stream(self._stream):
-                mx.eval([layer.state for layer in cache])
 
     def decoding(self, row: BatchRow) -> bool:
         return row.uid is not None and decoding(self._generator, row.uid)

@@ -15,8 +15,9 @@ No Python worker thread: it would hold the GIL the engine thread needs back afte
 MLX call (measured: 0.79-0.83 of plain rows' tok/s with one, 0.90-0.95 without, 16 rows
 all constrained in the host regime).
 
-The rest of a step (other processors, sampling, the lookahead) is mlx-lm's. A group's
-first step runs in mlx-lm's own batch before it joins: its rows use the per-row path.
+The step itself is mlx-lm's, re-done in the upstream seam (``upstream.batches``), which
+asks ``MaskFiller`` for the masks. A group's first step runs in mlx-lm's own batch before it
+joins: its rows use the per-row path (``GrammarProcessor``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import BatchGenerator, GenerationBatch
 
 from engine.device.sampling import FailureSlot, GrammarMask
 from engine.requests.constraints.grammar import RowGrammar, fill_rows
@@ -80,7 +80,20 @@ class MaskFiller:
         self._executor: Any = None  # made at the first constrained step: text rows start none
         self._shifts = mx.arange(32, dtype=mx.uint32)
 
-    def fill(self, rows: Sequence[tuple[int, GrammarProcessor]], tokens: list[int] | None,
+    def batched(self, processors: Sequence[Any]) -> list[tuple[int, Any]]:
+        """(batch index, processor) of the decoding batch's constrained rows."""
+        return [(index, processor) for index, row in enumerate(processors)
+                for processor in (row or ()) if isinstance(processor, GrammarProcessor)]
+
+    def started(self, rows: Sequence[tuple[int, Any]]) -> bool:
+        """Whether any row's grammar needs the last step's token."""
+        return any(processor.grammar.started for _, processor in rows)
+
+    def others(self, processors: Any) -> list[Any]:
+        """A row's processors other than its grammar (penalties, a caller's own)."""
+        return [p for p in (processors or ()) if not isinstance(p, GrammarProcessor)]
+
+    def fill(self, rows: Sequence[tuple[int, Any]], tokens: list[int] | None,
              width: int, vocab: int) -> mx.array | None:
         """The batch's (``width``, ``vocab``) allowed-token mask; ``tokens`` by batch row.
 
@@ -116,106 +129,3 @@ class MaskFiller:
         words = mx.array(bitmask.view(np.uint32))
         bits = (words[:, :, None] >> self._shifts) & 1
         return bits.reshape(width, -1)[:, :vocab].astype(mx.bool_)
-
-
-class LaneGenerationBatch(GenerationBatch):  # type: ignore[misc]
-    """mlx-lm's decoding batch, with its constrained rows masked together (``MaskFiller``).
-
-    Installed on a generator's decoding batch by ``install``; a step without constrained
-    rows is mlx-lm's own.
-    """
-
-    _masks: MaskFiller
-    steps_masked: int
-    _next_tokens: mx.array
-    _next_logprobs: list[mx.array]
-
-    def _step(self) -> tuple[list[int], list[mx.array]]:
-        grammars = [(index, processor) for index, processors in enumerate(self.logits_processors)
-                    for processor in (processors or ()) if isinstance(processor, GrammarProcessor)]
-        if not grammars:
-            return super()._step()  # type: ignore[no-any-return]
-        self._current_tokens = self._next_tokens
-        self._current_logprobs = self._next_logprobs
-        inputs: mx.array = self._current_tokens
-        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
-        mx.async_eval(logits)  # type: ignore[no-untyped-call]
-        tokens: list[int] | None = None
-        if any(processor.grammar.started for _, processor in grammars):
-            mx.eval(inputs, self._current_logprobs)  # the step's one wait on the device
-            tokens = inputs.tolist()  # type: ignore[assignment]
-        allowed = self._masks.fill(grammars, tokens, len(self.uids), logits.shape[-1])
-        if allowed is not None:
-            logits = mx.where(allowed, logits, -mx.inf)
-        self.steps_masked += 1
-        token_context = self._other_processors(logits, inputs)
-        if token_context is not None:
-            logits, contexts = token_context
-        else:
-            contexts = []
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        self._next_tokens = self._sample(logprobs)
-        self._next_logprobs = list(logprobs)
-        mx.async_eval(self._next_tokens, self._next_logprobs, contexts)  # type: ignore[no-untyped-call]
-        if tokens is None:  # no started grammar: the wait is here, as in mlx-lm's step
-            mx.eval(inputs, self._current_logprobs)
-        read: list[int] = tokens if tokens is not None else inputs.tolist()  # type: ignore[assignment]
-        for history, token in zip(self.tokens, read):
-            history.append(token)
-        return read, self._current_logprobs
-
-    def _other_processors(self, logits: mx.array,
-                          inputs: mx.array) -> tuple[mx.array, list[mx.array]] | None:
-        """Rows' processors other than the grammar (penalties, a caller's own), per row
-        as mlx-lm runs them; None when no row has one."""
-        others = [[p for p in (processors or ()) if not isinstance(p, GrammarProcessor)]
-                  for processors in self.logits_processors]
-        if not any(others):
-            return None
-        rows, contexts = [], []
-        for index, processors in enumerate(others):
-            row_logits = logits[index:index + 1]
-            if processors:
-                context = self._token_context[index].update_and_fetch(
-                    inputs[index:index + 1])
-                contexts.append(context)
-                for processor in processors:
-                    row_logits = processor(context, row_logits)
-            rows.append(row_logits)
-        return mx.concatenate(rows, axis=0), contexts
-
-    def _sample(self, logprobs: mx.array) -> mx.array:
-        """Each distinct sampler once, on its rows (mlx-lm calls one per row unless the
-        whole batch shares one)."""
-        samplers = [self.fallback_sampler if s is None else s
-                    for s in (self.samplers or [None] * len(self.uids))]
-        if all(s is samplers[0] for s in samplers):
-            return samplers[0](logprobs)  # type: ignore[no-any-return]
-        groups: dict[int, tuple[Any, list[int]]] = {}
-        for index, sampler in enumerate(samplers):
-            groups.setdefault(id(sampler), (sampler, []))[1].append(index)
-        order: list[int] = []
-        parts = []
-        for sampler, indices in groups.values():
-            order.extend(indices)
-            parts.append(sampler(logprobs[mx.array(indices)]).reshape(-1))
-        sampled = mx.concatenate(parts)
-        return sampled[mx.array(np.argsort(np.array(order)))]
-
-
-def install(generator: BatchGenerator, masks: MaskFiller) -> bool:
-    """Make the generator's decoding batch a ``LaneGenerationBatch``; False where this
-    mlx-lm's batch lacks what it overrides (the lane then keeps per-row processors)."""
-    batch: Any = getattr(generator, "_generation_batch", None)
-    if type(batch) is not GenerationBatch or not all(
-            hasattr(batch, name) for name in _FIELDS):
-        return False
-    batch.__class__ = LaneGenerationBatch
-    batch._masks = masks
-    batch.steps_masked = 0
-    return True
-
-
-_FIELDS = ("_next_tokens", "_next_logprobs", "_current_tokens", "_current_logprobs",
-           "_token_context", "logits_processors", "samplers", "fallback_sampler", "tokens",
-           "prompt_cache", "model", "uids")

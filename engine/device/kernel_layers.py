@@ -4,14 +4,13 @@
 whose layout the matmul kernel takes to a subclass that calls it (no weight is copied or
 changed: saving, sharding helpers and ``weights_bytes`` see the same parameters), and routes
 the attention of the model's family through the fused kernel while this model runs: the
-family module's ``scaled_dot_product_attention`` is wrapped once per process, and the wrapper
-takes the kernel only inside a forward of a model ``install`` marked (a thread-local flag its
-``__call__`` sets), so other models of the family in the process keep MLX's attention.
+family module's ``scaled_dot_product_attention`` is wrapped once per process (by the upstream
+seam, ``upstream.fast_ops``), and the wrapper takes the kernel only inside a forward of a
+model ``install`` marked, so other models of the family in the process keep MLX's attention.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,12 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.device import cpu_kernels
-
-_forward = threading.local()  # .active: inside a forward of a model with the kernels
-
-
-def _in_kernel_forward() -> bool:
-    return bool(getattr(_forward, "active", False))
+from engine.device.upstream.fast_ops import in_marked_forward as _in_kernel_forward
+from engine.device.upstream.fast_ops import wrap_family, wrap_fast
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):  # type: ignore[misc]
@@ -202,8 +197,8 @@ def install(model: nn.Module, int8: bool = False) -> Installed:
             if path:
                 object.__setattr__(module, "_mlx_providers_int8", True)
             swapped += 1
-    attention = _route_attention(model)
-    _route_fast_ops(model)
+    attention = wrap_family(model, _WRAPPERS)  # the seam wraps; its wrappers call the kernels
+    wrap_fast(model, _FAST_WRAPPERS)
     return Installed(swapped, quantized, attention, _group_siblings(model),
                      path if swapped else "", True)
 
@@ -231,8 +226,6 @@ def _wrap_swiglu(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             return cpu_kernels.silu_mul(gate, x)
         return original(gate, x)
 
-    swiglu.__wrapped__ = original  # type: ignore[attr-defined]
-    swiglu._mlx_providers_kernel = True  # type: ignore[attr-defined]
     return swiglu
 
 
@@ -249,33 +242,7 @@ def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
                 return cpu_kernels.attention(queries, keys, values, scale, array, causal)
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
-    scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
-    scaled_dot_product_attention._mlx_providers_kernel = True  # type: ignore[attr-defined]
     return scaled_dot_product_attention
-
-
-_route_lock = threading.Lock()
-_marked: dict[type, type] = {}
-
-
-def _marked_class(cls: type) -> type:
-    """A subclass of a model class whose forward lets the wrapped functions take the kernels."""
-    found = _marked.get(cls)
-    if found is not None:
-        return found
-
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        outer = _in_kernel_forward()
-        _forward.active = True
-        try:
-            return cls.__call__(self, *args, **kwargs)
-        finally:
-            _forward.active = outer
-
-    marked = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                         "__qualname__": cls.__qualname__})
-    _marked[cls] = marked
-    return marked
 
 
 _WRAPPERS: dict[str, Callable[[Callable[..., mx.array]], Callable[..., mx.array]]] = {
@@ -292,8 +259,6 @@ def _wrap_rms_norm(original: Callable[..., mx.array]) -> Callable[..., mx.array]
             return cpu_kernels.rms_norm(x, weight, eps)
         return original(x, weight, eps, stream=stream)
 
-    rms_norm.__wrapped__ = original  # type: ignore[attr-defined]
-    rms_norm._mlx_providers_kernel = True  # type: ignore[attr-defined]
     return rms_norm
 
 
@@ -309,8 +274,6 @@ def _wrap_rope(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         return original(a, dims, traditional=traditional, base=base, scale=scale,
                         offset=offset, freqs=freqs, stream=stream)
 
-    rope.__wrapped__ = original  # type: ignore[attr-defined]
-    rope._mlx_providers_kernel = True  # type: ignore[attr-defined]
     return rope
 
 
@@ -320,38 +283,3 @@ _FAST_WRAPPERS: dict[str, Callable[[Callable[..., mx.array]], Callable[..., mx.a
     "rms_norm": _wrap_rms_norm,
     "rope": _wrap_rope,
 }
-
-
-def _wrap_once(owner: Any, wrappers: dict[str, Callable[[Callable[..., mx.array]],
-                                                         Callable[..., mx.array]]]) -> None:
-    """Replace each of ``owner``'s functions named in ``wrappers`` by its wrapper, once per
-    process; call under ``_route_lock``."""
-    for name, wrap in wrappers.items():
-        current = getattr(owner, name, None)
-        if current is not None and not getattr(current, "_mlx_providers_kernel", False):
-            setattr(owner, name, wrap(current))
-
-
-def _mark(model: nn.Module) -> None:
-    """Let this model's forwards take the wrapped functions' kernels; call under the lock."""
-    if type(model) not in _marked.values():
-        model.__class__ = _marked_class(type(model))
-
-
-def _route_fast_ops(model: nn.Module) -> None:
-    """Wrap ``mx.fast.rms_norm`` and ``mx.fast.rope`` (once) and mark this model's forwards."""
-    with _route_lock:
-        _wrap_once(mx.fast, _FAST_WRAPPERS)
-        _mark(model)
-
-
-def _route_attention(model: nn.Module) -> bool:
-    """Wrap the model family's attention (and swiglu) functions once; mark this model's
-    forwards. False when the family computes attention its own way (MLX's then)."""
-    family = sys.modules.get(type(model).__module__)
-    if family is None or getattr(family, "scaled_dot_product_attention", None) is None:
-        return False
-    with _route_lock:
-        _wrap_once(family, _WRAPPERS)
-        _mark(model)
-    return True

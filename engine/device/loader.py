@@ -48,6 +48,7 @@ from engine.device.row_adapters import attach
 from engine.device.sampling import SamplerCache
 from engine.device.serial_lane import SerialLane
 from engine.device.speedups import report
+from engine.device.upstream.required import check_upstream
 from engine.device.vision import VisionTower, checkpoint_tower_bytes
 from engine.device.vision_prefill import VisionPrefill
 from engine.device.weight_policy import WeightChoice, apply_weight_policy
@@ -211,6 +212,7 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
     ``UnsupportedModelError`` (a model type this mlx-lm has no architecture for), each
     naming the model directory.
     """
+    check_upstream()  # an mlx-lm or mlx outside the pins: one error naming what is missing
     architecture_module(read_model_config(path), path)  # the load errors, named, up front
     if stream is None:
         stream = mx.new_thread_local_stream(mx.default_device())

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -306,7 +306,6 @@ class RowAdapters:
         dropped = {self.slot(name) for name in victims}
         stacks = self._stacked(adapter, free + 1, dropped)
         targets = self._wrappers(sorted(adapter.pairs))
-        _route_batches()  # from the first adapter on, batch forwards read row slots
         # Everything that could fail is done: commit (nothing below raises).
         for name in victims:
             del self._slots[name]
@@ -458,39 +457,17 @@ def rows_of(model: Any, slots: Sequence[int]) -> Iterator[None]:
 
 
 def attach(model: Any, max_bytes: int) -> RowAdapters:
-    """Give ``model`` a set of per-row adapters; mlx-lm's batch forwards are routed through
-    the slots of their rows (``uid_slots``) once the first adapter loads."""
+    """Give ``model`` a set of per-row adapters; the lane's batch forwards run the slots of
+    their rows (``uid_slots``, ``routed``)."""
     adapters = RowAdapters(model, max_bytes)
     model._mlx_providers_adapters = adapters
     return adapters
 
 
-_routed = False
-
-
-def _route_batches() -> None:
-    """Wrap mlx-lm's batch forwards (prefill, decode) once per process: a batch whose model
-    has adapters runs its rows' slots; any other runs as mlx-lm's."""
-    global _routed
-    if _routed:
-        return
-    from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
-
-    from engine.device.grammar_step import LaneGenerationBatch
-
-    for cls, name in ((GenerationBatch, "_step"), (LaneGenerationBatch, "_step"),
-                      (PromptProcessingBatch, "prompt")):
-        setattr(cls, name, _routed_method(getattr(cls, name)))
-    _routed = True
-
-
-def _routed_method(original: Any) -> Any:
-    def routed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        adapters = adapters_of(self.model)
-        if adapters is None or not adapters.uid_slots:
-            return original(self, *args, **kwargs)
-        with adapters.rows([adapters.uid_slots.get(uid, 0) for uid in self.uids]):
-            return original(self, *args, **kwargs)
-
-    routed.__wrapped__ = original  # type: ignore[attr-defined]
-    return routed
+def routed(model: Any, uids: Sequence[int]) -> AbstractContextManager[Any]:
+    """The context a batch forward over ``uids`` runs in: their rows' adapters (the lane's
+    batches run their forwards in it, ``upstream.batches``); none while no row has one."""
+    adapters = adapters_of(model)
+    if adapters is None or not adapters.uid_slots:
+        return nullcontext()
+    return adapters.rows([adapters.uid_slots.get(uid, 0) for uid in uids])

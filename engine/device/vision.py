@@ -23,8 +23,6 @@ import json
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,8 @@ import mlx.core as mx
 import numpy as np
 
 from engine.device.row_adapters import adapters_of
+from engine.device.upstream.required import check_vision
+from engine.device.upstream.vision_blocks import install_recorder, recording
 from engine.requests.inbound.prompts import PromptImage
 from engine.requests.inbound.vision_formats import GRID_POSITIONS, VisionFormat
 
@@ -119,50 +119,12 @@ class FeatureRun:
         return self._features
 
 
-@contextmanager
-def _recording(block_class: type | None, outputs: list[mx.array]) -> Iterator[None]:
-    """While building a tower's graph, collect each block's output (its first array)."""
-    if block_class is None:
-        yield
-        return
-    original = block_class.__call__
-
-    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
-        outputs.append(out[0] if isinstance(out, tuple | list) else out)
-        return out
-
-    block_class.__call__ = recorded  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        block_class.__call__ = original  # type: ignore[method-assign]
-
-
-def _block_class(tower: Any) -> type | None:
-    """The class of the tower's repeated blocks: the most common class among modules named
-    ``...<name>.<index>`` (``encoder.layers.3``, ``blocks.7``, ``transformer.layers.0``)."""
-    counts: dict[type, int] = {}
-    for name, module in tower.named_modules():
-        # Blocks hold modules of their own (a numbered Linear in a projector does not).
-        if name.rsplit(".", 1)[-1].isdigit() and _has_submodules(module):
-            counts[type(module)] = counts.get(type(module), 0) + 1
-    return max(counts, key=lambda c: counts[c]) if counts else None
-
-
-def _has_submodules(module: Any) -> bool:
-    import mlx.nn as nn
-
-    return any(isinstance(value, nn.Module) or (
-        isinstance(value, list | tuple) and any(isinstance(v, nn.Module) for v in value))
-        for value in module.children().values())
-
-
 class VisionTower:
     """The tower, projector and embedding that turn an image into its tokens' embeddings."""
 
     def __init__(self, path: Path, text_model: Any, fmt: VisionFormat, stream: Any,
                  cache_bytes: int) -> None:
+        check_vision()  # the vision extra's names, before any is used
         from mlx_vlm.utils import load_model  # the ``vision`` extra: only for such models
 
         vlm = load_model(Path(path), lazy=True)
@@ -185,7 +147,7 @@ class VisionTower:
         self._text_model = text_model
         self._vlm = vlm
         towers_root = getattr(vlm, "vision_tower", None)
-        self._blocks = _block_class(towers_root) if towers_root is not None else None
+        self.blocks_recorded = towers_root is not None and install_recorder(towers_root)
         self.embed = embed
         self.stream = stream
         towers = [module for name, module in vlm.children().items()
@@ -208,7 +170,7 @@ class VisionTower:
             return FeatureRun([], found, self, None)
         started = time.perf_counter()
         outputs: list[mx.array] = []
-        with mx.stream(self.stream), _recording(self._blocks, outputs):
+        with mx.stream(self.stream), recording(outputs):
             pixels = mx.array(image.read_pixels())
             block = mx.array([list(image.block)])
             extra = {k: mx.array(v) if k in _ARRAY_INPUTS else v

@@ -16,6 +16,8 @@ from engine.errors import ModelFormatError, ModelLoadError, ModelUnavailableErro
 def load_error(exc: Exception, spec: ModelSpec) -> ModelLoadError:
     """``exc`` (raised while resolving or loading ``spec``) as a ``ModelLoadError`` of its
     family, with ``exc`` as its cause."""
+    if isinstance(exc, ModelLoadError):  # already says what failed (an unsupported upstream)
+        return exc
     name = "the default model" if spec is None else repr(os.fspath(spec))
     kind = ModelUnavailableError if isinstance(exc, OSError) else ModelFormatError
     error = kind(f"the model could not be loaded: {name}: {type(exc).__name__}: {exc}")

@@ -259,18 +259,6 @@ def test_the_serial_lane_fast_forwards_seeded_rows(make_engine: Callable[..., En
     assert on.stats().forced_tokens > 0
 
 
-def test_rejoining_rows_join_the_decoding_batch_directly(tiny_model_dir: Any) -> None:
-    """On the pinned mlx-lm the lane can append a row to the decoding batch itself, so a
-    rejoin costs no forward of its own (if mlx-lm moves those fields, this says so)."""
-    from mlx_lm import load
-    from mlx_lm.generate import BatchGenerator
-
-    from engine.device.rejoin import direct_join_supported
-
-    model, _ = load(str(tiny_model_dir))
-    assert direct_join_supported(BatchGenerator(model))
-
-
 def test_a_direct_rejoin_decodes_what_a_prompt_segment_rejoin_does(
         make_engine: Callable[..., Engine]) -> None:
     """Rows leaving for spans while siblings decode, staggered so they rejoin beside them:
