@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
@@ -19,8 +20,9 @@ from typing import Any
 
 from engine.errors import UnsupportedUpstreamError
 
-# The versions the pins allow (pyproject.toml): said in the error, so the fix is plain.
-SUPPORTED = {"mlx": ">=0.32", "mlx-lm": ">=0.32,<0.33", "mlx-vlm": ">=0.3 (the vision extra)"}
+# The versions the pins allow, said in the error so the fix is plain: read from this
+# package's own metadata (pyproject.toml's pins); these where it is not installed.
+SUPPORTED = {"mlx": ">=0.32", "mlx-lm": ">=0.32,<0.33", "mlx-vlm": ">=0.7.10,<0.8"}
 
 
 @dataclass(frozen=True)
@@ -136,12 +138,25 @@ def version(package: str) -> str:
         return "not installed"
 
 
+def supported(package: str) -> str:
+    """The version range this package's pins allow for ``package``."""
+    try:
+        pins = importlib.metadata.requires("mlx-providers") or []
+    except importlib.metadata.PackageNotFoundError:
+        pins = []
+    for pin in pins:
+        found = re.match(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*([^;]*)", pin)
+        if found and found.group(1).lower() == package and found.group(3).strip():
+            return found.group(3).strip()
+    return SUPPORTED.get(package, "")
+
+
 def unsupported(reaches: Iterable[Reach]) -> UnsupportedUpstreamError:
     """One error naming every missing reach, the installed versions and the supported."""
     reaches = list(reaches)
     packages = sorted({reach.package for reach in reaches})
     installed = ", ".join(f"{p} {version(p)}" for p in packages)
-    wanted = ", ".join(f"{p}{SUPPORTED.get(p, '')}" for p in packages)
+    wanted = ", ".join(f"{p}{supported(p)}" for p in packages)
     lines = "; ".join(f"{reach.path} ({reach.site})" for reach in reaches)
     return UnsupportedUpstreamError(
         f"this install ({installed}) lacks what mlx-providers relies on: {lines}. "
