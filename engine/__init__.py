@@ -45,6 +45,7 @@ from engine.requests.inbound.chat import (
     sampling_from_openai,
     sampling_from_options,
 )
+from engine.requests.inbound.images import IMAGE_PARTS
 from engine.requests.inbound.messages import Message, MessageToolCall, messages_from_openai
 from engine.requests.inbound.output_constraint import (
     Constraint,
@@ -69,6 +70,7 @@ from engine.runtime.follower import distributed_rank, follow
 
 __all__ = [
     "DEFAULT_EMBEDDING_NAME",
+    "IMAGE_PARTS",
     "REQUEST_OPTIONS",
     "SAMPLING_FIELDS",
     "ChatRequest",

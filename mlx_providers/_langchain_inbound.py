@@ -25,6 +25,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from pydantic import BaseModel
 
 from engine import (
+    IMAGE_PARTS,
     InvalidRequestError,
     JsonObject,
     JsonSchema,
@@ -91,7 +92,6 @@ def past_reasoning(message: AIMessage) -> str:
 
 
 # Content part types that carry an image: OpenAI's, the Responses API's, LangChain's own.
-_IMAGE_PARTS = frozenset({"image", "image_url", "input_image"})
 
 
 def carries_images(messages: Sequence[BaseMessage | Mapping[str, Any]]) -> bool:
@@ -101,7 +101,7 @@ def carries_images(messages: Sequence[BaseMessage | Mapping[str, Any]]) -> bool:
         content = (message.get("content") if isinstance(message, Mapping)
                    else message.content)
         if isinstance(content, list) and any(
-                isinstance(part, Mapping) and part.get("type") in _IMAGE_PARTS
+                isinstance(part, Mapping) and part.get("type") in IMAGE_PARTS
                 for part in content):
             return True
     return False

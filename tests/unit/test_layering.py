@@ -122,7 +122,7 @@ ADAPTER_FILES = python_files("mlx_providers")
 SERVER_FILES = sorted((ROOT / "mlx_providers" / "server").rglob("*.py"))
 FRAMEWORK_FACES = ("mlx_providers.langchain", "mlx_providers.llama_index",
                    "mlx_providers._langchain_inbound", "mlx_providers._langchain_outbound",
-                   "mlx_providers._langchain_structured", "mlx_providers._llama_index_messages")
+                   "mlx_providers._langchain_structured", "mlx_providers._llama_index")
 
 
 def test_the_walk_finds_every_layer() -> None:
