@@ -79,8 +79,28 @@ class LaneStep:
     width: int = 0  # rows that decoded in this step
 
 
+@dataclass(frozen=True)
+class LaneCapabilities:
+    """What a lane's model takes beyond text; a row asking for more is refused by name
+    before it starts (``StepCore``), alone."""
+
+    images: bool = False  # the model has a vision tower
+    adapters: bool = False  # the model serves per-row LoRA adapters
+
+    def refusal(self, row: LaneRow) -> str | None:
+        """Why this lane cannot run ``row``; None when it can."""
+        if row.images and not self.images:
+            return "this model reads no images"
+        if row.params.adapter is not None and not self.adapters:
+            return "this model serves no adapters (EngineConfig.max_adapters is 0)"
+        return None
+
+
 class Lane(Protocol):
     """One place rows run; every method is called on the engine thread only."""
+
+    def accepts(self, row: LaneRow) -> str | None:
+        """Why this lane cannot run ``row`` (``LaneCapabilities.refusal``); None if it can."""
 
     def insert(self, rows: Sequence[LaneRow]) -> None:
         """Start rows (each may reuse a cached KV prefix)."""

@@ -24,7 +24,12 @@ from engine.core.scheduler import Scheduler, StepPlan, Ticket
 from engine.core.stats import StatsBook
 from engine.core.step_probe import StepProbe
 from engine.core.update import Ending, update
-from engine.errors import EngineDeadError, EngineError, RequestTimeoutError
+from engine.errors import (
+    EngineDeadError,
+    EngineError,
+    InvalidRequestError,
+    RequestTimeoutError,
+)
 from engine.requests.outbound.results import FinishReason
 from engine.requests.prepare import Preparer
 
@@ -132,13 +137,31 @@ class StepCore:
         admitted = 0
         for kind in LaneKind:
             rows = [self.rows[t.request_id] for t in plan.admitted(kind)]
-            for row in rows:
+            if not rows:
+                continue
+            lane = self._lanes(kind)
+            starting = [(row, _lane_row(row)) for row in rows]
+            refused = [(row, reason) for row, lane_row in starting
+                       if (reason := lane.accepts(lane_row)) is not None]
+            if refused:  # what the lane's model cannot take fails alone, by name
+                self._refuse(refused)
+                gone = {row.request_id for row, _ in refused}
+                starting = [(row, lane_row) for row, lane_row in starting
+                            if row.request_id not in gone]
+            for row, _ in starting:
                 row.status, row.lane = RequestStatus.PREFILLING, kind
-            if rows:
-                self._lanes(kind).insert([_lane_row(row) for row in rows])
-                admitted += sum(len(row.prepared.prompt_ids) for row in rows
+            if starting:
+                lane.insert([lane_row for _, lane_row in starting])
+                admitted += sum(len(row.prepared.prompt_ids) for row, _ in starting
                                 if row.prepared is not None)
         self._book.add(prompt_tokens=admitted)
+
+    def _refuse(self, refused: list[tuple[Row, str]]) -> None:
+        """Admitted rows their lane cannot run end with an error naming why."""
+        self.scheduler.finish([row.request_id for row, _ in refused])
+        for row, reason in refused:
+            field = "images" if "images" in reason else "adapter"
+            self.end(Ending(row, FinishReason.ERROR, InvalidRequestError(reason, field)))
 
     def _step(self, kind: LaneKind, lane: Lane) -> float:
         """Step one lane, decide what its tokens mean, publish; returns the step's seconds."""

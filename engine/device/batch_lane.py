@@ -32,43 +32,41 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.core.lane import LaneRow, LaneStep, RowToken
+from engine.core.lane import LaneCapabilities, LaneRow, LaneStep, RowToken
 from engine.core.prefill_planner import HeadKey, PrefillPlanner
-from engine.device.batch_row import BatchRow, BatchRows, OutRow
-from engine.device.first_tokens import FirstToken, SamplerTap
+from engine.core.step_costs import StepCosts
+from engine.device.batch_row import BatchRow, BatchRows
+from engine.device.decoded_tokens import collect_decoded, first_tokens
+from engine.device.first_tokens import SamplerTap
 from engine.device.forced_span_runner import ForcedSpanRunner
 from engine.device.forced_spans import spans_supported
+from engine.device.generator_seam import NO_LIMIT, NO_STOPS, GeneratorSeam
 from engine.device.grammar_step import GrammarProcessor, MaskFiller
 from engine.device.logprobs import token_logprobs
 from engine.device.prefix_reuse import PrefixReuse
 from engine.device.row_adapters import adapters_of, routed
-from engine.device.row_cache import copied, merged, trims_exactly
+from engine.device.row_cache import copied, trims_exactly
 from engine.device.sampling import GrammarMask, SamplerCache, guarded, penalty_processors
-from engine.device.span_costs import SpanCosts
 from engine.device.speculator import Speculator
 from engine.device.speedups import cache_kinds
 from engine.device.upstream.batches import install
-from engine.device.upstream.decoding_batch import decoding, join_decoding, next_inputs, settle
 from engine.device.vision_prefill import VisionPrefill
 from engine.requests.constraints.grammar import GrammarCompiler
 from engine.requests.inbound.sampling import LogitsProcessor
 
-# The generator must never end a row by length itself (engine.core.update decides).
-_NO_LIMIT = 1 << 62
-
 
 class BatchLane:
-    """Continuous batching on mlx-lm's BatchGenerator; implements ``Lane`` and ``RowSeam``.
+    """Continuous batching on mlx-lm's BatchGenerator; implements ``Lane`` (its ``seam``
+    implements ``RowSeam``).
 
     ``planner``: the prefill policy (its group size and chunk size the generator's too).
     ``direct_join``: rows back from a span or speculation join the decoding batch directly
     (``upstream.decoding_batch``); False sends them through a prompt segment.
     ``measured_costs``: False where every rank of a sharded engine runs this lane: spans and
-    checks are then decided by fixed thresholds, alike on every rank (``SpanCosts``).
+    checks are then decided by fixed thresholds, alike on every rank (``StepCosts``).
     """
 
     def __init__(self, model: Any, stream: Any, compiler: GrammarCompiler,
@@ -90,12 +88,15 @@ class BatchLane:
         self.adapters = adapters_of(model)  # per-row LoRA adapters (``row_adapters``)
         self.vision = vision  # image rows' own prefill; None for a text-only model
         self.vision_share = vision_share  # of a decode step, image work's while rows decode
+        self.capabilities = LaneCapabilities(images=vision is not None,
+                                             adapters=self.adapters is not None)
         self._width = 0  # rows the last step decoded
         self._generator = self._new_generator()
-        self._no_stops = StopSequences(None)
         self.rows = BatchRows(self.adapters.uid_slots if self.adapters is not None else None)
         self._tap = SamplerTap()
-        self.direct_join = direct_join
+        # Rows leave the generator and rejoin it here (fast-forward, speculation).
+        self.seam = GeneratorSeam(lambda: self._generator, self.rows, self._processors, stream,
+                                  direct_join)
         # Both feed several tokens at once: every cache kind but quantized KV takes them.
         supported = spans_supported(model, max_kv_size)
         self.fast_forward = fast_forward and supported
@@ -106,12 +107,12 @@ class BatchLane:
         self.trims = trims_exactly(layers)
         words = compiler.words
         # Steps, spans and checks as measured here: what fast-forward and speculation decide by.
-        self.costs = SpanCosts(measured_costs)
+        self.costs = StepCosts(measured_costs)
         self.forced_spans: ForcedSpanRunner | None = (
-            ForcedSpanRunner(model, stream, self, words, self.costs) if self.fast_forward
+            ForcedSpanRunner(model, stream, self.seam, words, self.costs) if self.fast_forward
             else None)
         self.speculator: Speculator | None = (
-            Speculator(model, stream, self, words, limit=self.speculation, trims=self.trims,
+            Speculator(model, stream, self.seam, words, limit=self.speculation, trims=self.trims,
                        constrained=self.fast_forward, costs=self.costs)
             if self.speculation else None)
 
@@ -144,11 +145,12 @@ class BatchLane:
         held = [row for row in held if row.failure is None]
         self._start([row for row in held if not row.row.images or not self._to_vision(row)])
 
+    def accepts(self, row: LaneRow) -> str | None:
+        return self.capabilities.refusal(row)
+
     def _hold_adapter(self, row: BatchRow, path: str) -> None:
         """Load (once) and hold the row's adapter; one that cannot load fails the row."""
-        if self.adapters is None:
-            row.failure = ValueError("this lane's model serves no adapters")
-            return
+        assert self.adapters is not None, "StepCore refuses adapter rows here (accepts)"
         try:
             row.adapter, row.slot = self.adapters.acquire(path)
         except Exception as exc:  # a bad adapter fails its row alone
@@ -157,9 +159,7 @@ class BatchLane:
     def _to_vision(self, row: BatchRow) -> bool:
         """Queue an image row's own prefill, resuming the longest cached prefix of its
         keyed prompt; False when that prefix covers every image (it starts at once)."""
-        if self.vision is None:
-            row.failure = ValueError("this model reads no images")
-            return True
+        assert self.vision is not None, "StepCore refuses image rows here (accepts)"
         found = self.reuse.lookup(row.keyed(row.prompt), self._running_keyed(),
                                   self._extract)
         cache, reused = found if found is not None else (None, 0)
@@ -193,12 +193,12 @@ class BatchLane:
             row.sampler = self._tap.wrap(self._samplers.for_params(row.row.params))
         uids = self._generator.insert_segments(
             [plan[0] for plan in plans],
-            max_tokens=[_NO_LIMIT] * len(ready),
+            max_tokens=[NO_LIMIT] * len(ready),
             caches=[plan[1] for plan in plans],
             all_tokens=[plan[2] for plan in plans],
             samplers=[row.sampler for row in ready],
             logits_processors=[self._processors(row) for row in ready],
-            stop_sequences=[self._no_stops] * len(ready),
+            stop_sequences=[NO_STOPS] * len(ready),
         )
         for uid, row, (segments, *_) in zip(uids, ready, plans):
             self.rows.joined(row, uid)
@@ -323,7 +323,7 @@ class BatchLane:
         self._tap.arm()
         try:
             progress, responses = self._generator.next()
-            firsts = self._first_tokens(progress, decoded=len(responses))
+            firsts = first_tokens(progress, self.rows, self._tap, decoded=len(responses))
         finally:
             self._tap.disarm()
         result = LaneStep(width=len(responses))
@@ -340,7 +340,7 @@ class BatchLane:
             elif prompt_response.end_of_prompt and self.reuse.snapshots:
                 self._snapshot_prompt(row)
         sampled: list[tuple[BatchRow, int, Any]] = []  # row, token, the logits it read
-        decoded = self._collect(responses, sampled)
+        decoded = collect_decoded(responses, self.rows, self._planner.first_token, sampled)
         for row, first in firsts:
             self._planner.first_token(row.request_id)
             row.early = first.token
@@ -356,8 +356,11 @@ class BatchLane:
         if self.forced_spans is not None:
             self.forced_spans.run(self.rows, result)
         if (self.forced_spans is not None or self.speculator is not None
-                or self.vision is not None):
-            self._time_step(started, result, prefilled=bool(progress or firsts))
+                or self.vision is not None) and not (progress or firsts):
+            # A decode step's own time (before any speculation check), with or without
+            # spans; steps that also prefilled say nothing about either decision.
+            forced = sum(token.forced for token in result.tokens)
+            self.costs.timed(result.width, forced, time.perf_counter() - started)
         if self.speculator is not None:
             self.speculator.run(self.rows, decoded, result)
         self._feed()  # the group ahead has its first tokens: the next one prefills now
@@ -377,10 +380,7 @@ class BatchLane:
         time (of the nearest width measured; until one is, a unit a step); with none
         decoding, it runs to the end of every job."""
         assert self.vision is not None
-        budget = None
-        if self._width:
-            step = self.costs.step_near(self._width)
-            budget = 0.0 if step is None else self.vision_share * step
+        budget = self.costs.image_budget(self._width, self.vision_share)
         done, failed = self.vision.advance(budget)
         for request_id, exc in failed.items():
             row = self.rows.get(request_id)
@@ -392,116 +392,3 @@ class BatchLane:
             ready.append(job.row)
         if ready:
             self._start(ready)
-
-    def _time_step(self, started: float, result: LaneStep, *, prefilled: bool) -> None:
-        """A decode step's time (before any speculation check), with or without spans, for
-        the span and check decisions; steps that also prefilled say nothing about either."""
-        if prefilled or not result.width:
-            return
-        seconds = time.perf_counter() - started
-        forced = sum(token.forced for token in result.tokens)
-        if forced:
-            self.costs.spanned(result.width, forced, seconds)
-        else:
-            self.costs.stepped(result.width, seconds)
-
-    def _collect(self, responses: Sequence[Any],
-                 sampled: list[tuple[BatchRow, int, Any]]) -> list[BatchRow]:
-        """The generator's decoded tokens into ``sampled`` (row, token, the logits it was
-        read from); returns the rows that decoded.
-
-        A token the lane reported already (a first token read early, a rejoined row's
-        next input) is checked, not reported again: a mismatch ends that row.
-        """
-        decoded: list[BatchRow] = []
-        by_uid, first_token = self.rows.by_uid, self._planner.first_token
-        for response in responses:
-            row = by_uid.get(response.uid)
-            if row is None:
-                continue
-            first_token(row.request_id)
-            if row.failure is not None:
-                continue
-            token = int(response.token)
-            if row.echo is not None:
-                if row.echo != token:  # the joined row was fed something else: end it
-                    row.failure = RuntimeError(f"rejoined with {row.echo}, fed {token}")
-                row.echo = None
-                continue
-            if row.early is not None:
-                if row.early != token:  # the tap's reading was wrong: say so, end the row
-                    row.failure = RuntimeError(
-                        f"first token read early as {row.early}, generated as {token}")
-                row.early = None
-                continue
-            decoded.append(row)
-            sampled.append((row, token, response.logprobs))
-        return decoded
-
-    def _first_tokens(self, progress: Sequence[Any],
-                      decoded: int) -> list[tuple[BatchRow, FirstToken]]:
-        """First tokens of the rows that left prefill in this step, where they can be read."""
-        rows = [self.rows.of_uid(p.uid) for p in progress if p.end_of_prompt]
-        group = [row for row in rows if row is not None and row.sampler is not None]
-        if not group or len(group) != len(rows):
-            return []
-        firsts = self._tap.group_tokens([row.sampler for row in group if row.sampler],
-                                        decoded)
-        if firsts is None:
-            return []
-        return [(row, first) for row, first in zip(group, firsts)
-                if row.grammar is None and row.failure is None]
-
-    # ----- the seam: rows leaving and rejoining the generator (``RowSeam``) ---------------
-
-    def take_out(self, rows: Sequence[BatchRow]) -> list[OutRow]:
-        """Remove decoding rows from the generator: each one's cache and the tokens it holds."""
-        uids = [self.rows.left(row) for row in rows]
-        taken = self._generator.remove(uids, return_prompt_caches=True)
-        return [OutRow(row, list(taken[uid][0]), list(taken[uid][1]))
-                for row, uid in zip(rows, uids)]
-
-    def put_back(self, rows: Sequence[OutRow]) -> None:
-        """Rows rejoin the generator from their caches; their ``unfed`` tokens go first.
-
-        A row with one token to feed joins the decoding batch directly (its token is fed
-        by the batch's next forward, and echoed back by the generator); one with more goes
-        through a prompt segment.
-        """
-        direct = [out for out in rows if len(out.unfed) == 1]
-        if direct and self.direct_join:
-            with mx.stream(self._stream):
-                uids = join_decoding(
-                    self._generator, merged([out.cache for out in direct]),
-                    [out.history for out in direct], [out.unfed[0] for out in direct],
-                    [out.row.sampler for out in direct],
-                    [self._processors(out.row) for out in direct], self._no_stops, _NO_LIMIT)
-            for uid, out in zip(uids, direct):
-                self.rows.joined(out.row, uid)
-                out.row.echo = out.unfed[0]
-            rows = [out for out in rows if len(out.unfed) != 1]
-            # Evaluated now: the work is this step's, and span costs are measured per step
-            # (left lazy, it landed in the next plain step, making spans look cheaper).
-            settle(self._generator, self._stream)
-        if not rows:
-            return
-        uids = self._generator.insert_segments(
-            [[out.unfed] for out in rows],
-            max_tokens=[_NO_LIMIT] * len(rows),
-            caches=[out.cache for out in rows],
-            all_tokens=[out.history for out in rows],
-            samplers=[out.row.sampler for out in rows],
-            logits_processors=[self._processors(out.row) for out in rows],
-            stop_sequences=[self._no_stops] * len(rows),
-        )
-        for uid, out in zip(uids, rows):
-            self.rows.joined(out.row, uid)
-
-    def decoding(self, row: BatchRow) -> bool:
-        return row.uid is not None and decoding(self._generator, row.uid)
-
-    def next_inputs(self, rows: Sequence[BatchRow]) -> list[tuple[int, Any]]:
-        uids = [row.uid for row in rows if row.uid is not None]
-        assert len(uids) == len(rows), "only rows in the generator have a next input"
-        chosen = next_inputs(self._generator, uids)
-        return [chosen[uid] for uid in uids]

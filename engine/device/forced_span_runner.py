@@ -17,12 +17,12 @@ from typing import Any
 import mlx.core as mx
 
 from engine.core.lane import LaneStep, RowToken
+from engine.core.step_costs import StepCosts, min_span
 from engine.device.batch_row import BatchRow, BatchRows, OutRow, RowSeam
 from engine.device.forced_spans import forward_spans
 from engine.device.logprobs import forced_logprob, token_logprob
 from engine.device.row_adapters import rows_of
 from engine.device.sampling import GrammarMask, penalty_processors
-from engine.device.span_costs import SpanCosts, min_span
 
 # Rounds bound how long one step may be held by span forwards.
 SPAN_ROUNDS = 4
@@ -41,7 +41,7 @@ class ForcedSpanRunner:
     stream: Any  # the engine thread's MLX stream
     seam: RowSeam
     words: int  # the grammar bitmask's width (32-bit words)
-    costs: SpanCosts
+    costs: StepCosts
     shortest: Callable[[int], int] = min_span
     rounds: int = SPAN_ROUNDS
 

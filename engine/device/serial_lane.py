@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.core.lane import LaneRow, LaneStep, RowToken
+from engine.core.lane import LaneCapabilities, LaneRow, LaneStep, RowToken
 from engine.device.batch_row import BatchRow
 from engine.device.logprobs import forced_logprob, token_logprob
 from engine.device.row_adapters import RowAdapters, adapters_of, rows_of
@@ -116,9 +116,14 @@ class SerialLane:
         self._chunk = prefill_chunk
         self.fast_forward = fast_forward
         self._rows: dict[int, _SerialRow] = {}
+        self.capabilities = LaneCapabilities(images=vision is not None,
+                                             adapters=self.adapters is not None)
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    def accepts(self, row: LaneRow) -> str | None:
+        return self.capabilities.refusal(row)
 
     def insert(self, rows: Sequence[LaneRow]) -> None:
         for row in rows:
@@ -141,12 +146,10 @@ class SerialLane:
         """The row's adapter loaded and held, its image prefill set up."""
         row = serial.row
         if row.params.adapter is not None:
-            if self.adapters is None:
-                raise ValueError("this lane's model serves no adapters")
+            assert self.adapters is not None, "StepCore refuses adapter rows here (accepts)"
             serial.adapter, serial.slot = self.adapters.acquire(row.params.adapter)
         if row.images:
-            if self.vision is None:
-                raise ValueError("this model reads no images")
+            assert self.vision is not None, "StepCore refuses image rows here (accepts)"
             serial.images = self.vision.job(BatchRow(row, slot=serial.slot),
                                             serial.cache, 0)
             serial.unprefilled = row.prompt[row.vision_end:-1]

@@ -19,10 +19,10 @@ import mlx.core as mx
 
 from engine.core.drafts import ShadowDraft
 from engine.core.lane import LaneStep, RowToken
+from engine.core.step_costs import StepCosts
 from engine.device.batch_row import BatchRow, BatchRows, OutRow, RowSeam
 from engine.device.logprobs import token_logprob
 from engine.device.row_adapters import rows_of
-from engine.device.span_costs import SpanCosts
 from engine.device.speculation import (
     ACCEPTANCE_FLOOR,
     DRAFT_TOKENS,
@@ -63,14 +63,13 @@ class Speculator:
     check: Check = speculate
     # Measured step and check times (shared with fast-forward): once checks are timed, the
     # acceptance a row needs is what pays on this device and batch, not the fixed floor.
-    costs: SpanCosts | None = None
+    costs: StepCosts | None = None
 
     def _floor(self, rows: int, decoding: int) -> float:
         """Accepted tokens per draft a row needs, beside ``decoding`` rows in the batch."""
-        measured = None if self.costs is None else self.costs.check_floor(decoding)
-        if measured is None:
+        if self.costs is None:
             return self.policy.acceptance_floor * rows  # a bigger batch makes a step cheaper
-        return max(0.0, measured)
+        return self.costs.acceptance_needed(rows, decoding, self.policy.acceptance_floor)
 
     def run(self, rows: BatchRows, decoded: Sequence[BatchRow], result: LaneStep) -> None:
         """At low load, greedy rows check prompt-lookup drafts outside the generator.

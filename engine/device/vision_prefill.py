@@ -7,12 +7,9 @@ the text after the image is prefilled and sampled with the batch, and the row de
 with the others. Text rows beside it are untouched: its cache is its own until it joins.
 
 The work is spread over the lane's steps in units (one block of an image's tower, or one
-prefill chunk), first come first served. While rows decode, each step earns image work a
-budget (``EngineConfig.vision_step_share`` of a decode step's time) and a unit runs only
-when the credit earned is positive; what a unit costs past it is repaid by later steps.
-So on average the decoding rows keep 1/(1 + share) of their pace while an image row
-prefills, however coarse a unit is; with no row decoding the work runs at full speed.
-Cancelling a row drops its job, features and cache at once.
+prefill chunk), first come first served, when ``engine.core.image_schedule`` says (a
+share of each decode step's measured time, ``EngineConfig.vision_step_share``). Cancelling
+a row drops its job, features and cache at once.
 
 The tower is built (mlx-vlm imported, its weights read) by the first unit of work that
 needs it, on the engine thread: until an image row comes, the vision stack costs nothing.
@@ -37,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine.core.image_schedule import ImageSchedule
 from engine.device.batch_row import BatchRow
 from engine.device.row_adapters import rows_of
 from engine.device.vision import FeatureRun, VisionTower
@@ -78,7 +76,7 @@ class VisionPrefill:
         self._max_kv_size = max_kv_size
         self._jobs: dict[int, VisionJob] = {}
         self._token_seconds = 0.0  # a prefill token's cost, as last measured
-        self._credit = 0.0  # seconds of image work earned and not spent (negative: owed)
+        self.schedule = ImageSchedule()  # when units run (the policy, in core)
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -122,35 +120,27 @@ class VisionPrefill:
 
     def advance(self, budget: float | None,
                 ) -> tuple[list[VisionJob], dict[int, BaseException]]:
-        """Units of work on the oldest jobs, for this step's ``budget`` seconds of credit
-        (None: no row decodes, every job to its end; 0: no step measured yet, one unit):
-        (jobs now prefilled, rows that failed). Credit left over carries to the next step,
-        up to two steps' worth."""
+        """Units of work on the oldest jobs, for this step's ``budget`` seconds
+        (``StepCosts.image_budget``): (jobs now prefilled, rows that failed)."""
         done: list[VisionJob] = []
         failed: dict[int, BaseException] = {}
-        if not budget:
-            self._credit = 0.0
-        else:
-            self._credit = min(self._credit + budget, 2 * budget)
-        units = 0
-        while self._jobs and (budget is None or self._credit > 0
-                              or (budget == 0 and not units)):
-            units += 1
+        schedule = self.schedule
+        schedule.earn(budget)
+        while self._jobs and schedule.may_run():
             job = next(iter(self._jobs.values()))
             started = time.perf_counter()
             try:
-                finished = self.work(job, None if budget is None else self._credit)
+                finished = self.work(job, schedule.left())
             except Exception as exc:  # this row's image or prefill failed: it ends alone
                 self._jobs.pop(job.row.request_id, None)
                 failed[job.row.request_id] = exc
                 finished = False
-            if budget:
-                self._credit -= time.perf_counter() - started
+            schedule.spent(time.perf_counter() - started)
             if finished:
                 self._jobs.pop(job.row.request_id, None)
                 done.append(job)
         if not self._jobs:
-            self._credit = min(self._credit, 0.0)  # no saving up for the next image
+            schedule.idle()
         return done, failed
 
     def work(self, job: VisionJob, left: float | None = None) -> bool:
@@ -168,9 +158,7 @@ class VisionPrefill:
                     job.features[image.key] = found
                     del job.runs[image.key]
                 return False
-        chunk = self._chunk
-        if left is not None and self._token_seconds > 0:
-            chunk = max(8, min(chunk, int(left / self._token_seconds)))
+        chunk = ImageSchedule.chunk(self._chunk, left, self._token_seconds)
         end = min(job.done + chunk, job.end)
         if end > job.done:
             embeds = tower.embeddings(row.prompt, job.done, end, row.images,

@@ -19,6 +19,9 @@ class ReplicatedLane:
         self.inner = lane
         self._link = link
 
+    def accepts(self, row: LaneRow) -> str | None:
+        return self.inner.accepts(row)  # the same model on every rank: decided here alone
+
     def insert(self, rows: Sequence[LaneRow]) -> None:
         self._link.queue(LaneCall(self.name, "insert", rows=tuple(rows)))
         self.inner.insert(rows)

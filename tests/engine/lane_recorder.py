@@ -43,6 +43,9 @@ class Recorder:
         generator.insert_segments = spy  # type: ignore[method-assign]
         self._uids = uids
 
+    def accepts(self, row: LaneRow) -> str | None:
+        return self.lane.accepts(row)  # type: ignore[no-any-return]
+
     def insert(self, rows: list[LaneRow]) -> None:
         self.lane.insert(rows)
         self._note_fed()

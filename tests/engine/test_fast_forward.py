@@ -265,7 +265,7 @@ def test_a_direct_rejoin_decodes_what_a_prompt_segment_rejoin_does(
     the same tokens whether they rejoin directly or through a one-token prompt segment."""
 
     def through_segments(lanes: Any) -> None:  # on the engine thread, before any row
-        lanes.batch.direct_join = False
+        lanes.batch.seam.direct_join = False
 
     requests = [(ASK, greedy(120), CASES["forced tool call"][2]),
                 ("free text", greedy(40), {}),

@@ -10,18 +10,19 @@ lane and when, what leaves it, and how each row's stream ends.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
 from engine.core.footprint import LayerFootprint, ModelFootprint
-from engine.core.lane import LaneKind, LaneRow, LaneStep, RowToken
+from engine.core.lane import LaneCapabilities, LaneKind, LaneRow, LaneStep, RowToken
 from engine.core.rows import RequestStatus, Row
 from engine.core.scheduler import Scheduler
 from engine.core.stats import StatsBook
 from engine.core.step_core import StepCore
 from engine.core.streams import RequestHandle, RequestStream
-from engine.errors import EngineDeadError, EngineError, RequestTimeoutError
+from engine.errors import EngineDeadError, EngineError, InvalidRequestError, RequestTimeoutError
+from engine.requests.inbound.prompts import PromptImage
 from engine.requests.inbound.sampling import SamplingParams
 from engine.requests.inbound.text_request import Request, TextRequest
 from engine.requests.outbound.channels import ChannelSplitter
@@ -87,8 +88,12 @@ class ScriptedLane:
     steps: int = 0
     fault: BaseException | None = None
     fail_rows: dict[int, BaseException] = field(default_factory=dict)
+    refuses: dict[int, str] = field(default_factory=dict)  # a prompt's last id -> why
     _rows: dict[int, list[int]] = field(default_factory=dict)  # request id -> tokens so far
     _starts: dict[int, int] = field(default_factory=dict)
+
+    def accepts(self, row: LaneRow) -> str | None:
+        return self.refuses.get(row.prompt[-1])
 
     def insert(self, rows: Sequence[LaneRow]) -> None:
         for row in rows:
@@ -183,6 +188,32 @@ def test_rows_are_admitted_fifo_up_to_max_batch_and_the_next_joins_as_one_ends()
     assert not c.core.rows and len(c.lane) == 0
     stats = c.book.snapshot()
     assert stats.completed == 3 and stats.peak_running == 2
+
+
+def test_a_row_its_lane_cannot_run_fails_alone_by_name_and_never_starts() -> None:
+    alone = Core()
+    expected = alone.submit([40], 3)
+    alone.turns(3)
+    c = Core()
+    c.lane.refuses[77] = "this model reads no images"
+    refused, sibling = c.submit([77], 3), c.submit([40], 3)
+    c.turns(3)
+    with pytest.raises(InvalidRequestError, match="this model reads no images"):
+        result(refused)
+    assert c.lane.inserted == [2] and 1 not in c.core.rows
+    assert result(sibling).token_ids == result(expected).token_ids
+
+
+def test_lane_capabilities_name_what_the_model_cannot_take() -> None:
+    text = LaneRow(1, [1, 2], SamplingParams())
+    image = replace(text, images=(PromptImage(0, 1, "k", lambda: None),))
+    adapter = replace(text, params=SamplingParams(adapter="/a"))
+    plain = LaneCapabilities()
+    assert plain.refusal(text) is None
+    assert plain.refusal(image) == "this model reads no images"
+    assert "serves no adapters" in (plain.refusal(adapter) or "")
+    both = LaneCapabilities(images=True, adapters=True)
+    assert both.refusal(image) is None and both.refusal(adapter) is None
 
 
 def test_a_stop_token_ends_the_row_with_stop_and_is_not_in_its_text() -> None:

@@ -1,5 +1,7 @@
-"""Whether a forced span pays for itself, decided by what steps and spans cost here.
+"""What steps cost here, and the decisions made from it: a forced span, a speculation check,
+image work's share of a step. Pure: the lane times its steps and hands the seconds in.
 
+**Forced spans.**
 A span of ``k`` forced tokens fed in one forward saves the row ``k`` decode steps, but
 what those steps are worth depends on the device and the batch: with every row of the
 lane in a span the batch skips whole steps; beside rows that keep decoding it saves only
@@ -14,9 +16,12 @@ directions (a forced call 1.33x faster at 1 row, 0.92x at 8 rows on the CPU), so
   been measured the shipped thresholds (``min_span``) decide, and their spans are the
   first measurements.
 
-Speculation's checks are timed here too (``checked``): a check feeds a row its pending token
-and a draft in one forward outside the batch, and pays when the tokens it brings beat what
-the row would have decoded in the batch in that time (``check_floor``).
+**Speculation checks** are timed here too (``checked``): a check feeds a row its pending
+token and a draft in one forward outside the batch, and pays when the tokens it brings beat
+what the row would have decoded in the batch in that time (``acceptance_needed``).
+
+**Image work** (a vision row's own prefill) gets a share of each decode step's measured time
+(``image_budget``), spent by ``image_schedule.ImageSchedule``.
 
 A sharded engine's ranks each run the lane and must decide alike, but each times its own
 steps: there (``measured=False``) the shipped thresholds decide for good.
@@ -83,8 +88,8 @@ class _Line:
         return max(0.0, (sy - slope * sx) / w), slope
 
 
-class SpanCosts:
-    """Measured step and span costs, and the decision they give (``shortest``)."""
+class StepCosts:
+    """Measured step, span and check costs, and the decisions they give."""
 
     def __init__(self, measured: bool = True) -> None:
         self.measured = measured  # False: the shipped thresholds decide (ranks must agree)
@@ -95,6 +100,16 @@ class SpanCosts:
         self.taken = 0  # span sets taken and declined by measured cost (for the report)
         self.declined = 0
         self.version = 0  # moves when the summary would: a report rebuilt only then
+
+    def timed(self, width: int, forced: int, seconds: float) -> None:
+        """A decode step of ``width`` rows (none: nothing to learn) that fed ``forced``
+        tokens in spans (0: a plain step)."""
+        if not width:
+            return
+        if forced:
+            self.spanned(width, forced, seconds)
+        else:
+            self.stepped(width, seconds)
 
     def stepped(self, width: int, seconds: float) -> None:
         """A decode step of ``width`` rows with no prefill, span or draft in it."""
@@ -169,6 +184,24 @@ class SpanCosts:
             return None
         rows = decoding + 1
         return rows * (without.value + self._check.value) / with_row.value - rows
+
+    def acceptance_needed(self, rows: int, decoding: int, fixed_floor: float) -> float:
+        """Accepted tokens a draft must bring to pay, for a speculating row beside
+        ``decoding`` rows in the batch (``rows`` in the lane): measured where checks and
+        steps are, else ``fixed_floor`` a row (a bigger batch makes a step cheaper)."""
+        measured = self.check_floor(decoding)
+        if measured is None:
+            return fixed_floor * rows
+        return max(0.0, measured)
+
+    def image_budget(self, width: int, share: float) -> float | None:
+        """Seconds of image work this step earns with ``width`` rows decoding: ``share``
+        of such a step's measured time (0.0 before any step is measured: one unit a step);
+        None with no row decoding (image work runs to its end)."""
+        if not width:
+            return None
+        step = self.step_near(width)
+        return 0.0 if step is None else share * step
 
     def check_summary(self) -> str:
         """Speculation's measured figures, for ``stats().speedups``."""

@@ -1,0 +1,99 @@
+"""The step costs' decisions, pure: forced spans taken where their measured cost is below
+the steps they save, on the device's own figures (a GPU's cheap tokens, a CPU's dear ones),
+speculation's acceptance floor, and image work's budget."""
+
+from __future__ import annotations
+
+from engine.core.step_costs import WARM_CHECKS, WARM_SPANS, StepCosts, min_span
+
+MS = 1e-3
+
+
+def measured(steps: dict[int, float], span_fixed: float, per_token: float,
+             tokens: tuple[int, ...] = (8, 16, 24, 40)) -> StepCosts:
+    """Costs as the lane would have measured them: plain steps by width, span steps."""
+    costs = StepCosts()
+    for _ in range(10):
+        for width, seconds in steps.items():
+            costs.stepped(width, seconds)
+    width = min(steps)
+    for fed in tokens:
+        costs.spanned(width, fed, steps[width] + span_fixed + per_token * fed)
+    return costs
+
+
+def test_before_anything_is_measured_the_shipped_thresholds_decide() -> None:
+    costs = StepCosts()
+    assert costs.shortest([5], 1, 1) == min_span(1) == 3
+    costs.stepped(4, 50 * MS)
+    assert costs.shortest([5, 9], 4, 4) == min_span(4) == 8  # no span measured yet
+    assert "until their cost is measured" in costs.summary()
+
+
+def test_unmeasured_costs_keep_the_shipped_thresholds_however_much_is_timed() -> None:
+    """A sharded engine's ranks time their own steps: decisions made from the timings
+    could differ between ranks and split their collectives, so there the thresholds
+    decide for good."""
+    timed = measured({1: 5 * MS, 8: 6 * MS}, span_fixed=2 * MS, per_token=0.1 * MS)
+    fixed = StepCosts(measured=False)
+    for width, seconds in ((1, 5 * MS), (8, 6 * MS)):
+        for _ in range(10):
+            fixed.stepped(width, seconds)
+    for fed in (8, 16, 24, 40):
+        fixed.spanned(1, fed, 5 * MS + 2 * MS + 0.1 * MS * fed)
+        fixed.checked(3 * MS)
+    assert timed.shortest([10] * 8, 8, 8) == 2  # measured: taken
+    assert fixed.shortest([10] * 8, 8, 8) == min_span(8)  # thresholds: alike on every rank
+    assert fixed.shortest([3], 1, 1) == min_span(1)
+    assert fixed.check_floor(0) is None and "ranks decide alike" in fixed.summary()
+
+
+def test_a_gpu_like_device_takes_spans_only_where_the_batch_skips_steps() -> None:
+    # Tokens are cheap in a forward, a step is mostly fixed cost: rows beside a decoding
+    # batch save little, a batch whose every row spans skips whole steps.
+    costs = measured({1: 5 * MS, 8: 6 * MS}, span_fixed=2 * MS, per_token=0.1 * MS)
+    assert costs.shortest([10, 10], 8, 8) == 11  # 2 of 8 rows: declined
+    assert costs.shortest([10] * 8, 8, 8) == 2  # all 8 rows: taken
+    assert costs.shortest([3], 1, 1) == 2  # alone: a 3-token span saves 3 steps
+    assert (costs.taken, costs.declined) == (2, 1)
+
+
+def test_a_cpu_like_device_declines_spans_that_cost_what_their_steps_cost() -> None:
+    # Each token costs nearly what a step costs a row: the span saves nothing beside a
+    # batch, and only long spans pay for the way out and back.
+    costs = measured({1: 70 * MS, 8: 360 * MS}, span_fixed=150 * MS, per_token=48 * MS)
+    assert costs.shortest([4], 1, 1) == 5  # alone: 4 x 70 < 150 + 4 x 48, declined
+    assert costs.shortest([20], 1, 1) == 2  # alone: 20 x 70 > 150 + 20 x 48, taken
+    assert costs.shortest([12] * 8, 8, 8) == 13  # all 8: 12 x 360 < 150 + 96 x 48
+    assert costs.shortest([12, 15], 8, 8) == 16  # beside 6 others: a share of 41 ms
+    summary = costs.summary()
+    assert "a token" in summary and "1 taken, 3 declined" in summary, summary
+
+
+def test_the_measurement_follows_the_device_as_it_changes() -> None:
+    costs = measured({1: 10 * MS}, span_fixed=5 * MS, per_token=1 * MS)
+    assert costs.shortest([6], 1, 1) == 2
+    for _ in range(200):  # the span forward got dear (a busier machine, longer rows)
+        costs.spanned(1, 6, 10 * MS + 80 * MS)
+    assert costs.shortest([6], 1, 1) == 7
+    assert costs.version > WARM_SPANS
+
+
+def test_a_check_needs_the_fixed_floor_until_checks_are_timed_then_what_pays() -> None:
+    costs = measured({1: 10 * MS, 3: 18 * MS, 4: 20 * MS}, 0.0, 1 * MS)
+    assert costs.acceptance_needed(rows=2, decoding=1, fixed_floor=0.5) == 1.0
+    for _ in range(WARM_CHECKS):
+        costs.checked(25 * MS)
+    assert abs(costs.acceptance_needed(rows=4, decoding=3, fixed_floor=0.5) - 4.6) < 1e-9
+    for _ in range(40):
+        costs.checked(8 * MS)  # a check cheaper than a step: any acceptance pays
+    assert costs.acceptance_needed(rows=1, decoding=0, fixed_floor=0.5) == 0.0
+
+
+def test_image_work_earns_a_share_of_the_measured_step() -> None:
+    costs = StepCosts()
+    assert costs.image_budget(0, 0.1) is None  # nothing decodes: image work runs through
+    assert costs.image_budget(3, 0.1) == 0.0  # no step measured: one unit a step
+    for _ in range(5):
+        costs.stepped(2, 40 * MS)
+    assert abs(costs.image_budget(3, 0.1) - 4 * MS) < 1e-12  # the nearest width measured
