@@ -1,4 +1,4 @@
-"""Builds the optional CPU kernels (``engine.device.cpu_native``) at install time.
+"""Builds the optional CPU kernels (``engine.device.kernels.cpu_native``) at install time.
 
 Everything else about the package is in pyproject.toml. The extension is C++ against the
 installed ``mlx`` wheel (its headers and ``libmlx``) through nanobind, in MLX's binding
@@ -116,18 +116,18 @@ class OptionalNativeBuild(build_ext):
 
 def _mlx_runpaths(mlx_root: Path) -> list[str]:
     """Where the loader finds libmlx: beside the installed package (site-packages/engine/
-    device -> site-packages/mlx/lib); for an editable install, whose extension sits in the
+    device/kernels -> site-packages/mlx/lib); for an editable install, whose extension sits in the
     checkout, the installing environment's mlx (pip builds in an isolated environment whose
     own mlx is deleted afterwards, but with the target's interpreter, so its site-packages
     is the one the package runs from), then the mlx the build saw. The extension then loads
     on its own, not only because ``mlx.core`` was imported first."""
     origin = "@loader_path" if sys.platform == "darwin" else "$ORIGIN"
     target = Path(sysconfig.get_paths()["platlib"]) / "mlx" / "lib"
-    paths = [f"{origin}/../../mlx/lib", str(target), str(mlx_root / "lib")]
+    paths = [f"{origin}/../../../mlx/lib", str(target), str(mlx_root / "lib")]
     return list(dict.fromkeys(paths))
 
 
 setup(
-    ext_modules=[Extension("engine.device.cpu_native", sources=[], optional=True)],
+    ext_modules=[Extension("engine.device.kernels.cpu_native", sources=[], optional=True)],
     cmdclass={"build_ext": OptionalNativeBuild},
 )

@@ -230,8 +230,8 @@ def check_cost_table(models: list[str | None], repeats: int) -> None:
     from mlx_lm import load as mlx_load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.device.row_cache import Rollback, trimmed, trims_exactly
-    from engine.device.speedups import cache_kinds
+    from engine.device.rows.row_cache import Rollback, trimmed, trims_exactly
+    from engine.device.speedups.report import cache_kinds
 
     print("\nspeculation check vs decode step, one row on its own cache after 500 tokens")
     print("| model | cache kinds | step ms | check ms | check / step | rejected drafts |")

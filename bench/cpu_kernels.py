@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 import engine  # noqa: F401 - the fast BLAS before mlx (else MLX's float32 runs slow)
-from engine.device import cpu_kernels
+from engine.device.kernels import cpu_kernels
 
 # isort: split
 import mlx.core as mx

@@ -46,7 +46,7 @@ def raw_batch_generator(eng: Engine, prompts: list[list[int]], tokens: int) -> t
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
-    from engine.device.weight_policy import apply_weight_policy
+    from engine.device.loading.weight_policy import apply_weight_policy
 
     model, _ = load(str(eng.model_path))
     apply_weight_policy(model, eng.config.quantized, eng.config.cpu_int8)

@@ -21,7 +21,7 @@ def make_adapter(out: Path, model_dir: Path, *, seed: int, rank: int = 8,
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
-    from engine.device.row_adapters import linear_dims
+    from engine.device.adapters.row_adapters import linear_dims
 
     model = load_model(Path(model_dir))[0]
     blocks = model.layers

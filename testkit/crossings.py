@@ -307,7 +307,7 @@ def engine_config(features: Collection[Feature], disk_dir: Path | None = None,
 def runs_serially(model_type: str) -> Iterator[None]:
     """While an engine loads inside, its model's rows are sent to the serial lane, as a
     model whose caches cannot batch is (its tokens unchanged: same caches, one row each)."""
-    from engine.device.padding_probe import KNOWN_DIVERGENT
+    from engine.device.loading.padding_probe import KNOWN_DIVERGENT
 
     KNOWN_DIVERGENT[model_type] = "a test: caches that cannot batch"
     try:

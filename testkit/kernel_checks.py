@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 import engine  # noqa: F401 - the fast BLAS before mlx
-from engine.device import cpu_kernels
+from engine.device.kernels import cpu_kernels
 
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from engine.device.speculator import SpeculationPolicy
+from engine.device.speedups.speculator import SpeculationPolicy
 
 
 def every_draft_checked(check: Callable[..., Any] | None = None) -> Callable[[Any], None]:

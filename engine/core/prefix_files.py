@@ -5,7 +5,7 @@ whether it can be cut back, each layer's kind and numbers, each array's dtype an
 the arrays' raw bytes, and a CRC-32 of everything before it. It is written to a temporary
 name and renamed, so a crash leaves no half file under a real name; a file that is short,
 altered or written under another key is refused (``EntryFileError``), never read as an
-entry. No mlx here: arrays are bytes (buffers), converted by ``engine.device.prefix_disk``.
+entry. No mlx here: arrays are bytes (buffers), converted by ``engine.device.prefix.prefix_disk``.
 
 The index of the files in a directory is a ``PrefixStore`` (the memory store's own lookup,
 LRU and byte cap) whose entries name files instead of holding caches.

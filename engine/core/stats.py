@@ -47,7 +47,7 @@ class EngineStats:
     context_limit: int | None = None
     # The weights as they run ("quantized 4-bit g32", "dequantized float32", "float32") and
     # the CPU kernels' part: "" off the CPU, "off: why", or the instruction set and what runs
-    # on it (engine.device.weight_policy).
+    # on it (engine.device.loading.weight_policy).
     weight_format: str = ""
     cpu_kernels: str = ""
     # The loaded model's cache kinds (mlx-lm class names) and what each speed-up does on

@@ -28,7 +28,7 @@ one per turn of its loop. Pure: it never touches the model and imports no mlx.
   failed load does.
 - ``on_lanes(lanes)``, if given, runs on the engine thread each time the chat model's
   lanes are built (the first load, and each reload), before any row runs, with the
-  engine's ``engine.device.loader.Lanes``: tests hand a lane collaborators built with
+  engine's ``engine.device.loading.loader.Lanes``: tests hand a lane collaborators built with
   their own policies there (``lanes.batch.speculator``), on the thread that owns the lane.
   Raising there kills the engine, as a failed load does.
 """

@@ -15,7 +15,7 @@ def shard_group(config: EngineConfig) -> Any:
     """The distributed group a sharded engine runs on (rank 0 only); None when not sharded."""
     if config.shard is None:
         return None
-    from engine.device.collectives import init_group
+    from engine.device.loading.collectives import init_group
 
     group = init_group()
     if group.size() == 1:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from engine.device.collectives import Channel
+from engine.device.loading.collectives import Channel
 from engine.distributed.protocol import Broadcast, LaneCall, encode
 from engine.errors import EngineDeadError
 

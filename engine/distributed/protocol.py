@@ -4,7 +4,7 @@ A sharded engine runs its loop on rank 0 only. Every call that changes what a la
 or runs (``insert``, ``remove``, ``reset``) is queued as a ``LaneCall`` and sent, with
 the ``step`` that follows it, as one ``Broadcast`` before rank 0 steps; a follower
 performs exactly those calls on its own shard, in order, and nothing else. ``shutdown``
-ends the followers. No mlx here: the bytes travel through ``engine.device.collectives``.
+ends the followers. No mlx here: the bytes travel through ``engine.device.loading.collectives``.
 
 The encoding is pickle of frozen dataclasses (LaneRow, SamplingParams, constraints):
 the ranks of one group already trust each other with the model's activations.

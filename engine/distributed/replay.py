@@ -13,7 +13,7 @@ import threading
 import time
 
 from engine.core.lane import Lane, LaneKind
-from engine.device.collectives import Channel
+from engine.device.loading.collectives import Channel
 from engine.distributed.protocol import decode
 
 log = logging.getLogger("engine")

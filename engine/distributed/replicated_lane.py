@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from engine.core.lane import Lane, LaneKind, LaneRow, LaneStep
-from engine.device.loader import Lanes
+from engine.device.loading.loader import Lanes
 from engine.distributed.link import Link
 from engine.distributed.protocol import LaneCall
 from engine.errors import EngineDeadError

@@ -1,6 +1,6 @@
 """The engine thread's embedding work: batch the waiting requests, run the due batch.
 
-Owned by the engine thread (``run_due`` runs MLX through ``engine.device.encoder``); the
+Owned by the engine thread (``run_due`` runs MLX through ``engine.device.embedding.encoder``); the
 engine calls it between its decode steps, one batch per turn, so a generating row only
 waits one bounded batch (``embed_max_batch`` texts) and its tokens are not touched. A
 request with more texts runs as several batches, one per turn; its vectors are gathered
@@ -33,7 +33,7 @@ from engine.embedding.batcher import EmbeddingBatch, EmbeddingBatcher, Span
 from engine.embedding.request import EmbeddingRequest, Embeddings
 
 if TYPE_CHECKING:
-    from engine.device.encoder import Encoder
+    from engine.device.embedding.encoder import Encoder
 
 log = logging.getLogger("engine")
 
@@ -71,8 +71,9 @@ class EmbeddingService:
                  load_encoder: Callable[[Path], Encoder] | None = None) -> None:
         """``clock`` times encoder calls, ``now`` is the requests' time (test seams);
         ``before_encode(texts)`` runs just before each batch is encoded (``StepProbe``);
-        ``load_encoder(path)`` loads a model's encoder (default: ``engine.device.encoder``;
-        anything with ``encode(texts)`` and ``nbytes``, so tests run without mlx)."""
+        ``load_encoder(path)`` loads a model's encoder (default:
+        ``engine.device.embedding.encoder``; anything with ``encode(texts)`` and ``nbytes``,
+        so tests run without mlx)."""
         self.batcher = EmbeddingBatcher(window, max_batch)
         self.counters = EmbeddingCounters()
         self.share = share
@@ -222,7 +223,7 @@ class EmbeddingService:
             if self._load_encoder is not None:
                 encoder = self._load_encoder(path)
             else:
-                from engine.device.encoder import Encoder
+                from engine.device.embedding.encoder import Encoder
 
                 encoder = Encoder(path)
             self._encoders[path] = encoder

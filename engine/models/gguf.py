@@ -266,7 +266,7 @@ def _load_weights(
     path: Path, header: GGUFHeader, *, quantized: bool, float_dtype: FloatDtype
 ) -> tuple[dict[str, Any], dict[str, int]]:
     """HF-named weights and, for modules kept quantized, their bit width."""
-    from engine.device.weights import load_gguf_weights
+    from engine.device.loading.weights import load_gguf_weights
 
     renamed: dict[str, str] = {}
     for tensor in header.tensors:
@@ -464,7 +464,7 @@ def convert_gguf(
     into a temporary directory and rename it (see ``engine.models.user_cache``).
     Raises ``UnsupportedModelError`` before reading any weights if the file can't be mapped.
     """
-    from engine.device.weights import save_weights
+    from engine.device.loading.weights import save_weights
 
     src, out = Path(gguf_path), Path(out_dir)
     header = read_header(src)

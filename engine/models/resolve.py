@@ -38,12 +38,12 @@ __all__ = [
 
 def prefer_quantized() -> bool:
     """Whether the default backend runs quantized weights well: Metal, CUDA, or the CPU with
-    this package's kernels (engine.device.cpu_kernels).
+    this package's kernels (engine.device.kernels.cpu_kernels).
 
     MLX's own CPU ops run only float32 matmuls through BLAS: there bf16 and 4-bit run 2-6x
     slower than float32, so without the kernels the CPU default is to dequantize.
     """
-    from engine.device.weights import cpu_kernels_available
+    from engine.device.loading.weights import cpu_kernels_available
 
     return on_accelerator() or cpu_kernels_available()
 
@@ -69,7 +69,7 @@ def _model_dir(path: Path) -> Path:
 
 def from_hub(repo_id: str) -> Path:
     """A hub snapshot directory; mlx-lm (hence mlx) is imported only when one is asked for."""
-    from engine.device.weights import download_from_hub
+    from engine.device.loading.weights import download_from_hub
 
     try:
         path = download_from_hub(repo_id)

@@ -47,7 +47,7 @@ def cache_dir() -> Path:
 
 def on_accelerator() -> bool:
     """Whether mlx runs on Metal or CUDA here (a conversion then keeps float16 weights)."""
-    from engine.device.weights import accelerator_available
+    from engine.device.loading.weights import accelerator_available
 
     return accelerator_available()
 

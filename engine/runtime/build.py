@@ -27,8 +27,8 @@ from engine.models import config_context_limit
 from engine.requests.prepare import Preparer
 
 if TYPE_CHECKING:
-    from engine.device.collectives import Group
-    from engine.device.loader import Lanes, LoadedModel, PrefixTiers
+    from engine.device.loading.collectives import Group
+    from engine.device.loading.loader import Lanes, LoadedModel, PrefixTiers
     from engine.distributed.link import Link
 
 log = logging.getLogger("engine")
@@ -77,7 +77,7 @@ def build_model(path: Path, config: EngineConfig, group: Group | None,
     Every rank of a sharded engine calls this at the same time: loading runs the model's
     collectives. ``kept``: what an unload of this model kept (a reload: weights only).
     """
-    from engine.device.loader import build_lanes, load_model
+    from engine.device.loading.loader import build_lanes, load_model
 
     limit = config_context_limit(path)
     if kept is None:

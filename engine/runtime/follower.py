@@ -27,7 +27,7 @@ log = logging.getLogger("engine")
 
 def distributed_rank() -> int:
     """This process's rank in the ``mx.distributed`` group (0 when not distributed)."""
-    from engine.device.collectives import rank
+    from engine.device.loading.collectives import rank
 
     return rank()
 
@@ -49,8 +49,8 @@ def follow(model: ModelSpec = None, config: EngineConfig | None = None, *,
     config = checked_engine_args(model, config)
     if config.shard is None:
         return False
-    from engine.device.collectives import init_group
-    from engine.device.loader import release_streams
+    from engine.device.loading.collectives import init_group
+    from engine.device.loading.loader import release_streams
     from engine.distributed.replay import follow_lanes
 
     group = init_group()

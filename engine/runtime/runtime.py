@@ -215,7 +215,7 @@ class Runtime:
             self._loaded.set()
             self._close_prefix_writes()
             if self._touched_mlx:
-                from engine.device.loader import release_streams
+                from engine.device.loading.loader import release_streams
 
                 release_streams()
 

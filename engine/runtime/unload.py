@@ -32,7 +32,7 @@ def release_memory() -> dict[str, Any]:
     cyclic GC runs, so collect first; then MLX's buffer cache would keep the freed weights
     for reuse and glibc's arenas the freed pages: both are given back.
     """
-    from engine.device.memory import device_memory, release_free_memory
+    from engine.device.loading.memory import device_memory, release_free_memory
 
     gc.collect()
     release_free_memory()

@@ -14,7 +14,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_openai import ChatOpenAI
 
 from engine import Engine, EngineConfig, InvalidRequestError, StepProbe
-from engine.device.speculation import speculate
+from engine.device.speedups.speculation import speculate
 from engine.registry import shared_engine
 from mlx_providers import ChatMLXBatch
 from mlx_providers.server import create_app

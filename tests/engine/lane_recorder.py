@@ -15,8 +15,8 @@ import pytest
 
 from engine import EngineConfig, SamplingParams
 from engine.core.lane import LaneRow
-from engine.device.batch_lane import BatchLane
-from engine.device.loader import build_lanes, load_model, release_streams
+from engine.device.lane.batch_lane import BatchLane
+from engine.device.loading.loader import build_lanes, load_model, release_streams
 from engine.requests.prepare import Preparer
 
 

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from engine import Engine, EngineConfig, JsonSchema, SamplingParams, StepProbe
-from engine.device.speculation import speculate
-from engine.device.speculator import SpeculationPolicy
+from engine.device.speedups.speculation import speculate
+from engine.device.speedups.speculator import SpeculationPolicy
 from testkit.cache_kinds import CONFIGS, build_cache_kind_model
 from tests.conftest import greedy, prompts_of_lengths, request_for
 from tests.engine.test_engine_tools import ASK, CLOCK

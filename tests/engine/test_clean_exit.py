@@ -94,7 +94,7 @@ def test_the_process_exits_zero_after(tiny_model_dir: Path, case: str) -> None:
 # and the steps too, so the phase lasts long enough for the signal to land inside it.
 PHASES = {
     "load": """
-        import engine.device.loader as loader
+        import engine.device.loading.loader as loader
         real_load = loader.mlx_load
         def slow_load(*args, **kwargs):
             loaded = real_load(*args, **kwargs)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine import Engine, TextRequest
-from engine.device import cpu_kernels
+from engine.device.kernels import cpu_kernels
 from testkit.quantized_model import build_quantized_tiny_model
 from tests.conftest import alone, greedy, prompts_of_lengths
 
@@ -155,8 +155,8 @@ def test_the_default_model_gives_mlx_ops_tokens_and_logits() -> None:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.device.kernel_layers import install
-    from engine.device.weight_policy import dequantize_model
+    from engine.device.kernels.kernel_layers import install
+    from engine.device.loading.weight_policy import dequantize_model
     from engine.models import model_path_for
 
     path = model_path_for(None, True)

@@ -298,7 +298,7 @@ def test_span_logits_are_the_full_forwards_at_the_last_positions(tiny_model_dir:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.device.forced_spans import last_logits
+    from engine.device.speedups.forced_spans import last_logits
 
     model, _ = load(str(tiny_model_dir))
     assert type(model).__module__ == "mlx_lm.models.qwen2"

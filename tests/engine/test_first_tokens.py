@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from engine import SamplingParams
 from engine.core.lane import LaneRow
-from engine.device.first_tokens import SamplerTap
+from engine.device.rows.first_tokens import SamplerTap
 
 from .lane_recorder import LaneFactory
 from .lane_recorder import random_rows as _rows

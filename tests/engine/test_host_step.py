@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from engine import Engine, FinishReason, StepProbe, TextRequest
-from engine.device.grammar_step import GrammarProcessor
+from engine.device.rows.grammar_step import GrammarProcessor
 from engine.device.upstream.batches import LaneGenerationBatch
 from engine.requests.inbound.output_constraint import JsonSchema
 from tests.conftest import alone, greedy, prompts_of_lengths, request_for

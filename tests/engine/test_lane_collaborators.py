@@ -16,9 +16,9 @@ import mlx.core as mx
 
 from engine.core.drafts import Acceptance, ShadowDraft
 from engine.core.lane import LaneRow, LaneStep, RowToken
-from engine.device.batch_row import BatchRow, BatchRows, OutRow
-from engine.device.speculation import SpeculatingRow
-from engine.device.speculator import SpeculationPolicy, Speculator
+from engine.device.rows.batch_row import BatchRow, BatchRows, OutRow
+from engine.device.rows.speculating_row import SpeculatingRow
+from engine.device.speedups.speculator import SpeculationPolicy, Speculator
 from tests.conftest import greedy
 
 

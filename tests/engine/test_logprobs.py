@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from engine import Completion, Engine, JsonSchema, SamplingParams, StepProbe, TokenLogprob
-from engine.device.logprobs import token_logprobs
+from engine.device.rows.logprobs import token_logprobs
 from testkit.speculating import every_draft_checked
 from tests.conftest import greedy, prompts_of_lengths, request_for
 

@@ -173,7 +173,7 @@ def test_cancelling_adapter_rows_leaves_no_slot_held(
 
 def test_adapters_in_use_are_never_evicted(make_engine: Callable[..., Engine],
                                            adapters: dict[str, str]) -> None:
-    from engine.device.row_adapters import read_adapter
+    from engine.device.adapters.row_adapters import read_adapter
 
     eng = make_engine(max_batch=4)
     prompt = prompts_of_lengths(eng, [20], seed=3)[0]

@@ -1,4 +1,4 @@
-"""Loading LoRA adapters (``engine.device.row_adapters``): a bad adapter changes nothing,
+"""Loading LoRA adapters (``engine.device.adapters.row_adapters``): a bad adapter changes nothing,
 what is held is counted, and each way a forward adds deltas equals mlx-lm's own LoRA layer.
 
 An adapter whose layers are not linear, or whose config's rank understates its weights, fails
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from engine import Engine, InvalidRequestError, SamplingParams, TextRequest
-from engine.device.row_adapters import RowAdapters, RowLoRALinear
+from engine.device.adapters.row_adapters import RowAdapters, RowLoRALinear
 from testkit.adapters import make_adapter, write_adapter
 from tests.conftest import prompts_of_lengths
 
@@ -153,7 +153,7 @@ def test_adapter_bytes_count_what_the_stacks_hold(model: Any, adapters: dict[str
                                                   tiny_model_dir: Path) -> None:
     import mlx.core as mx
 
-    from engine.device.row_adapters import attach, read_adapter
+    from engine.device.adapters.row_adapters import attach, read_adapter
 
     held = attach(model, 1 << 30)
     own = sum(read_adapter(Path(adapters[n]), model).nbytes for n in "ABC")
@@ -209,7 +209,7 @@ def test_each_way_a_forward_adds_deltas_equals_mlx_lm_lora(
     import mlx.core as mx
     from mlx_lm.tuner.lora import LoRALinear
 
-    from engine.device.row_adapters import attach
+    from engine.device.adapters.row_adapters import attach
 
     held = attach(model, 1 << 30)
     slots = {n: held.acquire(adapters[n])[1] for n in "ABD"}

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, InvalidModelError, UnsupportedModelError
-from engine.device.architecture import architecture_module, read_model_config
-from engine.device.loader import load_model
+from engine.device.loading.architecture import architecture_module, read_model_config
+from engine.device.loading.loader import load_model
 from engine.models.resolve import config_context_limit
 from tests.conftest import own_copy
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-import engine.device.prefix_disk as prefix_disk
+import engine.device.prefix.prefix_disk as prefix_disk
 from engine import Engine, EngineConfig
 from tests.conftest import greedy, request_for
 

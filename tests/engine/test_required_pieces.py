@@ -24,7 +24,7 @@ def _required(switch: str) -> bool:
 
 @pytest.mark.skipif(not _required(REQUIRE_NATIVE), reason=f"{REQUIRE_NATIVE} is not set")
 def test_the_native_kernels_were_built_where_the_run_requires_them() -> None:
-    from engine.device import cpu_kernels
+    from engine.device.kernels import cpu_kernels
 
     status = cpu_kernels.kernel_status()
     assert cpu_kernels.kernels_available(), (
@@ -49,7 +49,7 @@ def test_each_instruction_set_the_cpu_has_was_built_with_its_flags() -> None:
     """An instruction-set unit that built without its flags leaves its table out and the
     CPU runs the next one down, silently but for a line in the build log: a checkout ran
     the AVX2 kernels on an AVX-512 CPU that way, at ~0.6x the speed."""
-    from engine.device import cpu_kernels
+    from engine.device.kernels import cpu_kernels
 
     if os.environ.get("MLX_PROVIDERS_CPU_ISA"):
         pytest.skip("MLX_PROVIDERS_CPU_ISA caps the instruction set on purpose")

@@ -54,7 +54,7 @@ def test_a_speculation_check_must_bring_what_the_row_would_have_decoded_meanwhil
     three decoding rows (a 20 ms step of 4, 18 ms of 3) the row must bring 4.6: the others
     wait for its check. Until checks are timed, none (the fixed floor decides)."""
     from engine.core.step_costs import WARM_CHECKS
-    from engine.device.speculator import Speculator
+    from engine.device.speedups.speculator import Speculator
 
     costs = measured({1: 10 * MS, 3: 18 * MS, 4: 20 * MS}, 0.0, 1 * MS)
     speculator = Speculator(None, None, None, 1, limit=4, trims=True,  # type: ignore[arg-type]

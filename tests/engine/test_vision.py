@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from engine import ChatRequest, Engine, FinishReason, InvalidRequestError, SamplingParams
-from engine.device.vision import VisionTower
+from engine.device.vision.tower import VisionTower
 from testkit.vision_model import solid_image, vision_library_tokens
 from tests.conftest import Turns, greedy, prompts_of_lengths, request_for, wait_until
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.device import cpu_kernels
+from engine.device.kernels import cpu_kernels
 from testkit import kernel_checks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def test_one_thread_gives_the_same_bits() -> None:
     """The thread split only partitions columns: one thread computes the same values."""
     env = {**os.environ, "MLX_PROVIDERS_CPU_THREADS": "1"}
     code = ("import engine, mlx.core as mx, numpy as np\n"
-            "from engine.device import cpu_kernels as k\n"
+            "from engine.device.kernels import cpu_kernels as k\n"
             "from testkit.kernel_checks import quantized_weights\n"
             "rng = np.random.default_rng(9)\n"
             "w, s, b = quantized_weights(rng, 300, 256, 4, 32, mx.float32)\n"
@@ -72,11 +72,12 @@ def test_one_thread_gives_the_same_bits() -> None:
 def test_the_extension_finds_libmlx_on_its_own() -> None:
     """Its RUNPATH names mlx's library directory: it loads in a process that has not
     imported ``mlx.core`` first (with only ``$ORIGIN`` it failed: libmlx.so not found)."""
-    from engine.device import cpu_native
+    from engine.device.kernels import cpu_native
 
     code = "\n".join([
         "import importlib.util as u, sys",
-        f"spec = u.spec_from_file_location('engine.device.cpu_native', {cpu_native.__file__!r})",
+        "spec = u.spec_from_file_location('engine.device.kernels.cpu_native', "
+        f"{cpu_native.__file__!r})",
         "spec.loader.exec_module(u.module_from_spec(spec))",
         "assert 'mlx.core' not in sys.modules"])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

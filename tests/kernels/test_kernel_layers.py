@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engine.device import cpu_kernels, kernel_layers
+from engine.device.kernels import cpu_kernels, kernel_layers
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.kernels_available(),

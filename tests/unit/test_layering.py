@@ -128,7 +128,7 @@ FRAMEWORK_FACES = ("mlx_providers.langchain", "mlx_providers.llama_index",
 def test_the_walk_finds_every_layer() -> None:
     """Guard against an empty parametrization passing silently after a move."""
     found = {rel(p) for p in ENGINE_FILES}
-    for expected in ("engine/__init__.py", "engine/engine.py", "engine/device/batch_lane.py",
+    for expected in ("engine/__init__.py", "engine/engine.py", "engine/device/lane/batch_lane.py",
                      "engine/models/resolve.py", "engine/_platform/blas.py"):
         assert expected in found
     assert any(p.name == "langchain.py" for p in ADAPTER_FILES)
@@ -288,9 +288,41 @@ FORBIDDEN = {
                   "engine.embedding", "engine.models", *FACADE),
     "runtime": ("engine.engine", "engine.registry"),
 }
+# device/ in wings, pointing one way: loading builds the lanes; the lanes use speed-ups,
+# vision, prefix reuse, rows and adapters; every wing reaches upstream only through the seam.
+_D = "engine.device."
+WINGS = {
+    "upstream": (),
+    "kernels": ("upstream",),
+    "adapters": (),
+    "rows": (),
+    "prefix": ("rows",),
+    "vision": ("rows", "adapters", "upstream"),
+    "speedups": ("rows", "adapters", "prefix"),
+    "lane": ("rows", "adapters", "prefix", "vision", "speedups", "upstream"),
+    "embedding": (),
+    "loading": ("upstream", "kernels", "adapters", "rows", "prefix", "vision", "speedups",
+                "lane"),
+}
+for _wing, _uses in WINGS.items():  # each wing may import only the wings it names
+    FORBIDDEN[f"device/{_wing}"] = (*FORBIDDEN["device"], *(
+        f"{_D}{other}" for other in WINGS if other != _wing and other not in _uses))
 LAYERED = [(pkg, p) for pkg in FORBIDDEN for p in sorted((ENGINE / pkg).rglob("*.py"))]
 SUBPACKAGES = sorted(p.parent.relative_to(ENGINE).as_posix()
                      for p in ENGINE.rglob("__init__.py") if p.parent != ENGINE)
+
+
+def test_h_device_wings_hold_every_device_module_and_form_no_circle() -> None:
+    """No device module lies outside a wing, and the wings' allowances are a one-way
+    order (a topological order exists), so no arrow leads back up."""
+    loose = [p.name for p in DEVICE.glob("*.py") if p.name != "__init__.py"]
+    assert loose == [], f"device modules outside a wing: {loose}"
+    assert {p.name for p in DEVICE.iterdir() if (p / "__init__.py").is_file()} == set(WINGS)
+    placed: list[str] = []
+    while len(placed) < len(WINGS):
+        ready = [w for w, uses in WINGS.items() if w not in placed and set(uses) <= set(placed)]
+        assert ready, f"the wings' imports form a circle among {set(WINGS) - set(placed)}"
+        placed += ready
 
 
 def test_h_every_subpackage_is_found() -> None:
@@ -400,7 +432,7 @@ def test_j_the_unit_files_are_found() -> None:
 
 def test_j_the_rule_sees_mlx_through_a_chain() -> None:
     """The walk can fail: the engine's batch lane reaches mlx."""
-    assert mlx_reached_from(DEVICE / "batch_lane.py") is not None
+    assert mlx_reached_from(DEVICE / "lane" / "batch_lane.py") is not None
 
 
 @pytest.mark.parametrize("path", UNIT_FILES, ids=rel)

@@ -4,7 +4,7 @@ An adapter is mlx-lm's format: ``adapter_config.json`` (``fine_tune_type`` "lora
 ``lora_parameters`` with an integer ``rank`` and a number ``scale``) beside
 ``adapters.safetensors``. What can be told from the files alone is refused at ``submit``,
 naming the field ``adapter``; whether its layers and shapes fit the base model is checked
-when the engine loads it (``engine.device.row_adapters``), where a misfit fails that
+when the engine loads it (``engine.device.adapters.row_adapters``), where a misfit fails that
 request alone.
 """
 

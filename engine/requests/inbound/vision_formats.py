@@ -5,7 +5,7 @@ A ``VisionFormat`` is everything the prompt side needs, read from the checkpoint
 each image, the token block it occupies in the prompt (where its image tokens are, the
 vision features go) and the pixel values the tower reads, with whatever else the tower
 needs (``extra``: an image's size, a patch grid). The tower itself runs in
-``engine.device.vision``. No mlx here (numpy and Pillow).
+``engine.device.vision.tower``. No mlx here (numpy and Pillow).
 
 Families (``FORMATS``):
 

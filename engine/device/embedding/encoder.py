@@ -18,7 +18,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
-from engine.device.bert import Bert, load_bert
+from engine.device.embedding.bert import Bert, load_bert
 
 _TOKENS_PER_FORWARD = 8192  # bounds the attention scores one forward holds
 

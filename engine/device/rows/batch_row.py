@@ -20,8 +20,8 @@ from typing import Any, Protocol
 from engine.core.drafts import ShadowDraft
 from engine.core.lane import LaneRow
 from engine.core.reuse_key import RowContext, reuse_key
-from engine.device.first_tokens import Sampler
-from engine.device.speculation import SpeculatingRow
+from engine.device.rows.first_tokens import Sampler
+from engine.device.rows.speculating_row import SpeculatingRow
 from engine.requests.constraints.grammar import RowGrammar
 
 

@@ -35,9 +35,9 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.core.image_schedule import ImageSchedule
-from engine.device.batch_row import BatchRow
-from engine.device.row_adapters import rows_of
-from engine.device.vision import FeatureRun, VisionTower
+from engine.device.adapters.row_adapters import rows_of
+from engine.device.rows.batch_row import BatchRow
+from engine.device.vision.tower import FeatureRun, VisionTower
 from engine.errors import InvalidRequestError
 from engine.requests.inbound.prompts import PromptImage
 

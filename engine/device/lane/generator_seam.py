@@ -15,8 +15,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from engine.device.batch_row import BatchRow, BatchRows, OutRow
-from engine.device.row_cache import merged
+from engine.device.rows.batch_row import BatchRow, BatchRows, OutRow
+from engine.device.rows.row_cache import merged
 from engine.device.upstream.decoding_batch import decoding, join_decoding, next_inputs, settle
 from engine.requests.inbound.sampling import LogitsProcessor
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from engine.device.batch_row import BatchRow, BatchRows
-from engine.device.first_tokens import FirstToken, SamplerTap
+from engine.device.rows.batch_row import BatchRow, BatchRows
+from engine.device.rows.first_tokens import FirstToken, SamplerTap
 
 
 def collect_decoded(responses: Sequence[Any], rows: BatchRows,

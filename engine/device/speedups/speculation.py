@@ -9,7 +9,7 @@ the rejected ones back out of its cache. Greedy output is the model's argmax at 
 position, as without speculation. A row whose drafts stop being accepted returns to the
 generator.
 
-Taking rejected tokens back, by cache kind (``engine.device.row_cache``):
+Taking rejected tokens back, by cache kind (``engine.device.rows.row_cache``):
 
 - plain KV and sliding windows are trimmed: a multi-token forward keeps the window the
   last kept token needs, so trimming the rejected keys is exact (``trimmed``);
@@ -30,17 +30,17 @@ forced token's is 0 (``forced_logprob``), as fast-forward reports it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from engine.core.drafts import Acceptance, lookup_draft
+from engine.core.drafts import lookup_draft
 from engine.core.lane import LaneRow, RowToken
-from engine.device.logprobs import forced_logprob, token_logprobs
-from engine.device.row_cache import Rollback, trimmed
-from engine.device.sampling import unpack_bitmask
+from engine.device.rows.logprobs import forced_logprob, token_logprobs
+from engine.device.rows.row_cache import Rollback, trimmed
+from engine.device.rows.sampling import unpack_bitmask
+from engine.device.rows.speculating_row import SpeculatingRow
 from engine.requests.constraints.grammar import RowGrammar
 from engine.requests.inbound.sampling import SamplingParams
 from engine.requests.outbound.results import TokenLogprob
@@ -56,28 +56,6 @@ IDLE_CHECKS = 2  # steps without a draft after which a row goes back to the gene
 # Tokens a state-cache row may carry to feed again before it checks no draft for a step
 # (which feeds them for good): bounds the extra width of its forwards.
 MAX_BACKLOG = 2 * DRAFT_TOKENS
-
-
-@dataclass
-class SpeculatingRow:
-    """A row decoded outside the generator: its cache and the tokens not yet in it."""
-
-    row: LaneRow
-    cache: list[Any]
-    history: list[int]  # the tokens its cache holds
-    pending: int  # the last token, decided (and reported) but not yet fed
-    acceptance: Acceptance
-    idle: int = 0  # consecutive steps without a draft
-    trims: bool = True  # rejected tokens are trimmed; else the cache is rolled back
-    # Decided and reported, fed by a forward that was rolled back: fed before ``pending``.
-    backlog: list[int] = field(default_factory=list)
-    grammar: RowGrammar | None = None  # a constrained row's matcher, ``pending`` consumed
-    words: int = 0  # the grammar's bitmask width (32-bit words)
-
-    @property
-    def unfed(self) -> list[int]:
-        """Everything decided that the cache does not hold yet, in order."""
-        return [*self.backlog, self.pending]
 
 
 def eligible(row: LaneRow) -> bool:

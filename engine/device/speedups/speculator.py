@@ -20,14 +20,14 @@ import mlx.core as mx
 from engine.core.drafts import ShadowDraft
 from engine.core.lane import LaneStep, RowToken
 from engine.core.step_costs import StepCosts
-from engine.device.batch_row import BatchRow, BatchRows, OutRow, RowSeam
-from engine.device.logprobs import token_logprob
-from engine.device.row_adapters import rows_of
-from engine.device.speculation import (
+from engine.device.adapters.row_adapters import rows_of
+from engine.device.rows.batch_row import BatchRow, BatchRows, OutRow, RowSeam
+from engine.device.rows.logprobs import token_logprob
+from engine.device.rows.speculating_row import SpeculatingRow
+from engine.device.speedups.speculation import (
     ACCEPTANCE_FLOOR,
     DRAFT_TOKENS,
     IDLE_CHECKS,
-    SpeculatingRow,
     eligible,
     speculate,
 )

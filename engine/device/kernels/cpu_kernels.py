@@ -1,4 +1,4 @@
-"""The native CPU kernels (``engine.device.cpu_native``, built from ``native/`` at install).
+"""The native CPU kernels (``engine.device.kernels.cpu_native``, built from ``native/`` at install).
 
 Two operations of the MLX graph, for the CPU backend only: a quantized matmul over MLX's
 affine 4/8-bit layout (float32 activations, weights dequantized exactly in registers;
@@ -67,7 +67,7 @@ def _loaded() -> tuple[ModuleType | None, KernelStatus]:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None, KernelStatus(False, reason=f"{ENV_SWITCH}=0")
     try:
-        from engine.device import cpu_native as ext  # type: ignore[attr-defined]
+        from engine.device.kernels import cpu_native as ext  # type: ignore[attr-defined]
     except ImportError as exc:
         return None, KernelStatus(False, reason=f"extension not built or not loadable ({exc})")
     info: dict[str, Any] = ext.info()

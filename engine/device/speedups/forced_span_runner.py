@@ -18,11 +18,11 @@ import mlx.core as mx
 
 from engine.core.lane import LaneStep, RowToken
 from engine.core.step_costs import StepCosts, min_span
-from engine.device.batch_row import BatchRow, BatchRows, OutRow, RowSeam
-from engine.device.forced_spans import forward_spans
-from engine.device.logprobs import forced_logprob, token_logprob
-from engine.device.row_adapters import rows_of
-from engine.device.sampling import GrammarMask, penalty_processors
+from engine.device.adapters.row_adapters import rows_of
+from engine.device.rows.batch_row import BatchRow, BatchRows, OutRow, RowSeam
+from engine.device.rows.logprobs import forced_logprob, token_logprob
+from engine.device.rows.sampling import GrammarMask, penalty_processors
+from engine.device.speedups.forced_spans import forward_spans
 
 # Rounds bound how long one step may be held by span forwards.
 SPAN_ROUNDS = 4

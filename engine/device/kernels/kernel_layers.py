@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.device import cpu_kernels
+from engine.device.kernels import cpu_kernels
 from engine.device.upstream.fast_ops import in_marked_forward as _in_kernel_forward
 from engine.device.upstream.fast_ops import wrap_family, wrap_fast
 

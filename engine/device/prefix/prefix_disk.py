@@ -49,7 +49,7 @@ from engine.core.prefix_files import (
     write_entry,
 )
 from engine.core.reuse_key import KEY_VERSION
-from engine.device.row_cache import arrays_of
+from engine.device.rows.row_cache import arrays_of
 
 log = logging.getLogger("engine")
 

@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.device.row_adapters import adapters_of
+from engine.device.adapters.row_adapters import adapters_of
 from engine.device.upstream.required import check_vision
 from engine.device.upstream.vision_blocks import install_recorder, recording
 from engine.requests.inbound.prompts import PromptImage

@@ -22,10 +22,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.core.lane import LaneCapabilities, LaneRow, LaneStep, RowToken
-from engine.device.batch_row import BatchRow
-from engine.device.logprobs import forced_logprob, token_logprob
-from engine.device.row_adapters import RowAdapters, adapters_of, rows_of
-from engine.device.sampling import (
+from engine.device.adapters.row_adapters import RowAdapters, adapters_of, rows_of
+from engine.device.rows.batch_row import BatchRow
+from engine.device.rows.logprobs import forced_logprob, token_logprob
+from engine.device.rows.sampling import (
     GrammarMask,
     Sampler,
     SamplerCache,
@@ -33,7 +33,7 @@ from engine.device.sampling import (
     penalty_processors,
     seeded_sampler,
 )
-from engine.device.vision_prefill import VisionJob, VisionPrefill
+from engine.device.vision.prefill import VisionJob, VisionPrefill
 from engine.errors import InvalidConstraintError
 from engine.requests.constraints.grammar import GrammarCompiler
 from engine.requests.inbound.sampling import LogitsProcessor

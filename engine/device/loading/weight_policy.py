@@ -2,7 +2,7 @@
 
 On Metal and CUDA quantized weights are fast and stay as loaded. On the CPU:
 
-- with the CPU kernels (``engine.device.cpu_kernels``): quantized layers stay quantized and
+- with the CPU kernels (``engine.device.kernels.cpu_kernels``): quantized layers stay quantized and
   run the kernels, attention runs the fused kernel, unless ``quantized=False`` asks for
   float32;
 - without them: MLX's quantized CPU ops are 3-200x slower than float32 through BLAS, so a
@@ -22,9 +22,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.device import cpu_kernels
-from engine.device.kernel_layers import install
-from engine.device.memory import on_accelerator, usable_memory_bytes
+from engine.device.kernels import cpu_kernels
+from engine.device.kernels.kernel_layers import install
+from engine.device.loading.memory import on_accelerator, usable_memory_bytes
 
 # Dequantize only while float32 weights take at most this share of memory: the rest is for
 # the KV cache, the runtime and whatever else the machine runs.

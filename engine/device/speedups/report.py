@@ -13,7 +13,7 @@ from typing import Any
 from mlx_lm.models.cache import CacheList
 
 from engine.core.stats import SpeedUp
-from engine.device.prefix_reuse import BOUNDARY, TRIM
+from engine.device.prefix.prefix_reuse import BOUNDARY, TRIM
 
 _STATE = "ArraysCache"
 _RING = "RotatingKVCache"

@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.device.sampling import FailureSlot, GrammarMask
+from engine.device.rows.sampling import FailureSlot, GrammarMask
 from engine.requests.constraints.grammar import RowGrammar, fill_rows
 
 

@@ -1,7 +1,7 @@
 """Prefix reuse for the batch lane: what can be reused, copies, and the store.
 
 Every cache kind is reused, at the lengths it can be resumed from
-(``engine.device.row_cache``):
+(``engine.device.rows.row_cache``):
 
 - ``TRIM`` (plain KV caches only): any shared length, from a stored entry or a row
   running now;
@@ -24,8 +24,8 @@ import numpy as np
 
 from engine.core.footprint import ModelFootprint
 from engine.core.prefix_cache import PrefixHit, PrefixStore, common_prefix
-from engine.device.prefix_disk import PrefixDisk
-from engine.device.row_cache import copied, cut_to, cuttable, nbytes
+from engine.device.prefix.prefix_disk import PrefixDisk
+from engine.device.rows.row_cache import copied, cut_to, cuttable, nbytes
 
 TRIM = "trim"  # plain KV: any shared length, running rows donate
 BOUNDARY = "boundary"  # stored snapshots, resumed where every layer allows

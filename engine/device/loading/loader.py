@@ -28,12 +28,13 @@ from engine.core.memory import MemoryBounds, resident_bytes, resolve_bounds
 from engine.core.prefill_planner import PrefillPlanner
 from engine.core.prefix_cache import PrefixStore
 from engine.core.stats import SpeedUp
-from engine.device.architecture import architecture_module, read_model_config
-from engine.device.batch_lane import BatchLane
-from engine.device.batch_row import BatchRow
-from engine.device.cache_layout import footprint_of
-from engine.device.collectives import Channel, Group
-from engine.device.memory import (
+from engine.device.adapters.row_adapters import attach
+from engine.device.lane.batch_lane import BatchLane
+from engine.device.lane.serial_lane import SerialLane
+from engine.device.loading.architecture import architecture_module, read_model_config
+from engine.device.loading.cache_layout import footprint_of
+from engine.device.loading.collectives import Channel, Group
+from engine.device.loading.memory import (
     device_memory,
     limit_buffer_cache,
     on_accelerator,
@@ -41,17 +42,16 @@ from engine.device.memory import (
     usable_memory_bytes,
     weights_bytes,
 )
-from engine.device.padding_probe import KNOWN_DIVERGENT, batch_divergence
-from engine.device.prefix_disk import PrefixDisk, disk_key
-from engine.device.prefix_reuse import OFF, PrefixReuse, reuse_policy
-from engine.device.row_adapters import attach
-from engine.device.sampling import SamplerCache
-from engine.device.serial_lane import SerialLane
-from engine.device.speedups import report
+from engine.device.loading.padding_probe import KNOWN_DIVERGENT, batch_divergence
+from engine.device.loading.weight_policy import WeightChoice, apply_weight_policy
+from engine.device.prefix.prefix_disk import PrefixDisk, disk_key
+from engine.device.prefix.prefix_reuse import OFF, PrefixReuse, reuse_policy
+from engine.device.rows.batch_row import BatchRow
+from engine.device.rows.sampling import SamplerCache
+from engine.device.speedups.report import report
 from engine.device.upstream.required import check_upstream
-from engine.device.vision import VisionTower, checkpoint_tower_bytes
-from engine.device.vision_prefill import VisionPrefill
-from engine.device.weight_policy import WeightChoice, apply_weight_policy
+from engine.device.vision.prefill import VisionPrefill
+from engine.device.vision.tower import VisionTower, checkpoint_tower_bytes
 from engine.errors import InvalidModelError
 from engine.requests.constraints.grammar import GrammarCompiler
 from engine.requests.inbound.vision_formats import GRID_POSITIONS, VisionFormat

@@ -38,22 +38,22 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.core.lane import LaneCapabilities, LaneRow, LaneStep, RowToken
 from engine.core.prefill_planner import HeadKey, PrefillPlanner
 from engine.core.step_costs import StepCosts
-from engine.device.batch_row import BatchRow, BatchRows
-from engine.device.decoded_tokens import collect_decoded, first_tokens
-from engine.device.first_tokens import SamplerTap
-from engine.device.forced_span_runner import ForcedSpanRunner
-from engine.device.forced_spans import spans_supported
-from engine.device.generator_seam import NO_LIMIT, NO_STOPS, GeneratorSeam
-from engine.device.grammar_step import GrammarProcessor, MaskFiller
-from engine.device.logprobs import token_logprobs
-from engine.device.prefix_reuse import PrefixReuse
-from engine.device.row_adapters import adapters_of, routed
-from engine.device.row_cache import copied, trims_exactly
-from engine.device.sampling import GrammarMask, SamplerCache, guarded, penalty_processors
-from engine.device.speculator import Speculator
-from engine.device.speedups import cache_kinds
+from engine.device.adapters.row_adapters import adapters_of, routed
+from engine.device.lane.decoded_tokens import collect_decoded, first_tokens
+from engine.device.lane.generator_seam import NO_LIMIT, NO_STOPS, GeneratorSeam
+from engine.device.prefix.prefix_reuse import PrefixReuse
+from engine.device.rows.batch_row import BatchRow, BatchRows
+from engine.device.rows.first_tokens import SamplerTap
+from engine.device.rows.grammar_step import GrammarProcessor, MaskFiller
+from engine.device.rows.logprobs import token_logprobs
+from engine.device.rows.row_cache import copied, trims_exactly
+from engine.device.rows.sampling import GrammarMask, SamplerCache, guarded, penalty_processors
+from engine.device.speedups.forced_span_runner import ForcedSpanRunner
+from engine.device.speedups.forced_spans import spans_supported
+from engine.device.speedups.report import cache_kinds
+from engine.device.speedups.speculator import Speculator
 from engine.device.upstream.batches import install
-from engine.device.vision_prefill import VisionPrefill
+from engine.device.vision.prefill import VisionPrefill
 from engine.requests.constraints.grammar import GrammarCompiler
 from engine.requests.inbound.sampling import LogitsProcessor
 

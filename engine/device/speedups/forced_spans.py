@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.device.row_cache import extracted, merged, supported
+from engine.device.rows.row_cache import extracted, merged, supported
 
 
 @dataclass

@@ -22,7 +22,7 @@ def accelerator_available() -> bool:
 
 def cpu_kernels_available() -> bool:
     """Whether this package's CPU kernels load and pass their check here."""
-    from engine.device.cpu_kernels import kernels_available
+    from engine.device.kernels.cpu_kernels import kernels_available
 
     return kernels_available()
 
