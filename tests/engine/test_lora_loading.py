@@ -178,7 +178,7 @@ def test_adapter_bytes_count_what_the_stacks_hold(model: Any, adapters: dict[str
 
 def test_a_load_that_fails_half_way_changes_nothing(
         model: Any, adapters: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.device import row_adapters
+    from engine.device.adapters import row_adapters
 
     held = row_adapters.attach(model, 1 << 30)
     held.acquire(adapters["A"])
