@@ -22,6 +22,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine import Engine, EngineError
+from mlx_providers.server.anthropic_endpoint import count_tokens, create_message
+from mlx_providers.server.anthropic_errors import not_found as anthropic_not_found
 from mlx_providers.server.auth import BearerAuth
 from mlx_providers.server.chat_endpoint import chat_completions
 from mlx_providers.server.context import ServerContext, ServerSettings
@@ -39,7 +41,7 @@ from mlx_providers.server.served import EmbeddingModel, ServedEmbedding, ServedM
 log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what an engine for model=None serves
 _ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/responses": "responses",
-              "/v1/embeddings": "embeddings"}
+              "/v1/embeddings": "embeddings", "/v1/messages": "messages"}
 
 
 def served_name(engine: Engine) -> str:
@@ -96,6 +98,10 @@ def create_app(models: Engine | Mapping[str, Engine], *,
         Route("/v1/embeddings", create_embeddings, methods=["POST"]),
         Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+        Route("/v1/messages", create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/v1/messages/{rest:path}", anthropic_not_found,
+              methods=["GET", "POST", "DELETE"]),
     ], middleware=middleware, lifespan=lifespan, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, Exception: _unexpected})
     app.state.ctx = ctx
