@@ -290,11 +290,13 @@ SLOW_FILES = frozenset({
 })
 
 
-# Files whose models are fitted for seconds first, and every family through every door: CI
-# runs them (make test-fitted); make test keeps the family matrix itself.
+# The family proofs CI runs apart (make test-fitted): models fitted for seconds first, every
+# family through every door, each family's own syntax and its constrained replies (together
+# some six minutes of the suite's work); make test keeps the family matrix itself.
 FITTED_FILES = frozenset({
     "tests/families/test_doors.py", "tests/families/test_fitting.py",
     "tests/families/test_fitted_own_syntax.py", "tests/families/test_fitted_harmony_answers.py",
+    "tests/families/test_own_syntax.py", "tests/families/test_constraint_invariant.py",
 })
 
 
