@@ -1,5 +1,5 @@
-"""The fast-forward decision: spans taken where their measured cost is below the steps
-they save, on the device's own figures (a GPU's cheap tokens, a CPU's dear ones)."""
+"""The step costs inside an engine: what stats() reports once spans ran, and speculation's
+floor from the measured checks (the pure decisions: tests/unit/test_step_costs.py)."""
 
 from __future__ import annotations
 
@@ -7,25 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 from engine import ChatRequest, Engine, TextRequest
-from engine.core.step_costs import WARM_SPANS, StepCosts
+from engine.core.step_costs import WARM_SPANS
 from tests.conftest import greedy
 from tests.engine.test_engine_tools import ASK, CLOCK
+from tests.unit.test_step_costs import MS, measured
 from tests.unit.test_tools import WEATHER
-
-MS = 1e-3
-
-
-def measured(steps: dict[int, float], span_fixed: float, per_token: float,
-             tokens: tuple[int, ...] = (8, 16, 24, 40)) -> StepCosts:
-    """Costs as the lane would have measured them: plain steps by width, span steps."""
-    costs = StepCosts()
-    for _ in range(10):
-        for width, seconds in steps.items():
-            costs.stepped(width, seconds)
-    width = min(steps)
-    for fed in tokens:
-        costs.spanned(width, fed, steps[width] + span_fixed + per_token * fed)
-    return costs
 
 
 def test_stats_report_the_measured_costs_once_spans_ran(
