@@ -465,7 +465,7 @@ def start_engine(model: Path, config: Mapping[str, Any], *, serial: str | None =
     """An engine whose probe cancels rows in their prefill on demand; ``serial``: the
     model type whose rows it sends to the serial lane; ``eager_spans``: fast-forward takes
     every forced span, whatever this machine's step costs say (the matrix proves that spans
-    cross other features exactly; tests/engine/test_span_costs.py proves when they pay)."""
+    cross other features exactly; tests/unit/test_step_costs.py proves when they pay)."""
     from engine import Engine, EngineConfig, StepProbe
 
     admissions = Admissions()

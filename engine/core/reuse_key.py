@@ -7,7 +7,7 @@ tokens alone do not say:
 - **images**: every image of a family occupies the same token ids, so each image span is
   replaced by ids of that image (its hash and the position in the span);
 - **position shift** (M-RoPE families): an image row's cache is kept shifted to the
-  positions of the text after its images (``vision_prefill``), the text before them
+  positions of the text after its images (``device.vision.prefill``), the text before them
   included;
 - **adapter**: a LoRA adapter changes every layer's keys and values from the first token.
 

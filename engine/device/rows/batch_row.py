@@ -44,7 +44,7 @@ class BatchRow:
     # The next input a direct rejoin handed the generator, which returns it next step.
     echo: int | None = None
     speculating: SpeculatingRow | None = None  # out of the generator, decoded by speculation
-    # An image row's own prefill, done (``vision_prefill``): its cache and the tokens it holds.
+    # An image row's own prefill, done (``vision.prefill``): its cache and the tokens it holds.
     vision_ready: tuple[list[Any], int] | None = None
     adapter: str | None = None  # the LoRA adapter it holds (``row_adapters``)
     slot: int = 0  # its adapter's slot (0: the base)
