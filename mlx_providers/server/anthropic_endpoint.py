@@ -103,7 +103,7 @@ async def create_message(request: Request) -> Response:
     try:
         params = req.sampling(ctx.settings.default_temperature)
     except ValueError as exc:  # SamplingParams' refusals (an empty stop sequence)
-        raise from_engine(exc, fields=None, **_PARAMS) from exc
+        raise from_engine(exc, fields=MessageFields().anthropic_field, **_PARAMS) from exc
     spec, fields = await _converted(req, params)
     # A grammar that does not compile is the format's when there is one, else a tool's.
     endpoint = Endpoint(ENDPOINT, ctx.metrics, {

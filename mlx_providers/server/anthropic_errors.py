@@ -52,13 +52,17 @@ def envelope(kind: str, message: str) -> dict[str, Any]:
 
 
 def as_anthropic(error: APIError) -> AnthropicError:
-    """The server's error as the Messages door answers it: the same message and headers
-    (``Retry-After``); a 429 (the model's queue is full) becomes 529 ``overloaded_error``,
-    which is what Anthropic's API answers when it sheds load and what its SDKs retry."""
+    """The server's error as the Messages door answers it: the same message (naming its
+    parameter) and headers (``Retry-After``); a 429 (the model's queue is full) becomes 529
+    ``overloaded_error``, which is what Anthropic's API answers when it sheds load and what
+    its SDKs retry."""
     if isinstance(error, AnthropicError):
         return error
     status = OVERLOADED if error.status == 429 else error.status
-    return AnthropicError(status, error.message, type=TYPES.get(status, "api_error"),
+    # Anthropic's envelope has no ``param``: the message names the field instead.
+    message = error.message if not error.param or error.param in error.message else (
+        f"{error.param}: {error.message}")
+    return AnthropicError(status, message, type=TYPES.get(status, "api_error"),
                           param=error.param, code=error.code, headers=error.headers)
 
 

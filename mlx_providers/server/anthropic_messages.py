@@ -51,6 +51,8 @@ class MessageFields:
 
     def anthropic_field(self, name: str) -> str:
         """``messages[3].content[0]`` (a chat message's) as the client's own field."""
+        if name == "stop":  # SamplingParams' name
+            return "stop_sequences"
         tool = _TOOL_FIELD.fullmatch(name)
         if tool is not None:  # tools go to the engine flat, with OpenAI's "parameters"
             return tool.group(1) + re.sub(r"^\.parameters", ".input_schema", tool.group(2))
