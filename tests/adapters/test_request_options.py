@@ -2,9 +2,9 @@
 
 For each option, a value other than its default is set at each door (a LangChain field and
 a call option, a LlamaIndex field and a call option, a chat-completions body field, a
-Responses body field) and the ``SamplingParams`` that reaches the engine carries it. A new
-option added to ``REQUEST_OPTIONS`` fails here until every door takes it. No model: the
-scripted engine records what it was asked.
+Responses body field, an Anthropic Messages body field) and the ``SamplingParams`` that
+reaches the engine carries it. A new option added to ``REQUEST_OPTIONS`` fails here until
+every door takes it. No model: the scripted engine records what it was asked.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ VALUES: dict[str, Any] = {
     "tool_call_limit": 2, "adapter": _adapter_dir(),
 }
 # What a door names otherwise: a field of its own, or a body that asks for the option.
-WIRE = {"responses": {"max_tokens": "max_output_tokens"}}
+WIRE = {"responses": {"max_tokens": "max_output_tokens"},
+        "anthropic": {"stop": "stop_sequences"}}
 ASKED = {"responses": {"logprobs": {"include": ["message.output_text.logprobs"]}}}
 # The server serves registered adapters: a body names one, the engine gets its directory.
 SERVED_ADAPTER = "options"
@@ -112,7 +113,7 @@ def _body(door: str, name: str) -> dict[str, Any]:
     return body
 
 
-@pytest.mark.parametrize("door", ["chat", "responses"])
+@pytest.mark.parametrize("door", ["chat", "responses", "anthropic"])
 @pytest.mark.parametrize("name", REQUEST_OPTIONS)
 def test_the_server_passes_the_option_in_the_body(door: str, name: str) -> None:
     fake = ScriptedEngine()
@@ -122,6 +123,10 @@ def test_the_server_passes_the_option_in_the_body(door: str, name: str) -> None:
         if door == "chat":
             body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **options}
             reply = client.post("/v1/chat/completions", json=body)
+        elif door == "anthropic":  # Anthropic's Messages API: max_tokens is required
+            body = {"model": "m", "max_tokens": 16,
+                    "messages": [{"role": "user", "content": "hi"}], **options}
+            reply = client.post("/v1/messages", json=body)
         else:
             reply = client.post("/v1/responses", json={"model": "m", "input": "hi", **options})
     assert reply.status_code == 200, reply.text
