@@ -24,19 +24,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine import (
-    ChatRequest,
     ContextLengthError,
     Engine,
     EngineError,
     RequestHandle,
     StreamEvent,
 )
+from engine import Request as EngineRequest  # a ChatRequest or a TextRequest
 from mlx_providers._keep_alive import submit_options
 from mlx_providers.server.errors import APIError, from_engine
 from mlx_providers.server.metrics import ServerMetrics
 from mlx_providers.server.served import ServedModel, Slot
 
 T = TypeVar("T")
+# Frames a stream's items as the response: SSE (the default) or Ollama's NDJSON.
+StreamResponse = Callable[[AsyncIterator[Any]], Response]
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never read by anyone
 
 
@@ -160,9 +162,14 @@ class Endpoint:
 
 
 async def serve(request: Request, endpoint: Endpoint, served: ServedModel,
-                spec: ChatRequest, answer: Answer, *, stream: bool,
-                fit_context: bool, keep_alive: float | None = None) -> Response:
-    """Run ``spec`` on ``served`` and answer: JSON, or an SSE stream of ``answer``'s items.
+                spec: EngineRequest, answer: Answer, *, stream: bool,
+                fit_context: bool, keep_alive: float | None = None,
+                stream_response: StreamResponse = EventSourceResponse) -> Response:
+    """Run ``spec`` on ``served`` and answer: JSON, or a stream of ``answer``'s items.
+
+    ``spec`` is a ``ChatRequest`` or, for a door that continues raw text (Ollama's
+    ``/api/generate`` with ``raw`` or ``suffix``), a ``TextRequest``. ``stream_response``
+    frames the streamed items: SSE by default, Ollama's door passes its NDJSON response.
 
     ``fit_context``: the client set no token limit, so the server's default applies; a
     prompt that fits the context but not with that default is resubmitted with the room
@@ -182,7 +189,7 @@ async def serve(request: Request, endpoint: Endpoint, served: ServedModel,
         slot.release()
         raise
     if stream:  # from here on the stream's body owns the slot and the generation
-        return EventSourceResponse(_sse(endpoint, served, generation, answer, slot))
+        return stream_response(_sse(endpoint, served, generation, answer, slot))
     try:
         async with generation:
             await unless_disconnected(request, lambda: _whole(endpoint, served, generation,
@@ -196,7 +203,7 @@ async def serve(request: Request, endpoint: Endpoint, served: ServedModel,
     return JSONResponse(answer.body())
 
 
-async def _started(request: Request, engine: Engine, spec: ChatRequest,
+async def _started(request: Request, engine: Engine, spec: EngineRequest,
                    endpoint: Endpoint, fit_context: bool,
                    options: Mapping[str, Any]) -> Generation:
     """Submitted, with its first event read; engine refusals raised as 4xx/5xx."""
@@ -212,7 +219,7 @@ async def _started(request: Request, engine: Engine, spec: ChatRequest,
     return generation
 
 
-async def _submitted(request: Request, engine: Engine, spec: ChatRequest,
+async def _submitted(request: Request, engine: Engine, spec: EngineRequest,
                      endpoint: Endpoint, options: Mapping[str, Any]) -> Generation:
     try:
         generation = Generation(engine.submit(spec, **options))
