@@ -137,8 +137,8 @@ async def _counting(engine: Engine, spec: ChatRequest, translator: MessageTransl
         try:
             translator.input_tokens = await anyio.to_thread.run_sync(engine.count_tokens,
                                                                      spec)
-        except (ValueError, EngineError):
-            pass  # the request's own refusal says why; message_delta has the usage
+        except Exception:  # any: a number for message_start only (the request's own
+            pass  # refusal says what is wrong, and message_delta carries the usage)
 
     response: list[Response] = []
     failure: list[Exception] = []

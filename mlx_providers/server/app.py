@@ -161,7 +161,8 @@ def _count(request: Request, status: int) -> None:
     endpoint = _ENDPOINTS.get(request.url.path)
     if endpoint is not None:
         ctx: ServerContext = request.app.state.ctx
-        outcome = ("rejected" if status == 429 else
+        # 529: the Messages door's answer to a full queue (Anthropic's overloaded_error).
+        outcome = ("rejected" if status in (429, 529) else
                    "client_error" if status < 500 else "server_error")
         ctx.metrics.count(endpoint, outcome)
 

@@ -285,6 +285,8 @@ def test_a_full_queue_is_overloaded_529_with_retry_after(
         assert shed.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
     waiter.join(60)
     assert held and held[0].usage.output_tokens == 2
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text  # shed, not failed
+    assert 'mlx_server_requests_total{endpoint="messages",outcome="rejected"} 1.0' in metrics
 
 
 def test_closing_a_message_stream_evicts_its_row(
