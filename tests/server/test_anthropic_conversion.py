@@ -170,6 +170,8 @@ def test_sampling_thinking_and_format_reach_the_engine(client: TestClient,
     ({"messages": [{"role": "tool", "content": "hi"}]}, "messages[0].role"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "keep_alive": "soon"}, "keep_alive"),
+    ({"messages": [{"role": "user", "content": "hi"}], "adapter": "nope"}, "adapter"),
 ])
 def test_refusals_name_the_field_the_client_sent(client: TestClient, body: dict[str, Any],
                                                  field: str) -> None:
