@@ -26,6 +26,7 @@ from mlx_providers.server.anthropic_endpoint import count_tokens, create_message
 from mlx_providers.server.anthropic_errors import not_found as anthropic_not_found
 from mlx_providers.server.auth import BearerAuth
 from mlx_providers.server.chat_endpoint import chat_completions
+from mlx_providers.server.completions_endpoint import completions
 from mlx_providers.server.context import ServerContext, ServerSettings
 from mlx_providers.server.embeddings_endpoint import create_embeddings
 from mlx_providers.server.errors import SERVER_ERROR, APIError
@@ -40,7 +41,8 @@ from mlx_providers.server.served import EmbeddingModel, ServedEmbedding, ServedM
 
 log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what an engine for model=None serves
-_ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/responses": "responses",
+_ENDPOINTS = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions",
+              "/v1/responses": "responses",
               "/v1/embeddings": "embeddings", "/v1/messages": "messages"}
 
 
@@ -94,6 +96,7 @@ def create_app(models: Engine | Mapping[str, Engine], *,
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/embeddings", create_embeddings, methods=["POST"]),
         Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
