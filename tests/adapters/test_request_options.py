@@ -2,9 +2,10 @@
 
 For each option, a value other than its default is set at each door (a LangChain field and
 a call option, a LlamaIndex field and a call option, a chat-completions body field, a
-Responses body field, an Anthropic Messages body field) and the ``SamplingParams`` that
-reaches the engine carries it. A new option added to ``REQUEST_OPTIONS`` fails here until
-every door takes it. No model: the scripted engine records what it was asked.
+Responses body field, an Anthropic Messages body field, a legacy completions body field)
+and the ``SamplingParams`` that reaches the engine carries it. A new option added to
+``REQUEST_OPTIONS`` fails here until every door takes it. No model: the scripted engine
+records what it was asked.
 """
 
 from __future__ import annotations
@@ -45,7 +46,11 @@ VALUES: dict[str, Any] = {
 # What a door names otherwise: a field of its own, or a body that asks for the option.
 WIRE = {"responses": {"max_tokens": "max_output_tokens"},
         "anthropic": {"stop": "stop_sequences"}}
-ASKED = {"responses": {"logprobs": {"include": ["message.output_text.logprobs"]}}}
+# The legacy completions' ``logprobs`` is an integer: 0 asks for the chosen tokens', N for
+# N alternatives too (top_logprobs).
+ASKED = {"responses": {"logprobs": {"include": ["message.output_text.logprobs"]}},
+         "completions": {"logprobs": {"logprobs": 0},
+                         "top_logprobs": {"logprobs": VALUES["top_logprobs"]}}}
 # The server serves registered adapters: a body names one, the engine gets its directory.
 SERVED_ADAPTER = "options"
 
@@ -113,7 +118,7 @@ def _body(door: str, name: str) -> dict[str, Any]:
     return body
 
 
-@pytest.mark.parametrize("door", ["chat", "responses", "anthropic"])
+@pytest.mark.parametrize("door", ["chat", "responses", "anthropic", "completions"])
 @pytest.mark.parametrize("name", REQUEST_OPTIONS)
 def test_the_server_passes_the_option_in_the_body(door: str, name: str) -> None:
     fake = ScriptedEngine()
@@ -127,6 +132,9 @@ def test_the_server_passes_the_option_in_the_body(door: str, name: str) -> None:
             body = {"model": "m", "max_tokens": 16,
                     "messages": [{"role": "user", "content": "hi"}], **options}
             reply = client.post("/v1/messages", json=body)
+        elif door == "completions":  # the legacy API: a raw prompt, no chat template
+            reply = client.post("/v1/completions", json={"model": "m", "prompt": "hi",
+                                                         **options})
         else:
             reply = client.post("/v1/responses", json={"model": "m", "input": "hi", **options})
     assert reply.status_code == 200, reply.text
