@@ -31,6 +31,7 @@ from mlx_providers.server.context import ServerContext, ServerSettings
 from mlx_providers.server.embeddings_endpoint import create_embeddings
 from mlx_providers.server.errors import SERVER_ERROR, APIError
 from mlx_providers.server.metrics import CONTENT_TYPE, ServerMetrics
+from mlx_providers.server.ollama_routes import OLLAMA_ROUTES
 from mlx_providers.server.responses_endpoint import (
     create_response,
     delete_response,
@@ -105,6 +106,7 @@ def create_app(models: Engine | Mapping[str, Engine], *,
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/messages/{rest:path}", anthropic_not_found,
               methods=["GET", "POST", "DELETE"]),
+        *OLLAMA_ROUTES,  # Ollama's API door: /api/chat, /api/generate, /api/tags...
     ], middleware=middleware, lifespan=lifespan, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, Exception: _unexpected})
     app.state.ctx = ctx
