@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -35,6 +36,7 @@ def _byte_count(*words: str) -> Callable[[str], int | str]:
     return parse
 
 
+OLLAMA_PORT = 11434  # Ollama's own port: where its clients look by default
 # EngineConfig fields offered on the command line (the rest keep their defaults).
 _ENGINE_OPTIONS: dict[str, Callable[[str], Any]] = {
     "max_batch": int, "prefill_batch": int, "prefill_chunk": int,
@@ -70,6 +72,11 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1",
                        help="interface to bind (default loopback only)")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--ollama-port", type=int, nargs="?", const=OLLAMA_PORT, default=None,
+                       metavar="PORT",
+                       help="also listen on this port (given alone: 11434, Ollama's), so "
+                       "Ollama's clients find the server at their default host; the same "
+                       "app and engine on a second socket (default: off)")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every path but /health")
     serve.add_argument("--max-tokens", type=int, default=512,
@@ -136,11 +143,44 @@ def serve(args: argparse.Namespace) -> int:
     _close_on_shutdown(app, engine)
     name = args.served_model_name or served_name(engine)
     print(f"mlx-providers: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    sockets = ollama_sockets(args)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        if sockets is None:
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        else:  # one server, one app, on both sockets
+            print(f"mlx-providers: Ollama's API on http://{args.host}:{args.ollama_port}/api",
+                  flush=True)
+            listener = uvicorn.Config(app, host=args.host, port=args.port,
+                                      log_level=args.log_level)
+            uvicorn.Server(listener).run(sockets=sockets)
     finally:
         engine.close()
     return 0
+
+
+def ollama_sockets(args: argparse.Namespace) -> list[socket.socket] | None:
+    """``--ollama-port``: the server's socket and Ollama's, bound on ``--host`` (None when
+    the flag is not given: uvicorn binds the one port itself)."""
+    if args.ollama_port is None:
+        return None
+    if args.ollama_port == args.port and args.port != 0:
+        raise SystemExit(f"--ollama-port {args.ollama_port}: that is --port too; give "
+                         "another (the Ollama API is also on --port)")
+    return [_bound(args.host, args.port), _bound(args.host, args.ollama_port)]
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, as uvicorn binds its own (it listens on it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"cannot listen on {host}:{port}: {exc}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def engine_config(args: argparse.Namespace) -> dict[str, Any]:
