@@ -139,3 +139,29 @@ def test_the_server_passes_the_option_in_the_body(door: str, name: str) -> None:
             reply = client.post("/v1/responses", json={"model": "m", "input": "hi", **options})
     assert reply.status_code == 200, reply.text
     assert getattr(_sent(fake), name) == VALUES[name]
+
+
+# Ollama's /api/chat: its names for the options it spells otherwise (in ``options``),
+# logprobs as top-level fields, the adapter as the model's tag; every other option goes in
+# ``options`` under its own name (this server's extension where Ollama has no name).
+OLLAMA_NAMES = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
+OLLAMA_TOP_LEVEL = ("logprobs", "top_logprobs")
+
+
+@pytest.mark.parametrize("name", REQUEST_OPTIONS)
+def test_ollama_chat_passes_the_option(name: str) -> None:
+    fake = ScriptedEngine()
+    body: dict[str, Any] = {"model": "m", "stream": False, "options": {},
+                            "messages": [{"role": "user", "content": "hi"}]}
+    for key, value in _needs(name).items():
+        if key == "adapter":
+            body["model"] = f"m:{SERVED_ADAPTER}"
+        elif key in OLLAMA_TOP_LEVEL:
+            body[key] = value
+        else:
+            body["options"][OLLAMA_NAMES.get(key, key)] = _wire(value)
+    settings = ServerSettings(adapters={SERVED_ADAPTER: VALUES["adapter"]})
+    with TestClient(create_app({"m": fake}, settings=settings, embeddings={})) as client:  # type: ignore[dict-item]
+        reply = client.post("/api/chat", json=body)
+    assert reply.status_code == 200, reply.text
+    assert getattr(_sent(fake), name) == VALUES[name]
