@@ -2,8 +2,8 @@
 
 ``NDJSONResponse`` streams an async iterator of lines and watches the client's connection
 itself, whatever ASGI spec version the server speaks: a disconnect cancels the stream's
-task, which unwinds the generation's ``async with`` (``generation.Generation``, the one
-owner of a request's cancel) and evicts its row. Starlette's ``StreamingResponse`` does
+task, which unwinds the request's ``async with`` (``generation.Rows``, the one owner of a
+request's cancel) and evicts its rows. Starlette's ``StreamingResponse`` does
 that only under ASGI spec < 2.4; under 2.4 it learns of a disconnect only from a send that
 fails, which uvicorn does not raise, and a dropped stream would generate to its end for
 nobody. (SSE streams get the same watch from sse-starlette's ``EventSourceResponse``.)
