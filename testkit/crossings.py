@@ -78,7 +78,7 @@ VERDICT = {"type": "object", "properties": {
     "required": ["answer", "degrees"]}
 # Long enough that its KV is worth storing: the head every request of the matrix shares.
 SYSTEM = "You answer questions about the weather. " + " ".join(
-    f"Rule {i}: keep it short and exact." for i in range(24))
+    f"Rule {i}: keep it short and exact." for i in range(10))
 QUESTION = "What is the weather in Paris?"
 # A prompt long enough to be caught in its prefill (cancel_prefill), at 16 tokens a chunk.
 FILLER = " ".join(f"note {i} about the sky." for i in range(80))
