@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -ra $(XDIST) -m 'not real and not fitted'
+	$(BIN)/python -m pytest -ra $(XDIST) --durations=10 -m 'not real and not fitted'
 
 # CI runs these too: family models fitted to write their own calls and reasoning, every family
 # through ChatMLXBatch, MLXBatchLLM and the server, each family's own syntax and constrained
