@@ -28,9 +28,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -ra $(XDIST) --durations=10 -m 'not real and not fitted'
 
-# CI runs these too: family models fitted to write their own calls and reasoning, every family
-# through ChatMLXBatch, MLXBatchLLM and the server, each family's own syntax and constrained
-# replies (~9 min on two cores).
+# CI runs these too: the family matrix (every family's real tokenizer and template, its tiny
+# model), family models fitted to write their own calls and reasoning, every family through
+# ChatMLXBatch, MLXBatchLLM and the server, each family's own syntax and constrained replies
+# (~11 min on two cores).
 test-fitted: $(STAMP)
 	$(BIN)/python -m pytest -ra $(XDIST) -m fitted tests/families
 

