@@ -14,6 +14,7 @@ a split request's remaining chunks) are dropped.
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -25,6 +26,7 @@ from engine import Embeddings, EngineError, check_texts
 from mlx_providers.server.context import ServerContext, read_json, validate
 from mlx_providers.server.errors import APIError, from_engine
 from mlx_providers.server.generation import ClientGone, unless_disconnected
+from mlx_providers.server.served import ServedEmbedding
 
 ENDPOINT = "embeddings"
 CLIENT_CLOSED = 499  # as the chat endpoint answers a client that left (never read)
@@ -92,24 +94,34 @@ async def create_embeddings(request: Request) -> Response:
                        f"server; it serves {sorted(ctx.embeddings)}", param="model",
                        code="model_not_found")
     texts = _texts(body.input)
-    slot = served.admission.admit()
-    try:
-        handle = served.engine.embed(texts, served.model)
-        try:
-            result = await unless_disconnected(request, handle.aresult)
-        except ClientGone:  # this endpoint owns its request: the one place it cancels
-            handle.cancel()
-            raise
-    except ClientGone:
-        ctx.metrics.count(ENDPOINT, "disconnected")
+    result = await embedded(request, ctx, served, texts, ENDPOINT)
+    if result is None:
         return Response(status_code=CLIENT_CLOSED)
-    except EngineError as exc:
-        raise from_engine(exc, prompt_param="input") from exc
-    finally:
-        slot.release()
     if body.dimensions is not None and body.dimensions != result.vectors.shape[1]:
         raise APIError(400, f"dimensions: {served.name} gives {result.vectors.shape[1]} "
                        "dimensions and cannot shorten them", param="dimensions",
                        code="invalid_value")
     ctx.metrics.count(ENDPOINT, "ok")
     return JSONResponse(response_body(result, served.name, body.encoding_format))
+
+
+async def embedded(request: Request, ctx: ServerContext, served: ServedEmbedding,
+                   texts: Sequence[str], endpoint: str) -> Embeddings | None:
+    """``texts`` embedded on ``served``: admitted, and cancelled if the client leaves (None,
+    counted as ``endpoint``'s disconnect); the engine's refusals as API errors. Every
+    embedding door runs this."""
+    slot = served.admission.admit()
+    try:
+        handle = served.engine.embed(texts, served.model)
+        try:
+            return await unless_disconnected(request, handle.aresult)
+        except ClientGone:  # the request owns its embedding: the one place it is cancelled
+            handle.cancel()
+            raise
+    except ClientGone:
+        ctx.metrics.count(endpoint, "disconnected")
+        return None
+    except EngineError as exc:
+        raise from_engine(exc, prompt_param="input") from exc
+    finally:
+        slot.release()

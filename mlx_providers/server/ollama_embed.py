@@ -20,10 +20,11 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import EngineError, check_texts
+from engine import check_texts
 from mlx_providers.server.context import ServerContext, read_json, validate
-from mlx_providers.server.errors import APIError, from_engine
-from mlx_providers.server.generation import CLIENT_CLOSED, ClientGone, unless_disconnected
+from mlx_providers.server.embeddings_endpoint import embedded
+from mlx_providers.server.errors import APIError
+from mlx_providers.server.generation import CLIENT_CLOSED
 from mlx_providers.server.keep_alive import KeepAliveField
 from mlx_providers.server.ollama_answer import nanoseconds
 from mlx_providers.server.ollama_errors import ollama_route
@@ -75,21 +76,9 @@ async def ollama_embed(request: Request) -> Response:
     if not texts:  # Ollama answers an empty list with no vectors
         return JSONResponse({"model": body.model, "embeddings": [], **_durations(started),
                              "prompt_eval_count": 0})
-    slot = served.admission.admit()
-    try:
-        handle = served.engine.embed(texts, served.model)
-        try:
-            result = await unless_disconnected(request, handle.aresult)
-        except ClientGone:  # this endpoint owns its request: the one place it cancels
-            handle.cancel()
-            raise
-    except ClientGone:
-        ctx.metrics.count(ENDPOINT, "disconnected")
+    result = await embedded(request, ctx, served, texts, ENDPOINT)
+    if result is None:
         return Response(status_code=CLIENT_CLOSED)
-    except EngineError as exc:
-        raise from_engine(exc, prompt_param="input") from exc
-    finally:
-        slot.release()
     width = result.vectors.shape[1]
     if body.dimensions is not None and body.dimensions != width:
         raise APIError(400, f"dimensions: {served.name} gives {width} dimensions and cannot "
