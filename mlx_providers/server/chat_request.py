@@ -35,6 +35,26 @@ class OpenModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class AgentOptions(OpenModel):
+    """This server's request options every OpenAI-shaped door takes beside OpenAI's own
+    (chat completions, Responses, legacy completions): each reaches ``SamplingParams``."""
+
+    # At most this many reasoning tokens when the template opens the block.
+    reasoning_budget: Annotated[int, Field(ge=0)] | None = None
+    # Tools beside a response format refuse a call that repeats an answered one (same tool
+    # and arguments, a tool message for it); true admits it.
+    repeat_answered_calls: bool = False
+    # Calls to each tool the conversation may hold answered before the tool is no longer
+    # offered to a grammar-decided reply (beside a response format, or required).
+    tool_call_limit: Annotated[int, Field(ge=1)] | None = None
+    # A LoRA adapter for this request (a registered name or a local directory in mlx-lm's
+    # format), batched beside other adapters on the one base.
+    adapter: str | None = None
+    # As Ollama's: seconds (or "5m") the model stays loaded once idle after this request;
+    # 0 unloads it right after, negative keeps it (mlx_providers.server.keep_alive).
+    keep_alive: KeepAliveField = None
+
+
 class FunctionDef(OpenModel):
     name: str  # which names a call can be written with is the engine's rule
     description: str | None = None
@@ -77,7 +97,7 @@ class StreamOptions(OpenModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(OpenModel):
+class ChatCompletionRequest(AgentOptions):
     """The parameters this server honours; the rest are accepted and ignored."""
 
     model: str
@@ -106,19 +126,6 @@ class ChatCompletionRequest(OpenModel):
     # OpenAI's effort reaches templates that read it (gpt-oss's); the budget is this
     # server's: at most this many reasoning tokens when the template opens the block.
     reasoning_effort: ReasoningEffort | None = None
-    reasoning_budget: Annotated[int, Field(ge=0)] | None = None
-    # This server's: tools beside response_format refuse a call that repeats an answered
-    # one (same tool and arguments, a tool message for it); true admits it.
-    repeat_answered_calls: bool = False
-    # This server's: calls to each tool the conversation may hold answered before the tool
-    # is no longer offered to a grammar-decided reply (beside response_format, or required).
-    tool_call_limit: Annotated[int, Field(ge=1)] | None = None
-    # This server's: a LoRA adapter for this request (a registered name or a local
-    # directory in mlx-lm's format), batched beside other adapters on the one base.
-    adapter: str | None = None
-    # This server's, as Ollama's: seconds (or "5m") the model stays loaded once idle after
-    # this request; 0 unloads it right after, negative keeps it (mlx_providers.server.keep_alive).
-    keep_alive: KeepAliveField = None
 
     @property
     def include_usage(self) -> bool:

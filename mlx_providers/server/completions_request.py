@@ -21,10 +21,9 @@ from typing import Annotated, Any
 from pydantic import Field, StrictInt, StrictStr
 
 from engine import SamplingParams, TextRequest
-from mlx_providers.server.chat_request import OpenModel, StreamOptions
+from mlx_providers.server.chat_request import AgentOptions, StreamOptions
 from mlx_providers.server.errors import APIError
 from mlx_providers.server.fim import NoFimTokens, fill_in_the_middle
-from mlx_providers.server.keep_alive import KeepAliveField
 from mlx_providers.server.request_options import body_sampling
 
 DEFAULT_MAX_TOKENS = 16  # the legacy API's own default, not the chat door's
@@ -33,7 +32,7 @@ _SEEDS = 2**64  # SamplingParams' seed range: a choice's seed wraps inside it
 Prompt = str | tuple[int, ...]  # one prompt: text, or token ids
 
 
-class CompletionRequest(OpenModel):
+class CompletionRequest(AgentOptions):
     """The parameters this server honours; the rest are accepted and ignored."""
 
     model: str
@@ -54,17 +53,10 @@ class CompletionRequest(OpenModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # This server's, as on chat completions (vLLM's names): sampling options OpenAI's API
-    # does not have, and the agent options every door takes (REQUEST_OPTIONS).
+    # does not have (the agent options every door takes: ``AgentOptions``).
     top_k: Annotated[int, Field(ge=0)] | None = None
     min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    reasoning_budget: Annotated[int, Field(ge=0)] | None = None
-    repeat_answered_calls: bool = False
-    tool_call_limit: Annotated[int, Field(ge=1)] | None = None
-    # This server's: a registered LoRA adapter (or ``base:name`` as the model).
-    adapter: str | None = None
-    # This server's, as Ollama's: how long the model stays loaded once idle after this.
-    keep_alive: KeepAliveField = None
 
     @property
     def choices(self) -> int:

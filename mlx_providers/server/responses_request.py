@@ -27,9 +27,8 @@ from engine import (
     Message,
     messages_from_openai,
 )
-from mlx_providers.server.chat_request import OpenModel, ReasoningEffort
+from mlx_providers.server.chat_request import AgentOptions, OpenModel, ReasoningEffort
 from mlx_providers.server.errors import APIError, field_renamed
-from mlx_providers.server.keep_alive import KeepAliveField
 from mlx_providers.server.tool_options import output_constraint, tool_choice_name
 
 # The ``include`` value that asks for output_text logprobs (OpenAI's ``ResponseIncludable``;
@@ -138,7 +137,7 @@ class TextOptions(OpenModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(OpenModel):
+class ResponsesRequest(AgentOptions):
     """The parameters this server honours; the rest are accepted and ignored."""
 
     model: str
@@ -166,18 +165,6 @@ class ResponsesRequest(OpenModel):
     stream: bool = False
     metadata: dict[str, str] | None = None
     reasoning: ReasoningOptions | None = None
-    # This server's, as on chat completions: at most this many reasoning tokens when the
-    # template opens the block.
-    reasoning_budget: Annotated[int, Field(ge=0)] | None = None
-    # This server's, as on chat completions: tools beside text.format refuse a call that
-    # repeats an answered one unless this is true; a tool called and answered
-    # ``tool_call_limit`` times is no longer offered to a grammar-decided reply.
-    repeat_answered_calls: bool = False
-    tool_call_limit: Annotated[int, Field(ge=1)] | None = None
-    # This server's, as on chat completions: a LoRA adapter for this request.
-    adapter: str | None = None
-    # This server's, as on chat completions: how long the model stays loaded once idle.
-    keep_alive: KeepAliveField = None
 
     @property
     def logprobs(self) -> bool:
