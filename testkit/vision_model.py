@@ -479,3 +479,97 @@ def build_tiny_lfm2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -
     model = lfm2_vl.Model(model_config(config))
     _scaled(model, weight_scale)
     return _saved(out, model, config, eos)
+
+
+# Qwen3-VL / Qwen3.5's tower: 16 px patches merged 2x2 (one token a 32 px square), a
+# learned position grid interpolated to the image's (here 4x4 patches: 64 px).
+_QWEN3_TOWER = {"depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                "out_hidden_size": 64, "num_heads": 2, "patch_size": 16,
+                "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+                "num_position_embeddings": 16}
+
+
+def build_tiny_qwen3_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -> Path:
+    """A tiny Qwen3-VL: its tower (16 px patches, interpolated position grid) with
+    deepstack (the first block's merged features added to the text model's first layer's
+    image positions), a Qwen3 text model with interleaved M-RoPE; images 64x64 to 128x128,
+    one token per 32 px square."""
+    text = {"model_type": "qwen3_vl_text", "hidden_size": 64, "num_hidden_layers": 2,
+            "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 5e6,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [6, 5, 5],
+                             "mrope_interleaved": True}}
+    return _tiny_qwen3(out, "qwen3_vl", "Qwen3VLForConditionalGeneration", text,
+                       {**_QWEN3_TOWER, "model_type": "qwen3_vl",
+                        "deepstack_visual_indexes": [0]}, seed=seed,
+                       weight_scale=weight_scale)
+
+
+def build_tiny_qwen3_5(out: Path, *, seed: int = 0, weight_scale: float = 4.0,
+                       moe: bool = False) -> Path:
+    """A tiny Qwen3.5 (``moe``: Qwen3.5-MoE): Qwen3-VL's tower without deepstack, a hybrid
+    text model (gated delta-net layers, then one attention layer with partial interleaved
+    M-RoPE); the same image sizes as ``build_tiny_qwen3_vl``."""
+    family = "qwen3_5_moe" if moe else "qwen3_5"
+    text: dict[str, Any] = {
+        "model_type": f"{family}_text", "hidden_size": 64, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 32, "linear_num_value_heads": 2, "linear_num_key_heads": 1,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1],
+                            "mrope_interleaved": True, "rope_theta": 1e7,
+                            "partial_rotary_factor": 0.25}}
+    if moe:
+        text.update({"num_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32})
+    architecture = ("Qwen3_5MoeForConditionalGeneration" if moe
+                    else "Qwen3_5ForConditionalGeneration")
+    return _tiny_qwen3(out, family, architecture, text,
+                       {**_QWEN3_TOWER, "model_type": family}, seed=seed,
+                       weight_scale=weight_scale)
+
+
+def build_qwen3_5_moe(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -> Path:
+    """A tiny Qwen3.5-MoE (``build_tiny_qwen3_5`` with routed experts)."""
+    return build_tiny_qwen3_5(out, seed=seed, weight_scale=weight_scale, moe=True)
+
+
+def _tiny_qwen3(out: Path, family: str, architecture: str, text: dict[str, Any],
+                vision: dict[str, Any], *, seed: int, weight_scale: float) -> Path:
+    """A tiny Qwen3-generation VLM of ``family`` with its ``text`` and ``vision`` configs."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    module = importlib.import_module(f"mlx_vlm.models.{family}")
+    tokenizer = _tokenizer(out, QWEN_VL_TOKENS, {})
+    eos = tokenizer.token_to_id("<|im_end|>")
+    vocab = (tokenizer.get_vocab_size(with_added_tokens=True) + 63) // 64 * 64
+    ids = {t: tokenizer.token_to_id(t) for t in QWEN_VL_TOKENS}
+    config = {
+        "model_type": family, "architectures": [architecture],
+        "text_config": {**text, "vocab_size": vocab, "eos_token_id": eos},
+        "vision_config": vision, "vocab_size": vocab, "eos_token_id": eos,
+        "torch_dtype": "float32", "tie_word_embeddings": False,
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, "patch_size": 16,
+        "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5]}))
+    mx.random.seed(seed)
+    built = module.ModelConfig.from_dict(dict(config))
+    built.text_config = module.TextConfig.from_dict(config["text_config"])
+    built.vision_config = module.VisionConfig.from_dict(config["vision_config"])
+    model = module.Model(built)
+    _scaled(model, weight_scale)
+    for merger in getattr(model.vision_tower, "deepstack_merger_list", []):
+        # Deepstack's rows count as much as the image's own: a test that dropped them fails.
+        merger.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, merger.parameters()))
+    return _saved(out, model, config, eos)

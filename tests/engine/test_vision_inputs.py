@@ -30,7 +30,9 @@ pytestmark = pytest.mark.timeout(600)
 PLACEHOLDERS = {"gemma3": "<start_of_image>", "mistral3": "[IMG]",
                 "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                 "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-                "lfm2-vl": "<image>"}
+                "lfm2-vl": "<image>",
+                **dict.fromkeys(("qwen3_vl", "qwen3_5", "qwen3_5_moe"),
+                                "<|vision_start|><|image_pad|><|vision_end|>")}
 
 
 def processed(model_dir: Path, messages: list[dict[str, Any]],
@@ -81,7 +83,10 @@ REFUSED = {("qwen2_vl", (2000, 9)): "aspect ratios under 200",
            ("qwen2_5_vl", (2000, 9)): "aspect ratios under 200",
            ("qwen2_5_vl", (9, 2000)): "aspect ratios under 200",
            ("lfm2-vl", (2000, 9)): "patches, over the 64 its tower reads",
-           ("lfm2-vl", (9, 2000)): "patches, over the 64 its tower reads"}
+           ("lfm2-vl", (9, 2000)): "patches, over the 64 its tower reads",
+           **{(family, size): "aspect ratios under 200"
+              for family in ("qwen3_vl", "qwen3_5", "qwen3_5_moe")
+              for size in ((2000, 9), (9, 2000))}}
 
 
 @pytest.mark.parametrize("size", [(2000, 9), (9, 2000), (1, 1)])

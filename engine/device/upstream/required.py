@@ -78,6 +78,8 @@ REQUIRED: tuple[Reach, ...] = (
 # The vision extra's names, checked when a vision-language model loads (``check_vision``).
 VISION_REQUIRED: tuple[Reach, ...] = (
     Reach("mlx-vlm", "mlx_vlm.utils.load_model", "a vision-language model's tower"),
+    Reach("mlx-vlm", "mlx_vlm.models.cache.ArraysCache",
+          "a hybrid M-RoPE family's recurrent layers, prefilled by its language model"),
 )
 
 # What the generator sets in ``__init__``: checked on the lane's own generator (``require``).

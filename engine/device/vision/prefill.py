@@ -167,7 +167,9 @@ class VisionPrefill:
                          else job.positions[:, job.done:end] - job.frame)
             started = time.perf_counter()
             with mx.stream(self._stream), rows_of(self._model, [job.row.slot]):
-                tower.prefill(job.cache, row.prompt[job.done:end], embeds, positions)
+                tower.prefill(job.cache, row.prompt[job.done:end], embeds, positions,
+                              tower.deepstack(row.prompt, job.done, end, row.images,
+                                              job.features))
             self._token_seconds = (time.perf_counter() - started) / (end - job.done)
             job.done = end
         if job.done < job.end:

@@ -33,6 +33,7 @@ import numpy as np
 from engine.device.adapters.row_adapters import adapters_of
 from engine.device.upstream.required import check_vision
 from engine.device.upstream.vision_blocks import install_recorder, recording
+from engine.device.upstream.vision_caches import vision_library_caches
 from engine.requests.inbound.prompts import PromptImage
 from engine.requests.inbound.vision_formats import GRID_POSITIONS, VisionFormat
 
@@ -140,12 +141,18 @@ class VisionTower:
             if adapters is not None:  # an adapter row's image prefill adds its adapter here
                 adapters.mirror(language, _text_language(text_model))
             _share_weights(language, _text_language(text_model))
-            self._rope = text_model.layers[0].self_attn.rope
+            self._rope = next(layer.self_attn.rope for layer in text_model.layers
+                              if hasattr(layer, "self_attn"))  # a hybrid's first attention
         else:  # only its embedding is used: the text model's own
             inner.layers = []
         inner.embed_tokens = embed
         self._text_model = text_model
         self._vlm = vlm
+        self.image_token = fmt.image_token
+        # Qwen3-VL's deepstack: the tower's features from some of its blocks, each added to
+        # one of the text model's first layers at the image's tokens.
+        self.deepstack_layers = len(getattr(getattr(vlm.config, "vision_config", None),
+                                            "deepstack_visual_indexes", None) or ())
         towers_root = getattr(vlm, "vision_tower", None)
         self.blocks_recorded = towers_root is not None and install_recorder(towers_root)
         self.embed = embed
@@ -180,6 +187,12 @@ class VisionTower:
                                                  **extra)
             embeds = getattr(out, "inputs_embeds", out)
             features: mx.array = embeds[0, image.first:image.first + image.length]
+            deep = getattr(out, "deepstack_visual_embeds", None)
+            if self.deepstack_layers and deep is not None:
+                # After the span's embeddings: each deepstack layer's rows at its image tokens.
+                stacked = mx.stack(list(deep)) if isinstance(deep, list | tuple) else deep
+                features = mx.concatenate(
+                    [features, stacked.reshape(-1, features.shape[-1])], axis=0)
         self.counts.vision_seconds += time.perf_counter() - started
         return FeatureRun(outputs, features, self, image.key)
 
@@ -205,16 +218,50 @@ class VisionTower:
             pieces.append(self.embed(mx.array(prompt[at:end])))
         return mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
 
+    def deepstack(self, prompt: list[int], start: int, end: int,
+                  images: tuple[PromptImage, ...], features: dict[str, mx.array],
+                  ) -> tuple[mx.array, list[mx.array]] | None:
+        """Qwen3-VL's deepstack inputs for ``prompt[start:end]``: the mask of its image
+        tokens, and each deepstack layer's rows there (None: no deepstack, or no image
+        token in the chunk)."""
+        if not self.deepstack_layers:
+            return None
+        ids = np.array(prompt[start:end])
+        mask = ids == self.image_token
+        if not mask.any():
+            return None
+        layers: list[list[mx.array]] = [[] for _ in range(self.deepstack_layers)]
+        for image in sorted(images, key=lambda i: i.start):
+            span = np.array(prompt[image.start:image.start + image.length])
+            at = np.flatnonzero(span == self.image_token)
+            inside = at[(image.start + at >= start) & (image.start + at < end)]
+            if not len(inside):
+                continue
+            found = features[image.key]
+            rows = mx.array(np.searchsorted(at, inside))
+            for layer in range(self.deepstack_layers):
+                block = found[image.length + layer * len(at):
+                              image.length + (layer + 1) * len(at)]
+                layers[layer].append(block[rows])
+        return mx.array(mask[None]), [mx.concatenate(pieces, axis=0) for pieces in layers]
+
     def prefill(self, cache: list[Any], ids: list[int], embeds: mx.array,
-                positions: np.ndarray | None) -> None:
+                positions: np.ndarray | None,
+                deepstack: tuple[mx.array, list[mx.array]] | None = None) -> None:
         """Run ``ids`` (their ``embeds``) into ``cache``; ``positions`` (3, n) places them on
-        the grid (M-RoPE families), else they follow the cache's offset. Evaluated."""
+        the grid (M-RoPE families), else they follow the cache's offset; ``deepstack``
+        (``deepstack``) is added at the chunk's image tokens. Evaluated."""
         inputs = mx.array([ids])
         if positions is None:
             self._text_model(inputs, cache=cache, input_embeddings=embeds[None])
         else:
-            self._vlm.language_model(inputs, inputs_embeds=embeds[None], cache=cache,
-                                     position_ids=mx.array(positions[:, None, :]))
+            extra: dict[str, Any] = {}
+            if deepstack is not None:
+                extra = {"visual_pos_masks": deepstack[0],
+                         "deepstack_visual_embeds": deepstack[1]}
+            self._vlm.language_model(inputs, inputs_embeds=embeds[None],
+                                     cache=vision_library_caches(cache),
+                                     position_ids=mx.array(positions[:, None, :]), **extra)
         mx.eval([layer.state for layer in cache])
 
     def shift_positions(self, cache: list[Any], shift: int) -> None:
@@ -224,6 +271,8 @@ class VisionTower:
         if not shift:
             return
         for layer in cache:
+            if getattr(layer, "keys", None) is None:  # a hybrid's recurrent state: no positions
+                continue
             held = layer.offset
             keys = layer.keys[..., :held, :]
             b, h, n, d = keys.shape

@@ -469,6 +469,20 @@ def _qwen2_vl(config: Mapping[str, Any], tokenizer: Any,
         float(processor.get("rescale_factor", 1 / 255)), _spelling(tokenizer, (image, start, end)))
 
 
+def _qwen3_vl(config: Mapping[str, Any], tokenizer: Any,
+              processor: Mapping[str, Any]) -> VisionFormat:
+    """Qwen3-VL / Qwen3.5: Qwen2-VL's blocks and size rule on 16 px patches (a token per
+    32 px square), the pixel budget in the processor's ``size`` (shortest_edge /
+    longest_edge are areas there, as its processor reads them)."""
+    size = processor.get("size")
+    bounds = dict(size) if isinstance(size, Mapping) else {}
+    settings = {"patch_size": 16, "image_mean": (0.5,) * 3, "image_std": (0.5,) * 3,
+                "min_pixels": int(bounds.get("shortest_edge", 64 * 32 * 32)),
+                "max_pixels": int(bounds.get("longest_edge", 16384 * 32 * 32)),
+                **{k: v for k, v in processor.items() if k != "size"}}
+    return _qwen2_vl(config, tokenizer, settings)
+
+
 def _lfm2_vl(config: Mapping[str, Any], tokenizer: Any,
              processor: Mapping[str, Any]) -> VisionFormat:
     def setting(key: str, default: Any) -> Any:
@@ -497,9 +511,12 @@ def _lfm2_vl(config: Mapping[str, Any], tokenizer: Any,
 
 FORMATS: dict[str, Callable[[Mapping[str, Any], Any, Mapping[str, Any]], VisionFormat]] = {
     "gemma3": _gemma3, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_vl,
-    "lfm2-vl": _lfm2_vl, "lfm2_vl": _lfm2_vl}
-# Families whose text model places image tokens on a grid of positions (M-RoPE).
-GRID_POSITIONS = frozenset({"qwen2_vl", "qwen2_5_vl"})
+    "lfm2-vl": _lfm2_vl, "lfm2_vl": _lfm2_vl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl,
+    "qwen3_5": _qwen3_vl, "qwen3_5_moe": _qwen3_vl}
+# Families whose text model places image tokens on a grid of positions (M-RoPE; Qwen3's
+# interleaves its sections, which the vision library's language model applies).
+GRID_POSITIONS = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                            "qwen3_5_moe"})
 SUPPORTED = tuple(FORMATS)
 
 
