@@ -31,9 +31,9 @@ test: $(STAMP)
 # CI runs these too: the family matrix (every family's real tokenizer and template, its tiny
 # model), family models fitted to write their own calls and reasoning, every family through
 # ChatMLXBatch, MLXBatchLLM and the server, each family's own syntax and constrained replies
-# (~11 min on two cores).
+# (~11 min on two cores), and the vision zoo's other checkpoints of each family.
 test-fitted: $(STAMP)
-	$(BIN)/python -m pytest -ra $(XDIST) -m fitted tests/families
+	$(BIN)/python -m pytest -ra $(XDIST) -m fitted tests/families tests/engine/test_vision_zoo.py
 
 # The edit loop: lint, then everything but the slow and multi-process cases (a few minutes).
 check: $(STAMP)

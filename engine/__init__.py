@@ -33,6 +33,7 @@ from engine.errors import (
     RequestError,
     RequestTimeoutError,
     UnsupportedCombinationError,
+    UnsupportedMediaError,
     UnsupportedModelError,
 )
 from engine.models import resolve_model
@@ -66,6 +67,7 @@ from engine.requests.outbound.results import (
     Usage,
 )
 from engine.requests.outbound.tool_calls import InvalidToolCall, ToolCall, ToolCallDelta
+from engine.requests.prepare import ImageSupport
 from engine.runtime.follower import distributed_rank, follow
 
 __all__ = [
@@ -87,6 +89,7 @@ __all__ = [
     "EngineError",
     "EngineStats",
     "FinishReason",
+    "ImageSupport",
     "InvalidConstraintError",
     "InvalidModelError",
     "InvalidRequestError",
@@ -120,6 +123,7 @@ __all__ = [
     "ToolSpec",
     "TurnReport",
     "UnsupportedCombinationError",
+    "UnsupportedMediaError",
     "UnsupportedModelError",
     "Usage",
     "activate_fast_blas",

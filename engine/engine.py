@@ -30,7 +30,7 @@ from engine.models import config_context_limit
 from engine.requests.inbound.chat import ChatRequest
 from engine.requests.inbound.sampling import TokenCallback, check_callbacks
 from engine.requests.inbound.text_request import Request, TextRequest
-from engine.requests.prepare import checked_request
+from engine.requests.prepare import ImageSupport, checked_request
 from engine.runtime.runtime import Runtime
 
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -161,6 +161,12 @@ class Engine:
         """The model's context limit in tokens, without loading the weights."""
         limit = self.stats().context_limit
         return limit if limit is not None else config_context_limit(self.model_path)
+
+    @property
+    def image_support(self) -> ImageSupport:
+        """Whether this model's image parts are served, and if not why (decided at load,
+        from its checkpoint: ``docs/models.md``'s vision table lists every family)."""
+        return self._runtime.preparer().image_support
 
     def stats(self) -> EngineStats:
         """A consistent snapshot of the engine's counters (safe from any thread)."""

@@ -114,6 +114,27 @@ def _unsupported(message: str, field: str, a: str, b: str) -> UnsupportedCombina
     return UnsupportedCombinationError(message, field, (a, b))
 
 
+class UnsupportedMediaError(InvalidRequestError):
+    """An image (or other media) part for a model whose family's media this engine does not
+    read: ``family`` is the checkpoint's ``model_type`` (None: a text-only model),
+    ``reason`` says why (``engine.requests.inbound.vision_families``). Decided at load;
+    the model still answers text."""
+
+    def __init__(self, message: str, field: str, family: str | None, reason: str) -> None:
+        super().__init__(message, field)
+        self.family = family
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[InvalidRequestError], tuple[str, str]]:
+        return _unsupported_media, (str(self), self.field,  # type: ignore[return-value]
+                                    self.family, self.reason)
+
+
+def _unsupported_media(message: str, field: str, family: str | None,
+                       reason: str) -> UnsupportedMediaError:
+    return UnsupportedMediaError(message, field, family, reason)
+
+
 class InvalidConstraintError(RequestError, ValueError):
     """The schema or grammar cannot be compiled, or a token broke it; the message says why."""
 

@@ -38,6 +38,16 @@ from engine.requests.outbound.text import RowText
 
 
 @dataclass(frozen=True)
+class ImageSupport:
+    """What a loaded model does with images, decided at load: its ``model_type``
+    (``family``), whether its image parts are ``served``, and if not, ``reason``."""
+
+    family: str | None
+    served: bool
+    reason: str | None
+
+
+@dataclass(frozen=True)
 class PreparedRequest:
     """What the loop and the lanes need: ids, final sampling settings, stops, channels."""
 
@@ -57,10 +67,11 @@ class Preparer:
                  json_string_ngram: int = DEFAULT_NGRAM) -> None:
         self.tokenizer = tokenizer
         self.dialect = dialect_for(TokenizerFacts.of(tokenizer))
-        vision, no_vision = _vision_of(model_path, tokenizer)
+        vision, no_vision, family = _vision_of(model_path, tokenizer)
         self.vision: VisionFormat | None = vision
         self.prompts = PromptRenderer(tokenizer, model_path, vocab_size,
-                                      self.dialect.tool_formats, vision, no_vision)
+                                      self.dialect.tool_formats, vision, no_vision, family)
+        self.image_support = ImageSupport(family, vision is not None, no_vision)
         self.compiler = GrammarCompiler(tokenizer._tokenizer, vocab_size,
                                         string_ngram=json_string_ngram,
                                         call_markers=self.dialect.structural_markers,
@@ -113,21 +124,23 @@ class Preparer:
                                            history=self.dialect.history)
 
 
-def _vision_of(model_path: Path, tokenizer: Any) -> tuple[VisionFormat | None, str | None]:
-    """The checkpoint's image format, or why it takes no images."""
+def _vision_of(model_path: Path, tokenizer: Any,
+               ) -> tuple[VisionFormat | None, str | None, str | None]:
+    """The checkpoint's image format, or why it takes no images; and its model_type."""
     path = Path(model_path) / "config.json"
     try:
         config = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
-        return None, None
+        return None, None, None
+    family = config.get("model_type") if isinstance(config.get("model_type"), str) else None
     try:
         found = vision_format(config, tokenizer, Path(model_path))
     except UnsupportedVision as exc:
-        return None, str(exc)
+        return None, str(exc), family
     if found is not None and not _vision_stack_found():
         return None, ("its vision tower needs mlx-vlm, which is not installed: "
-                      "pip install 'mlx-providers[vision]'")
-    return found, None
+                      "pip install 'mlx-providers[vision]'"), family
+    return found, None, family
 
 
 def _vision_stack_found() -> bool:

@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, UnsupportedMediaError
 from engine.requests.inbound.images import IMAGE_MARK, DecodedImage
 from engine.requests.inbound.messages import Message, messages_from_openai, template_messages
 from engine.requests.inbound.sampling import ChatMessage, Prompt
@@ -109,10 +109,12 @@ class PromptRenderer:
 
     def __init__(self, tokenizer: Any, model_path: Path, vocab_size: int,
                  tool_formats: Sequence[ToolFormat] = (),
-                 vision: VisionFormat | None = None, no_vision: str | None = None) -> None:
+                 vision: VisionFormat | None = None, no_vision: str | None = None,
+                 family: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.vision = vision  # the family's image tokens and preprocessing; None: text only
         self._no_vision = no_vision  # why images are refused, where the checkpoint says
+        self._family = family  # the checkpoint's model_type
         self.model_path = model_path
         self.vocab_size = vocab_size
         self.tool_formats = tuple(tool_formats)  # the dialect's (``Dialect.tool_formats``)
@@ -156,10 +158,11 @@ class PromptRenderer:
             return EncodedPrompt(self.encode(prompt))
         images = [image for m in prompt if isinstance(m, Message) for image in m.images]
         if images and self.vision is None:
-            raise InvalidRequestError(
+            raise UnsupportedMediaError(
                 f"{images[0].at}: the model at {self.model_path} takes no images"
                 f"{': ' + self._no_vision if self._no_vision else ' (a text-only model)'}",
-                images[0].at)
+                images[0].at, self._family if self._no_vision else None,
+                self._no_vision or "a text-only model")
         messages: list[ChatMessage] = chat_dicts(prompt)
         if history is not None:
             messages = history(messages)

@@ -42,6 +42,7 @@ import numpy as np
 
 from engine.errors import InvalidRequestError
 from engine.requests.inbound.images import DecodedImage
+from engine.requests.inbound.vision_families import images_refused_because
 
 
 @dataclass(frozen=True)
@@ -530,8 +531,7 @@ def vision_format(config: Mapping[str, Any], tokenizer: Any,
     build = FORMATS.get(family)
     if build is None:
         raise UnsupportedVision(f"the model's family {family!r} has a vision tower, but "
-                                f"its images are not read yet (families that take images: "
-                                f"{', '.join(SUPPORTED)}); send text only")
+                                f"its images are not read: {images_refused_because(family)}")
     return build(config, tokenizer, _preprocessor(model_path))
 
 

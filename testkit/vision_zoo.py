@@ -1,0 +1,124 @@
+"""The vision zoo: a tiny random checkpoint of every vision family users load, and what the
+engine does with it, observed.
+
+Each entry builds its family's checkpoint from the family's own config layout, offline
+(``testkit.vision_model`` for the families whose images are served,
+``testkit.vision_zoo_builders`` for the rest). ``observe`` loads it in the engine and
+says what happened: images served (an image row batched beside text rows equals itself
+alone and mlx-vlm's own greedy generation, token for token, and the text rows keep their
+tokens), text served with images refused by name (``UnsupportedMediaError``), or the load
+refused (``UnsupportedModelError``). ``tests/engine/test_vision_zoo.py`` holds every
+observation to the declared table (``engine.requests.inbound.vision_families``).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine import (
+    ChatRequest,
+    Engine,
+    SamplingParams,
+    TextRequest,
+    UnsupportedMediaError,
+    UnsupportedModelError,
+)
+from engine.errors import ModelLoadError
+from engine.requests.inbound.vision_families import Support
+from testkit import vision_model
+from testkit.vision_model import solid_image, vision_library_tokens
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One checkpoint of the zoo: its ``model_type``, a name for its variant, its builder;
+    ``first``: the family's one checkpoint ``make test`` runs (the rest run fitted)."""
+
+    model_type: str
+    variant: str
+    build: Callable[[Path], Path]
+    first: bool = True
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the engine did with a checkpoint (``reason``: its refusal's, if refused)."""
+
+    support: Support
+    reason: str | None = None
+
+
+def _entries() -> list[ZooEntry]:
+    from testkit import vision_zoo_builders as more
+
+    served = [
+        ZooEntry("qwen3_5", "dense", vision_model.build_tiny_qwen3_5),
+        ZooEntry("qwen3_5_moe", "moe", vision_model.build_qwen3_5_moe, first=False),
+        ZooEntry("qwen3_vl", "deepstack", vision_model.build_tiny_qwen3_vl),
+        ZooEntry("qwen2_5_vl", "windowed tower", vision_model.build_tiny_qwen2_5_vl),
+        ZooEntry("qwen2_vl", "", vision_model.build_tiny_qwen2_vl),
+        ZooEntry("gemma3", "", vision_model.build_tiny_vlm),
+        ZooEntry("mistral3", "", vision_model.build_tiny_mistral3),
+        ZooEntry("lfm2_vl", "", vision_model.build_tiny_lfm2_vl),
+    ]
+    others = [ZooEntry(model_type, "", builder)
+              for model_type, builder in getattr(more, "ZOO_BUILDERS", {}).items()]
+    return served + others
+
+
+ZOO: list[ZooEntry] = _entries()
+
+RED, BLUE = (220, 30, 30), (30, 40, 220)
+
+
+def image_message(rgb: tuple[int, int, int], size: int = 40, seed: int = 0,
+                  text: str = "Describe it.") -> list[dict[str, Any]]:
+    """A user message with one PNG image part and a question."""
+    data = solid_image(rgb, size, noise=20, seed=seed)
+    url = f"data:image/png;base64,{base64.b64encode(data).decode()}"
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+def observe(start: Callable[[Path], Engine], path: Path, max_tokens: int = 10) -> Observed:
+    """Load ``path`` with ``start`` and see what the engine does with an image: served
+    exactly (asserted here), images refused by name, or the load refused."""
+    try:
+        eng = start(path)
+    except (UnsupportedModelError, ModelLoadError) as exc:
+        return Observed(Support.NONE, str(exc))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    text = TextRequest("The tide came in over the sand and", params)
+    text_alone = eng.submit(text).result(timeout=120).token_ids
+    assert text_alone, "the text side answers"
+    support = eng.image_support
+    images = [image_message(RED), image_message(BLUE, size=90, seed=1, text="And this?")]
+    if not support.served:
+        try:
+            eng.submit(ChatRequest.from_openai(images[0], params)).result(timeout=120)
+        except UnsupportedMediaError as exc:
+            assert exc.family == support.family and exc.reason == support.reason
+            assert exc.field == "messages[0].content[0]"
+            return Observed(Support.TEXT, exc.reason)
+        raise AssertionError(f"{path.name}: an image row was served though image_support "
+                             f"says {support}")
+    alone = [eng.submit(ChatRequest.from_openai(m, params)).result(timeout=120).token_ids
+             for m in images]
+    handles = [eng.submit(text)] + [eng.submit(ChatRequest.from_openai(m, params))
+                                    for m in images]
+    together = [h.result(timeout=120).token_ids for h in handles]
+    assert together[0] == text_alone, "the text row beside image rows keeps its tokens"
+    assert together[1:] == alone, "image rows batched equal each alone"
+    preparer = eng._runtime.preparer()
+    for messages, ours in zip(images, alone):
+        prepared = preparer.prepare(ChatRequest.from_openai(messages, params))
+        reference = vision_library_tokens(path, prepared.prompt_ids,
+                                          [i.read_pixels() for i in prepared.images],
+                                          max_tokens, [dict(i.extra) for i in prepared.images])
+        assert list(ours) == reference, "an image row equals the vision library's own"
+    return Observed(Support.IMAGES)
+
