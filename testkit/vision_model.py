@@ -68,7 +68,7 @@ def build_tiny_vlm(out: Path, *, seed: int = 0, weight_scale: float = 4.0,
     import mlx.core as mx
     from mlx_vlm.models import gemma3
 
-    tokenizer = _tokenizer(out, IMAGE_TOKENS, {
+    tokenizer = tiny_vlm_tokenizer(out, IMAGE_TOKENS, {
         "boi_token": IMAGE_TOKENS[0], "image_token": IMAGE_TOKENS[1],
         "eoi_token": IMAGE_TOKENS[2]}, paragraphs=True)
     eos = tokenizer.token_to_id("<|im_end|>")
@@ -87,7 +87,7 @@ def build_tiny_vlm(out: Path, *, seed: int = 0, weight_scale: float = 4.0,
     model = gemma3.Model(model_config(config))
     # As in tiny_model: larger weights give varied greedy continuations; the embedding,
     # which Gemma scales up by sqrt(hidden), smaller (at 1x every token decodes alike).
-    _scaled(model, weight_scale)
+    scale_language(model, weight_scale)
     embed = model.language_model.model.embed_tokens
     embed.weight = embed.weight * (0.2 / weight_scale)
     # A patch's colour, not its position, should lead the tower's features.
@@ -97,10 +97,10 @@ def build_tiny_vlm(out: Path, *, seed: int = 0, weight_scale: float = 4.0,
     projector = model.multi_modal_projector
     shape = projector.mm_input_projection_weight.shape
     projector.mm_input_projection_weight = mx.random.normal(shape) * shape[0] ** -0.5
-    return _saved(out, model, config, eos, tied=True)
+    return save_model(out, model, config, eos, tied=True)
 
 
-def _tokenizer(out: Path, image_tokens: Sequence[str], config: dict[str, Any], *,
+def tiny_vlm_tokenizer(out: Path, image_tokens: Sequence[str], config: dict[str, Any], *,
                paragraphs: bool = False) -> Any:
     """The tiny model's tokenizer with ``image_tokens`` added, saved to ``out``;
     ``paragraphs``: trained on whole files, not lines (newline runs become tokens)."""
@@ -163,7 +163,7 @@ def build_tiny_mistral3(out: Path, *, seed: int = 0, weight_scale: float = 4.0) 
     import mlx.core as mx
     from mlx_vlm.models import mistral3
 
-    tokenizer = _tokenizer(out, MISTRAL3_TOKENS, {})
+    tokenizer = tiny_vlm_tokenizer(out, MISTRAL3_TOKENS, {})
     eos = tokenizer.token_to_id("<|im_end|>")
     vocab = (tokenizer.get_vocab_size(with_added_tokens=True) + 63) // 64 * 64
     config = {
@@ -190,11 +190,11 @@ def build_tiny_mistral3(out: Path, *, seed: int = 0, weight_scale: float = 4.0) 
         "image_std": [0.5, 0.5, 0.5]}))
     mx.random.seed(seed)
     model = mistral3.Model(model_config(config))
-    _scaled(model, weight_scale)
-    return _saved(out, model, config, eos)
+    scale_language(model, weight_scale)
+    return save_model(out, model, config, eos)
 
 
-def _scaled(model: Any, weight_scale: float) -> None:
+def scale_language(model: Any, weight_scale: float) -> None:
     """As in tiny_model: the language model's matrices larger, for varied greedy text."""
     from mlx.utils import tree_map
 
@@ -203,7 +203,7 @@ def _scaled(model: Any, weight_scale: float) -> None:
                              language.parameters()))
 
 
-def _saved(out: Path, model: Any, config: dict[str, Any], eos: int, *,
+def save_model(out: Path, model: Any, config: dict[str, Any], eos: int, *,
            tied: bool = False) -> Path:
     """Write the weights (without an output head where it is ``tied``) and the configs."""
     from mlx.utils import tree_flatten
@@ -400,7 +400,7 @@ def _tiny_qwen_vl(out: Path, family: str, vision: dict[str, Any], *, seed: int,
     import mlx.core as mx
 
     module = importlib.import_module(f"mlx_vlm.models.{family}")
-    tokenizer = _tokenizer(out, QWEN_VL_TOKENS, {})
+    tokenizer = tiny_vlm_tokenizer(out, QWEN_VL_TOKENS, {})
     eos = tokenizer.token_to_id("<|im_end|>")
     vocab = (tokenizer.get_vocab_size(with_added_tokens=True) + 63) // 64 * 64
     ids = {t: tokenizer.token_to_id(t) for t in QWEN_VL_TOKENS}
@@ -427,8 +427,8 @@ def _tiny_qwen_vl(out: Path, family: str, vision: dict[str, Any], *, seed: int,
     built.text_config = module.TextConfig.from_dict(built.text_config)
     built.vision_config = module.VisionConfig.from_dict(config["vision_config"])
     model = module.Model(built)
-    _scaled(model, weight_scale)
-    return _saved(out, model, config, eos)
+    scale_language(model, weight_scale)
+    return save_model(out, model, config, eos)
 
 
 LFM2_VL_TOKENS = ("<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>",
@@ -443,7 +443,7 @@ def build_tiny_lfm2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -
     import mlx.core as mx
     from mlx_vlm.models import lfm2_vl
 
-    tokenizer = _tokenizer(out, LFM2_VL_TOKENS, {})
+    tokenizer = tiny_vlm_tokenizer(out, LFM2_VL_TOKENS, {})
     eos = tokenizer.token_to_id("<|im_end|>")
     vocab = (tokenizer.get_vocab_size(with_added_tokens=True) + 63) // 64 * 64
     layout = {"encoder_patch_size": 16, "downsample_factor": 2, "min_image_tokens": 4,
@@ -477,8 +477,8 @@ def build_tiny_lfm2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -
         "rescale_factor": 1 / 255, "do_image_splitting": True, "use_thumbnail": True}))
     mx.random.seed(seed)
     model = lfm2_vl.Model(model_config(config))
-    _scaled(model, weight_scale)
-    return _saved(out, model, config, eos)
+    scale_language(model, weight_scale)
+    return save_model(out, model, config, eos)
 
 
 # Qwen3-VL / Qwen3.5's tower: 16 px patches merged 2x2 (one token a 32 px square), a
@@ -546,7 +546,7 @@ def _tiny_qwen3(out: Path, family: str, architecture: str, text: dict[str, Any],
     from mlx.utils import tree_map
 
     module = importlib.import_module(f"mlx_vlm.models.{family}")
-    tokenizer = _tokenizer(out, QWEN_VL_TOKENS, {})
+    tokenizer = tiny_vlm_tokenizer(out, QWEN_VL_TOKENS, {})
     eos = tokenizer.token_to_id("<|im_end|>")
     vocab = (tokenizer.get_vocab_size(with_added_tokens=True) + 63) // 64 * 64
     ids = {t: tokenizer.token_to_id(t) for t in QWEN_VL_TOKENS}
@@ -568,8 +568,8 @@ def _tiny_qwen3(out: Path, family: str, architecture: str, text: dict[str, Any],
     built.text_config = module.TextConfig.from_dict(config["text_config"])
     built.vision_config = module.VisionConfig.from_dict(config["vision_config"])
     model = module.Model(built)
-    _scaled(model, weight_scale)
+    scale_language(model, weight_scale)
     for merger in getattr(model.vision_tower, "deepstack_merger_list", []):
         # Deepstack's rows count as much as the image's own: a test that dropped them fails.
         merger.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, merger.parameters()))
-    return _saved(out, model, config, eos)
+    return save_model(out, model, config, eos)

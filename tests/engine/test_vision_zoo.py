@@ -34,8 +34,11 @@ def zoo_dir(request: pytest.FixtureRequest,
             tmp_path_factory: pytest.TempPathFactory) -> Path:
     _vision_stack()
     entry: ZooEntry = request.param
-    name = f"zoo-{entry.model_type}-{entry.variant or 'base'}-v1".replace(" ", "_")
-    return _built(_cache_root(tmp_path_factory) / name, entry.build)
+    return _built(_cache_root(tmp_path_factory) / _dir_name(entry), entry.build)
+
+
+def _dir_name(entry: ZooEntry) -> str:
+    return f"zoo-{entry.model_type}-{entry.variant or 'base'}-v1".replace(" ", "_")
 
 
 @pytest.mark.parametrize("zoo_dir", [_param(e) for e in ZOO], indirect=True)
@@ -46,8 +49,9 @@ def test_each_family_does_what_the_table_says(make_engine: Callable[..., Engine]
     model_type = json.loads((zoo_dir / "config.json").read_text())["model_type"]
     family = family_of(model_type)
     assert family is not None, f"{model_type} is in the zoo but not in the table"
+    entry = next(e for e in ZOO if zoo_dir.name == _dir_name(e))
     observed = observe(lambda path: make_engine(path, max_batch=8, prefill_chunk=16),
-                       zoo_dir)
+                       zoo_dir, text_reference=entry.text_reference)
     assert observed.support is family.support, (model_type, observed)
     if family.support is not Support.IMAGES:
         assert family.reason is not None and family.reason in (observed.reason or "")

@@ -43,6 +43,7 @@ from engine.device.loading.memory import (
     weights_bytes,
 )
 from engine.device.loading.padding_probe import KNOWN_DIVERGENT, batch_divergence
+from engine.device.loading.text_side import load_text_side, text_config_of
 from engine.device.loading.weight_policy import WeightChoice, apply_weight_policy
 from engine.device.prefix.prefix_disk import PrefixDisk, disk_key
 from engine.device.prefix.prefix_reuse import OFF, PrefixReuse, reuse_policy
@@ -52,8 +53,9 @@ from engine.device.speedups.report import report
 from engine.device.upstream.required import check_upstream
 from engine.device.vision.prefill import VisionPrefill
 from engine.device.vision.tower import VisionTower, checkpoint_tower_bytes
-from engine.errors import InvalidModelError
+from engine.errors import InvalidModelError, UnsupportedModelError
 from engine.requests.constraints.grammar import GrammarCompiler
+from engine.requests.inbound.vision_families import load_refused_because
 from engine.requests.inbound.vision_formats import GRID_POSITIONS, VisionFormat
 
 log = logging.getLogger("engine")
@@ -213,7 +215,15 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
     naming the model directory.
     """
     check_upstream()  # an mlx-lm or mlx outside the pins: one error naming what is missing
-    architecture_module(read_model_config(path), path)  # the load errors, named, up front
+    model_config = read_model_config(path)
+    refused = load_refused_because(str(model_config["model_type"]))
+    if refused is not None:  # a vision family the batch cannot serve, even for text
+        raise UnsupportedModelError(f"{path} (model_type {model_config['model_type']!r}) "
+                                    f"is not loaded: {refused}")
+    text_side = text_config_of(model_config)  # a VLM whose family mlx-lm lacks: its text
+    if text_side is None or _has_module(model_config, path):
+        text_side = None
+        architecture_module(model_config, path)  # the load errors, named, up front
     if stream is None:
         stream = mx.new_thread_local_stream(mx.default_device())
     try:
@@ -222,6 +232,10 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
 
             split = {"tensor_group" if config.shard == "tensor" else "pipeline_group": group}
             model, tokenizer = sharded_load(str(path), **split)[:2]
+        elif text_side is not None:
+            group = None
+            model, loaded_tokenizer = load_text_side(Path(path), text_side)
+            tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         elif tokenizer is not None:
             group = None
             model = load_weights(Path(path))[0]
@@ -243,6 +257,15 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
     bounds = memory_bounds(model, config)
     return LoadedModel(model, tokenizer, footprint, stream, vocab, bounds, group, Path(path),
                        weights)
+
+
+def _has_module(config: dict[str, Any], path: Path) -> bool:
+    """mlx-lm has a module for the checkpoint's own ``model_type``."""
+    try:
+        architecture_module(config, path)
+    except UnsupportedModelError:
+        return False
+    return True
 
 
 def _batch_divergence(model: Any, stream: Any, layers: list[LayerFootprint]) -> list[str]:

@@ -38,7 +38,7 @@ class VisionFamily:
     reason: str | None = None
 
 
-_TEXT_ONLY = "mlx-lm {version} has no text model for it"
+_NOT_WRITTEN = "are not written by this engine yet"
 
 FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("Qwen3.5 (dense and MoE)", ("qwen3_5", "qwen3_5_moe"), Support.IMAGES),
@@ -46,8 +46,47 @@ FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("Qwen2.5-VL", ("qwen2_5_vl",), Support.IMAGES),
     VisionFamily("Qwen2-VL", ("qwen2_vl",), Support.IMAGES),
     VisionFamily("Gemma 3", ("gemma3",), Support.IMAGES),
-    VisionFamily("Mistral 3 (Pixtral's tower)", ("mistral3",), Support.IMAGES),
+    VisionFamily("Mistral 3 (Pixtral's tower; Ministral 3 text too)", ("mistral3",),
+                 Support.IMAGES),
     VisionFamily("LFM2-VL", ("lfm2-vl", "lfm2_vl"), Support.IMAGES),
+    VisionFamily("Gemma 4", ("gemma4",), Support.TEXT,
+                 "Gemma 4's image blocks (<|image>, a per-image count of <|image|> soft "
+                 "tokens set by its processor's token budget, <image|>), its patch positions "
+                 f"and per-layer inputs {_NOT_WRITTEN}"),
+    VisionFamily("Gemma 3n", ("gemma3n",), Support.TEXT,
+                 "Gemma 3n's image and audio blocks (256 soft tokens from its fixed 294M "
+                 f"MobileNetV5 tower; audio from its conformer) {_NOT_WRITTEN}"),
+    VisionFamily("SmolVLM / Idefics3", ("smolvlm", "idefics3"), Support.TEXT,
+                 "SmolVLM / Idefics3's image blocks (tiles, each <fake_token_around_image>"
+                 "<row_r_col_c> and its <image> tokens, then a global view) and 5-D pixel "
+                 f"views {_NOT_WRITTEN}; its text side loads from text_config"),
+    VisionFamily("Llama 4", ("llama4",), Support.TEXT,
+                 "Llama 4's tiled image blocks (<|image_start|>, <|patch|> tiles between "
+                 "<|tile_x_separator|> / <|tile_y_separator|>, a global <|image|> view, "
+                 f"<|image_end|>) {_NOT_WRITTEN}"),
+    VisionFamily("InternVL", ("internvl_chat",), Support.TEXT,
+                 "InternVL's image blocks (<img>, <IMG_CONTEXT> tokens per 448 px tile and a "
+                 f"thumbnail, </img>) {_NOT_WRITTEN}; its text side loads from llm_config"),
+    VisionFamily("LLaVA", ("llava",), Support.TEXT,
+                 "LLaVA's image block (<image> per patch of a centre-cropped square, its "
+                 f"CLIP tower's chosen layer) {_NOT_WRITTEN}"),
+    VisionFamily("Phi-4 multimodal", ("phi4-siglip", "phi4mm"), Support.NONE,
+                 "Phi-4 multimodal: mlx-lm has no text model for it, and its image "
+                 "placeholder (one id, -200) expands into the image's features, changing "
+                 "the prompt's length"),
+    VisionFamily("Kimi-VL", ("kimi_vl",), Support.NONE,
+                 "Kimi-VL: mlx-lm's kimi_vl cannot build it (its sanitize leaves the "
+                 "checkpoint's kv_b_proj whole; its attention layers take it split)"),
+    VisionFamily("GLM-4V", ("glm4v",), Support.NONE,
+                 "GLM-4V: mlx-lm has no text model for it (glm4v_text: GLM-4 with M-RoPE on "
+                 "half of each head)"),
+    VisionFamily("PaliGemma", ("paligemma",), Support.NONE,
+                 "PaliGemma: its language model attends to the image and prompt both ways "
+                 "(a prefix LM), which a causal batch does not reproduce; mlx-lm has no "
+                 "model for it"),
+    VisionFamily("Moondream", ("moondream3", "moondream2"), Support.NONE,
+                 "Moondream: mlx-lm has no text model for it, and its image has no token "
+                 "(features overwrite the positions after BOS, attended both ways)"),
 )
 
 
@@ -68,3 +107,9 @@ def images_refused_because(model_type: str) -> str:
     served = ", ".join(f.name for f in FAMILIES if f.support is Support.IMAGES)
     return (f"the family is not one whose images this engine reads (those are: {served}); "
             "send text only")
+
+
+def load_refused_because(model_type: str) -> str | None:
+    """Why a checkpoint of ``model_type`` is not loaded at all (None: it may be)."""
+    family = family_of(model_type)
+    return family.reason if family is not None and family.support is Support.NONE else None
