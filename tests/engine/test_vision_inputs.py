@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(600)
 PLACEHOLDERS = {"gemma3": "<start_of_image>", "mistral3": "[IMG]",
                 "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                 "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-                "lfm2-vl": "<image>",
+                "lfm2-vl": "<image>", "llava": "<image>",
                 **dict.fromkeys(("qwen3_vl", "qwen3_5", "qwen3_5_moe"),
                                 "<|vision_start|><|image_pad|><|vision_end|>")}
 
@@ -125,8 +125,10 @@ def test_sizes_follow_the_vision_librarys_own_resize_rules() -> None:
     from mlx_vlm.models.lfm2_vl.processing_lfm2_vl import _is_image_too_large, _smart_resize
     from mlx_vlm.models.pixtral.image_processing_pixtral import get_resize_output_image_size
     from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import _smart_resize_image
+    from transformers.image_transforms import get_resize_output_image_size as get_output_size
 
     from engine.requests.inbound.images import DecodedImage
+    from engine.requests.inbound.llava_format import LlavaFormat
     from engine.requests.inbound.vision_formats import (
         Lfm2VlFormat,
         Mistral3Format,
@@ -135,6 +137,7 @@ def test_sizes_follow_the_vision_librarys_own_resize_rules() -> None:
 
     mistral = Mistral3Format("mistral3", 10, 12, 13, 1024, 28, (0.5,) * 3, (0.5,) * 3)
     lfm2 = Lfm2VlFormat("lfm2-vl", 396, 1, 2, 3, {})
+    llava = LlavaFormat("llava", 32000, 336, None, (336, 336), 14, 0, (0.5,) * 3, (0.5,) * 3)
     for height in SIDES:
         for width in SIDES:
             image = DecodedImage(b"", "", (width, height))
@@ -149,3 +152,13 @@ def test_sizes_follow_the_vision_librarys_own_resize_rules() -> None:
                 height, width, 2, 64, 256, 16)
             assert lfm2._too_large(height, width) == _is_image_too_large(
                 height, width, 256, 16, 2, 2.0)
+            # LLaVA's shortest edge to 336 px (CLIP's processor, transformers' rule), but a
+            # resize past 40 MP (a strip over about 1:350) refused.
+            resized = get_output_size(np.broadcast_to(np.uint8(0), (height, width, 3)), 336,
+                                      default_to_square=False,
+                                      input_data_format="channels_last")
+            if resized[0] * resized[1] <= 40_000_000:
+                assert llava._resized_size(image) == resized
+            else:
+                with pytest.raises(InvalidRequestError, match="too long and thin"):
+                    llava.read(image)

@@ -49,6 +49,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("Mistral 3 (Pixtral's tower; Ministral 3 text too)", ("mistral3",),
                  Support.IMAGES),
     VisionFamily("LFM2-VL", ("lfm2-vl", "lfm2_vl"), Support.IMAGES),
+    VisionFamily("LLaVA", ("llava",), Support.IMAGES),
     VisionFamily("Gemma 4", ("gemma4",), Support.TEXT,
                  "Gemma 4's image blocks (<|image>, a per-image count of <|image|> soft "
                  "tokens set by its processor's token budget, <image|>), its patch positions "
@@ -67,9 +68,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("InternVL", ("internvl_chat",), Support.TEXT,
                  "InternVL's image blocks (<img>, <IMG_CONTEXT> tokens per 448 px tile and a "
                  f"thumbnail, </img>) {_NOT_WRITTEN}; its text side loads from llm_config"),
-    VisionFamily("LLaVA", ("llava",), Support.TEXT,
-                 "LLaVA's image block (<image> per patch of a centre-cropped square, its "
-                 f"CLIP tower's chosen layer) {_NOT_WRITTEN}"),
     VisionFamily("Phi-4 multimodal", ("phi4-siglip", "phi4mm"), Support.NONE,
                  "Phi-4 multimodal: mlx-lm has no text model for it, and its image "
                  "placeholder (one id, -200) expands into the image's features, changing "
