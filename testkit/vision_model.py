@@ -347,6 +347,8 @@ def vision_library_tokens(model_dir: Path, prompt_ids: Sequence[int],
         values = mx.array(np.concatenate([
             np.pad(p, ((0, 0), (0, 0), (0, height - p.shape[2]), (0, width - p.shape[3])))
             for p in pixels]))
+    elif pixels and pixels[0].ndim == 5:  # (1, views, ...) each: one prompt's views
+        values = mx.array(np.concatenate(list(pixels), axis=1))
     elif pixels:  # patches or views: one image's after another's
         values = mx.array(np.concatenate(list(pixels)))
     else:

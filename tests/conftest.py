@@ -91,7 +91,8 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session",
                 params=["gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "lfm2_vl", "qwen3_vl",
-                        "qwen3_5", "qwen3_5_moe", "llava"])
+                        "qwen3_5", "qwen3_5_moe", "llava", "smolvlm",
+                        "idefics3"])
 def family_vlm_dir(request: pytest.FixtureRequest,
                    tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight VLM of each family whose images are read."""
@@ -106,7 +107,9 @@ def family_vlm_dir(request: pytest.FixtureRequest,
                 "qwen3_vl": vision_model.build_tiny_qwen3_vl,  # v2: deepstack weighs
                 "qwen3_5": vision_model.build_tiny_qwen3_5,
                 "qwen3_5_moe": vision_model.build_qwen3_5_moe,
-                "llava": vision_zoo_builders.build_tiny_llava}
+                "llava": vision_zoo_builders.build_tiny_llava,
+                "smolvlm": vision_zoo_builders.build_tiny_smolvlm,
+                "idefics3": vision_zoo_builders.build_tiny_idefics3}
     versions = {"gemma3": "tiny-gemma3-vlm-v2", "qwen3_vl": "tiny-qwen3_vl-v2"}
     name = versions.get(request.param, f"tiny-{request.param}-v1")
     return _built(_cache_root(tmp_path_factory) / name, builders[request.param])

@@ -31,6 +31,7 @@ PLACEHOLDERS = {"gemma3": "<start_of_image>", "mistral3": "[IMG]",
                 "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                 "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                 "lfm2-vl": "<image>", "llava": "<image>",
+                "smolvlm": "<image>", "idefics3": "<image>",
                 **dict.fromkeys(("qwen3_vl", "qwen3_5", "qwen3_5_moe"),
                                 "<|vision_start|><|image_pad|><|vision_end|>")}
 
@@ -126,7 +127,11 @@ def test_sizes_follow_the_vision_librarys_own_resize_rules() -> None:
     from mlx_vlm.models.pixtral.image_processing_pixtral import get_resize_output_image_size
     from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import _smart_resize_image
     from transformers.image_transforms import get_resize_output_image_size as get_output_size
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        get_resize_output_image_size as idefics3_size,
+    )
 
+    from engine.requests.inbound.idefics3_format import longest_edge_size
     from engine.requests.inbound.images import DecodedImage
     from engine.requests.inbound.llava_format import LlavaFormat
     from engine.requests.inbound.vision_formats import (
@@ -157,6 +162,10 @@ def test_sizes_follow_the_vision_librarys_own_resize_rules() -> None:
             resized = get_output_size(np.broadcast_to(np.uint8(0), (height, width, 3)), 336,
                                       default_to_square=False,
                                       input_data_format="channels_last")
+            # SmolVLM / Idefics3's longest edge to 2048 px (and 8192, past their 4096 bound).
+            for longest in (2048, 8192):
+                assert longest_edge_size(height, width, longest) == idefics3_size(
+                    np.broadcast_to(np.uint8(0), (3, height, width)), longest)
             if resized[0] * resized[1] <= 40_000_000:
                 assert llava._resized_size(image) == resized
             else:

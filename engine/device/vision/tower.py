@@ -282,8 +282,10 @@ class VisionTower:
 
 
 # Checkpoint tensors under these names are the tower and projector (what mlx-lm's text
-# models drop from a vision checkpoint: Gemma 3, Mistral 3, Qwen2-VL/2.5-VL, LFM2-VL).
-TOWER_NAMES = frozenset({"vision_tower", "visual", "multi_modal_projector"})
+# models drop from a vision checkpoint: Gemma 3, Mistral 3, Qwen2-VL/2.5-VL, LFM2-VL;
+# SmolVLM / Idefics3's vision_model and connector).
+TOWER_NAMES = frozenset({"vision_tower", "visual", "multi_modal_projector", "vision_model",
+                         "connector"})
 
 
 def checkpoint_tower_bytes(path: Path) -> int:

@@ -50,6 +50,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
                  Support.IMAGES),
     VisionFamily("LFM2-VL", ("lfm2-vl", "lfm2_vl"), Support.IMAGES),
     VisionFamily("LLaVA", ("llava",), Support.IMAGES),
+    VisionFamily("SmolVLM / Idefics3", ("smolvlm", "idefics3"), Support.IMAGES),
     VisionFamily("Gemma 4", ("gemma4",), Support.TEXT,
                  "Gemma 4's image blocks (<|image>, a per-image count of <|image|> soft "
                  "tokens set by its processor's token budget, <image|>), its patch positions "
@@ -57,10 +58,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("Gemma 3n", ("gemma3n",), Support.TEXT,
                  "Gemma 3n's image and audio blocks (256 soft tokens from its fixed 294M "
                  f"MobileNetV5 tower; audio from its conformer) {_NOT_WRITTEN}"),
-    VisionFamily("SmolVLM / Idefics3", ("smolvlm", "idefics3"), Support.TEXT,
-                 "SmolVLM / Idefics3's image blocks (tiles, each <fake_token_around_image>"
-                 "<row_r_col_c> and its <image> tokens, then a global view) and 5-D pixel "
-                 f"views {_NOT_WRITTEN}; its text side loads from text_config"),
     VisionFamily("Llama 4", ("llama4",), Support.TEXT,
                  "Llama 4's tiled image blocks (<|image_start|>, <|patch|> tiles between "
                  "<|tile_x_separator|> / <|tile_y_separator|>, a global <|image|> view, "
