@@ -341,6 +341,20 @@ def vision_library_tokens(model_dir: Path, prompt_ids: Sequence[int],
 
     model = load_model(Path(model_dir))
     ids = mx.array([list(prompt_ids)])
+    kwargs: dict[str, Any] = {}
+    videos = [(p, e) for p, e in zip(pixels, extras) if "video_grid_thw" in e]
+    if videos:  # a video's blocks: the tower's video input, its groups as one grid
+        pixels = [p for p, e in zip(pixels, extras) if "video_grid_thw" not in e]
+        extras = [e for e in extras if "video_grid_thw" not in e]
+        grids = [list(g) for _, e in videos for g in e["video_grid_thw"]]
+        merged = [grids[0]]
+        for grid in grids[1:]:  # one video's groups, read as one (t, h, w)
+            if grid[1:] == merged[-1][1:] and grid[0] == 1:
+                merged[-1] = [merged[-1][0] + 1, *grid[1:]]
+            else:
+                merged.append(grid)
+        kwargs["pixel_values_videos"] = mx.array(np.concatenate([p for p, _ in videos]))
+        kwargs["video_grid_thw"] = mx.array(np.array(merged))
     if pixels and pixels[0].ndim == 4:  # pictures, padded at the bottom and right
         height = max(p.shape[2] for p in pixels)
         width = max(p.shape[3] for p in pixels)
@@ -353,9 +367,11 @@ def vision_library_tokens(model_dir: Path, prompt_ids: Sequence[int],
         values = mx.array(np.concatenate(list(pixels)))
     else:
         values = None
-    kwargs: dict[str, Any] = {}
     for extra in extras:  # the tower's other inputs, one entry per image
         for key, value in extra.items():
+            if isinstance(value, int):  # one value for every image (InternVL's token id)
+                kwargs[key] = value
+                continue
             kwargs.setdefault(key, []).extend(list(value))
     for key in ("image_grid_thw", "pixel_attention_mask", "spatial_shapes"):
         if key in kwargs:
@@ -424,6 +440,11 @@ def _tiny_qwen_vl(out: Path, family: str, vision: dict[str, Any], *, seed: int,
         "min_pixels": 56 * 56, "max_pixels": 112 * 112, "patch_size": 14, "merge_size": 2,
         "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5]}))
+    # Videos: two frames a second, each frame 56x56 to 112x112 px (4 to 16 tokens a group).
+    (out / "video_preprocessor_config.json").write_text(json.dumps({
+        "fps": 2.0, "min_frames": 4, "max_frames": 16, "min_pixels": 56 * 56,
+        "max_pixels": 112 * 112, "patch_size": 14, "merge_size": 2,
+        "temporal_patch_size": 2}))
     mx.random.seed(seed)
     built = module.ModelConfig.from_dict(dict(config))
     built.text_config = module.TextConfig.from_dict(built.text_config)
@@ -565,6 +586,11 @@ def _tiny_qwen3(out: Path, family: str, architecture: str, text: dict[str, Any],
         "size": {"shortest_edge": 64 * 64, "longest_edge": 128 * 128}, "patch_size": 16,
         "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5]}))
+    # Videos: two frames a second, the whole clip's pixels 64x64x2 to 64x64x8 px.
+    (out / "video_preprocessor_config.json").write_text(json.dumps({
+        "fps": 2.0, "min_frames": 4, "max_frames": 16,
+        "size": {"shortest_edge": 2 * 64 * 64, "longest_edge": 8 * 64 * 64},
+        "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}))
     mx.random.seed(seed)
     built = module.ModelConfig.from_dict(dict(config))
     built.text_config = module.TextConfig.from_dict(config["text_config"])

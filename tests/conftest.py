@@ -92,10 +92,20 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session",
                 params=["gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "lfm2_vl", "qwen3_vl",
                         "qwen3_5", "qwen3_5_moe", "llava", "smolvlm",
-                        "idefics3"])
+                        "idefics3", "internvl_chat"])
 def family_vlm_dir(request: pytest.FixtureRequest,
                    tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight VLM of each family whose images are read."""
+    return _family_dir(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``family -> its tiny VLM's directory`` (``family_vlm_dir``'s), built on first use."""
+    return lambda family: _family_dir(family, tmp_path_factory)
+
+
+def _family_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     _vision_stack()
     from testkit import vision_model, vision_zoo_builders
 
@@ -109,10 +119,12 @@ def family_vlm_dir(request: pytest.FixtureRequest,
                 "qwen3_5_moe": vision_model.build_qwen3_5_moe,
                 "llava": vision_zoo_builders.build_tiny_llava,
                 "smolvlm": vision_zoo_builders.build_tiny_smolvlm,
-                "idefics3": vision_zoo_builders.build_tiny_idefics3}
-    versions = {"gemma3": "tiny-gemma3-vlm-v2", "qwen3_vl": "tiny-qwen3_vl-v2"}
-    name = versions.get(request.param, f"tiny-{request.param}-v1")
-    return _built(_cache_root(tmp_path_factory) / name, builders[request.param])
+                "idefics3": vision_zoo_builders.build_tiny_idefics3,
+                "internvl_chat": vision_zoo_builders.build_tiny_internvl}
+    # v2/v3: Qwen-VL families carry a video processor config.
+    versions = {"gemma3": "tiny-gemma3-vlm-v2", "qwen3_vl": "tiny-qwen3_vl-v3"}
+    name = versions.get(family, f"tiny-{family}-v{2 if family.startswith('qwen') else 1}")
+    return _built(_cache_root(tmp_path_factory) / name, builders[family])
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,7 @@ def zoo_dir(request: pytest.FixtureRequest,
 
 
 def _dir_name(entry: ZooEntry) -> str:
-    return f"zoo-{entry.model_type}-{entry.variant or 'base'}-v1".replace(" ", "_")
+    return f"zoo-{entry.model_type}-{entry.variant or 'base'}-v2".replace(" ", "_")
 
 
 @pytest.mark.parametrize("zoo_dir", [_param(e) for e in ZOO], indirect=True)

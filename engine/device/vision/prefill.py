@@ -185,7 +185,8 @@ class VisionPrefill:
 def grid_positions(length: int, images: tuple[Any, ...]) -> np.ndarray:
     """(3, length) M-RoPE positions (time, row, column) of a prompt: text tokens count up
     on all three; an image's tokens share its first position in time and take their row
-    and column on its grid; the text after it resumes past the grid's longer side."""
+    and column on its grid (a video block's groups count up in time); the text after it
+    resumes past the grid's longest side."""
     positions = np.empty((3, length), np.int64)
     at, next_position = 0, 0
     for image in sorted(images, key=lambda i: i.start):
@@ -193,11 +194,14 @@ def grid_positions(length: int, images: tuple[Any, ...]) -> np.ndarray:
         positions[:, at:image.start] = np.arange(next_position, next_position + text)
         next_position += text
         rows, columns = image.grid
+        frames = getattr(image, "frames", 1)  # a video block's temporal groups
         index = np.arange(image.length)
-        positions[0, image.start:image.start + image.length] = next_position
-        positions[1, image.start:image.start + image.length] = next_position + index // columns
+        positions[0, image.start:image.start + image.length] = (
+            next_position + index // (rows * columns))
+        positions[1, image.start:image.start + image.length] = (
+            next_position + (index // columns) % rows)
         positions[2, image.start:image.start + image.length] = next_position + index % columns
-        next_position += max(rows, columns)
+        next_position += max(frames, rows, columns)
         at = image.start + image.length
     positions[:, at:] = np.arange(next_position, next_position + length - at)
     return positions

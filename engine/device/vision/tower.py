@@ -149,16 +149,20 @@ class VisionTower:
         self._text_model = text_model
         self._vlm = vlm
         self.image_token = fmt.image_token
+        # The tokens features go at: images', and videos' where the family reads them.
+        video_token = getattr(fmt, "video_token", None)
+        self.media_tokens = np.array([fmt.image_token,
+                                      *(() if video_token is None else (video_token,))])
         # Qwen3-VL's deepstack: the tower's features from some of its blocks, each added to
         # one of the text model's first layers at the image's tokens.
         self.deepstack_layers = len(getattr(getattr(vlm.config, "vision_config", None),
                                             "deepstack_visual_indexes", None) or ())
-        towers_root = getattr(vlm, "vision_tower", None)
+        towers_root = getattr(vlm, "vision_tower", getattr(vlm, "vision_model", None))
         self.blocks_recorded = towers_root is not None and install_recorder(towers_root)
         self.embed = embed
         self.stream = stream
-        towers = [module for name, module in vlm.children().items()
-                  if name != "language_model"]
+        towers = [module for name, child in vlm.children().items() if name != "language_model"
+                  for module in (child if isinstance(child, list) else [child])]  # InternVL's mlp1
         with mx.stream(stream):
             mx.eval([m.parameters() for m in towers])
         self.weight_bytes = sum(int(v.nbytes) for m in towers
@@ -182,9 +186,11 @@ class VisionTower:
             block = mx.array([list(image.block)])
             extra = {k: mx.array(v) if k in _ARRAY_INPUTS else v
                      for k, v in image.extra.items()}
-            out = self._vlm.get_input_embeddings(block, pixels,
-                                                 mask=mx.ones(block.shape, mx.int32),
-                                                 **extra)
+            if getattr(image, "video", False):  # a video's frames: the tower's video input
+                extra["pixel_values_videos"] = pixels
+            out = self._vlm.get_input_embeddings(
+                block, None if "pixel_values_videos" in extra else pixels,
+                mask=mx.ones(block.shape, mx.int32), **extra)
             embeds = getattr(out, "inputs_embeds", out)
             features: mx.array = embeds[0, image.first:image.first + image.length]
             deep = getattr(out, "deepstack_visual_embeds", None)
@@ -227,13 +233,13 @@ class VisionTower:
         if not self.deepstack_layers:
             return None
         ids = np.array(prompt[start:end])
-        mask = ids == self.image_token
+        mask = np.isin(ids, self.media_tokens)
         if not mask.any():
             return None
         layers: list[list[mx.array]] = [[] for _ in range(self.deepstack_layers)]
         for image in sorted(images, key=lambda i: i.start):
             span = np.array(prompt[image.start:image.start + image.length])
-            at = np.flatnonzero(span == self.image_token)
+            at = np.flatnonzero(np.isin(span, self.media_tokens))
             inside = at[(image.start + at >= start) & (image.start + at < end)]
             if not len(inside):
                 continue
@@ -283,9 +289,9 @@ class VisionTower:
 
 # Checkpoint tensors under these names are the tower and projector (what mlx-lm's text
 # models drop from a vision checkpoint: Gemma 3, Mistral 3, Qwen2-VL/2.5-VL, LFM2-VL;
-# SmolVLM / Idefics3's vision_model and connector).
+# SmolVLM / Idefics3's vision_model and connector, InternVL's mlp1).
 TOWER_NAMES = frozenset({"vision_tower", "visual", "multi_modal_projector", "vision_model",
-                         "connector"})
+                         "connector", "mlp1"})
 
 
 def checkpoint_tower_bytes(path: Path) -> int:
@@ -304,7 +310,8 @@ def checkpoint_tower_bytes(path: Path) -> int:
 
 
 # The tower inputs mlx-vlm reads as arrays (the others as Python values).
-_ARRAY_INPUTS = frozenset({"image_grid_thw", "pixel_attention_mask", "spatial_shapes"})
+_ARRAY_INPUTS = frozenset({"image_grid_thw", "video_grid_thw", "pixel_attention_mask",
+                           "spatial_shapes"})
 
 
 def _share_weights(target: Any, source: Any) -> None:

@@ -93,7 +93,7 @@ def image_of_part(part: Mapping[str, Any], at: str) -> DecodedImage:
                                       "data: URI (or its url), got "
                                       f"{type(url).__name__}", f"{at}.image_url")
         source = url
-    return decoded_image(_bytes_of(source, at), at)
+    return decoded_image(media_bytes(source, at), at)
 
 
 def _standard_block_source(part: Mapping[str, Any], at: str) -> str:
@@ -113,30 +113,31 @@ def _standard_block_source(part: Mapping[str, Any], at: str) -> str:
                               "'url' (a data: URI)", at)
 
 
-def _bytes_of(source: str, at: str) -> bytes:
-    """The encoded image bytes of a data: URI or bare base64; remote URLs are refused."""
+def media_bytes(source: str, at: str, kind: str = "image") -> bytes:
+    """The encoded bytes (of an image, or a video: ``kind``) of a data: URI or bare
+    base64; remote URLs and paths are refused."""
     if source.startswith(("http://", "https://")):
         raise InvalidRequestError(
-            f"{at}: remote image URLs are not fetched (no network access from the engine): "
-            "send the image as a data: URI or base64", at)
+            f"{at}: remote {kind} URLs are not fetched (no network access from the engine): "
+            f"send the {kind} as a data: URI or base64", at)
     bare = not source.startswith("data:")  # neither a URL nor a data: URI: base64 or a path
     if not bare:
         head, sep, data = source.partition(",")
         if not sep:
             raise InvalidRequestError(f"{at}: a data: URI needs a ',' before its data", at)
         if not head.endswith(";base64"):
-            raise InvalidRequestError(f"{at}: a data: URI's image must be base64 "
+            raise InvalidRequestError(f"{at}: a data: URI's {kind} must be base64 "
                                       f"(data:<mime>;base64,...), got {head[:40]!r}", at)
         source = data
     elif source.startswith("file:"):
         raise InvalidRequestError(f"{at}: local paths are not read from a request: send the "
-                                  "image as a data: URI or base64", at)
+                                  f"{kind} as a data: URI or base64", at)
     try:
         return _b64decoded(source.strip())
     except (binascii.Error, ValueError) as exc:
         hint = (" (nor a data: URI: local paths are not read from a request)" if bare
                 else "")
-        raise InvalidRequestError(f"{at}: the image is not valid base64{hint} ({exc})",
+        raise InvalidRequestError(f"{at}: the {kind} is not valid base64{hint} ({exc})",
                                   at) from exc
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.requests.inbound.images import IMAGE_MARK, IMAGE_PARTS, DecodedImage, image_of_part
+from engine.requests.inbound.videos import VIDEO_PARTS, DecodedVideo, video_of_part
 
 # The roles the rulebook accepts, and the role each is rendered as.
 ROLES = {"system": "system", "developer": "system", "user": "user",
@@ -73,7 +74,8 @@ class Message:
     tool_calls: tuple[MessageToolCall, ...] = ()
     tool_call_id: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
-    images: tuple[DecodedImage, ...] = ()  # in order, each at an ``IMAGE_MARK`` of content
+    # Images and videos in order, each at an ``IMAGE_MARK`` of content.
+    images: tuple[DecodedImage | DecodedVideo, ...] = ()
 
     def as_openai(self) -> dict[str, Any]:
         """The message as a dict in OpenAI's shape (what chat templates are written for)."""
@@ -113,7 +115,7 @@ def message_from_openai(message: Any, at: str) -> Message:
                                   f"{wire_role!r:.40}", f"{at}.role")
     role = ROLES[wire_role]
     optional = role == "assistant"  # an assistant turn that only calls has no text
-    images: list[DecodedImage] = []
+    images: list[DecodedImage | DecodedVideo] = []
     content = _content_text(message.get("content"), f"{at}.content", optional, role, images)
     name = _text_field(message, "name", at)
     call_id = _text_field(message, "tool_call_id", at)
@@ -182,8 +184,9 @@ def _text_field(message: Mapping[str, Any], key: str, at: str) -> str | None:
 
 
 def _content_text(content: Any, at: str, optional: bool, role: str,
-                  images: list[DecodedImage]) -> str:
-    """The content's text; its images are appended to ``images``, each marked in the text."""
+                  images: list[DecodedImage | DecodedVideo]) -> str:
+    """The content's text; its images and videos are appended to ``images``, each marked in
+    the text."""
     if isinstance(content, str):
         return _plain(content, at)
     if content is None:
@@ -199,6 +202,9 @@ def _content_text(content: Any, at: str, optional: bool, role: str,
         where = f"{at}[{k}]"
         if isinstance(part, Mapping) and part.get("type") in IMAGE_PARTS:
             images.append(image_of_part(part, where))
+            texts.append(IMAGE_MARK)
+        elif isinstance(part, Mapping) and part.get("type") in VIDEO_PARTS:
+            images.append(video_of_part(part, where))
             texts.append(IMAGE_MARK)
         else:
             texts.append(_plain(part, where) if isinstance(part, str)
@@ -231,8 +237,9 @@ def _part_text(part: Any, at: str, role: str) -> str:
     if role == "assistant" and kind in SILENT_ASSISTANT_PARTS:
         return ""
     raise InvalidRequestError(f"{at}.type: {kind!r:.40} parts are refused: the engine reads "
-                              f"text parts ({sorted(TEXT_PARTS)}) and image parts "
-                              f"({sorted(IMAGE_PARTS)})", f"{at}.type")
+                              f"text parts ({sorted(TEXT_PARTS)}), image parts "
+                              f"({sorted(IMAGE_PARTS)}) and video parts "
+                              f"({sorted(VIDEO_PARTS)})", f"{at}.type")
 
 
 def _call(call: Any, at: str) -> MessageToolCall:

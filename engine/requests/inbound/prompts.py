@@ -26,6 +26,7 @@ from engine.requests.inbound.tool_prompts import (
     with_plain_tool_history,
 )
 from engine.requests.inbound.tool_specs import ToolSpec
+from engine.requests.inbound.videos import DecodedVideo
 from engine.requests.inbound.vision_formats import VisionFormat
 
 # The template variables tools are passed in, in order: the standard one, then SmolLM3's
@@ -86,12 +87,14 @@ class PromptImage:
     extra: Mapping[str, Any] = field(default_factory=dict)
     grid: tuple[int, int] | None = None  # M-RoPE families: its span's (rows, columns)
     at: str = ""  # the content part it came from (``messages[i].content[k]``), for errors
+    frames: int = 1  # a video block's temporal groups on the grid (M-RoPE)
+    video: bool = False  # a video's block: the tower reads its pixels as a video's
 
     @property
     def positions(self) -> int:
         """Positions its span advances the text by: its length, or on a grid of positions
-        (M-RoPE) the grid's longer side."""
-        return self.length if self.grid is None else max(self.grid)
+        (M-RoPE) the grid's longest side, time included."""
+        return self.length if self.grid is None else max(self.frames, *self.grid)
 
 
 @dataclass(frozen=True)
@@ -189,7 +192,7 @@ class PromptRenderer:
         return EncodedPrompt(ids, starts_thinking, self._head_length(messages, ids, kwargs),
                              placed)
 
-    def _with_images(self, text: str, images: Sequence[DecodedImage],
+    def _with_images(self, text: str, images: Sequence[DecodedImage | DecodedVideo],
                      ) -> tuple[list[int], tuple[PromptImage, ...]]:
         """The rendered text's ids with each image mark replaced by the family's image
         block, written into the text and encoded whole, as the family's processor does
@@ -205,31 +208,44 @@ class PromptRenderer:
                 images[0].at)
         vision = self.vision
         assert vision is not None
-        blocks = [vision.read(image) for image in images]
+        # A video is one block or several (one per temporal group), an image one.
+        media = [(item, vision.read_video(item) if isinstance(item, DecodedVideo)
+                  else [vision.read(item)]) for item in images]
         written = [pieces[0]]
-        for block, piece in zip(blocks, pieces[1:]):
-            written += [vision.text(block), piece]
+        for (_, blocks), piece in zip(media, pieces[1:]):
+            written += ["".join(vision.text(block) for block in blocks), piece]
         ids = list(encode("".join(written), add_special_tokens=False))
-        # Each block's image tokens are the prompt's next ones, in order: any other is text
-        # that spells the model's image token, which would take an image's place.
-        marks = [k for k, t in enumerate(ids) if t == vision.image_token]
-        if len(marks) != sum(block.ids.count(vision.image_token) for block in blocks):
-            spelled = dict(vision.spelling).get(vision.image_token, "")
-            raise InvalidRequestError(
-                f"{images[0].at}: the conversation's text holds the model's image token "
-                f"{spelled!r} outside its images; remove it from the text", images[0].at)
+        # Each block's media tokens are the prompt's next ones, in order: any other is text
+        # that spells the model's image (or video) token, which would take a block's place.
+        tokens = {vision.image_token} | {b.token for _, bs in media for b in bs if b.token}
+        marks = {token: [k for k, t in enumerate(ids) if t == token] for token in tokens}
+        for token in tokens:
+            if len(marks[token]) != sum(block.ids.count(token) for _, bs in media
+                                        for block in bs):
+                spelled = dict(vision.spelling).get(token, "")
+                raise InvalidRequestError(
+                    f"{images[0].at}: the conversation's text holds the model's image token "
+                    f"{spelled!r} outside its images; remove it from the text", images[0].at)
         placed = []
-        for image, block in zip(images, blocks):
-            inside = [k for k, t in enumerate(block.ids) if t == vision.image_token]
-            first, last = inside[0], inside[-1]
-            start, end = marks[0], marks[len(inside) - 1] + 1
-            del marks[:len(inside)]
-            # The span (its image tokens and any row breaks between) is special tokens
-            # only, so whole-text encoding writes it exactly as the block's own ids.
-            assert ids[start:end] == list(block.ids[first:last + 1]), image.at
-            placed.append(PromptImage(start, end - start, f"{image.digest}:{vision.key}",
-                                      partial(vision.pixels, image), block.ids, first,
-                                      block.extra, block.grid, image.at))
+        for item, blocks in media:
+            for number, block in enumerate(blocks):
+                token = block.token or vision.image_token
+                inside = [k for k, t in enumerate(block.ids) if t == token]
+                first, last = inside[0], inside[-1]
+                queue = marks[token]
+                start, end = queue[0], queue[len(inside) - 1] + 1
+                del queue[:len(inside)]
+                # The span (its media tokens and any row breaks between) is special tokens
+                # only, so whole-text encoding writes it exactly as the block's own ids.
+                assert ids[start:end] == list(block.ids[first:last + 1]), item.at
+                video = isinstance(item, DecodedVideo)
+                key = f"{item.digest}:{vision.key}" + (f":video{number}" if video else "")
+                read: Callable[[], Any] = (
+                    partial(vision.video_pixels, item, number) if isinstance(item, DecodedVideo)
+                    else partial(vision.pixels, item))
+                placed.append(PromptImage(start, end - start, key, read, block.ids, first,
+                                          block.extra, block.grid, item.at, block.frames,
+                                          video))
         return ids, tuple(placed)
 
     def _head_length(self, messages: list[ChatMessage], ids: list[int],

@@ -40,8 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, UnsupportedMediaError
 from engine.requests.inbound.images import DecodedImage
+from engine.requests.inbound.videos import DecodedVideo, sample_indices
 from engine.requests.inbound.vision_families import images_refused_because
 
 
@@ -54,6 +55,11 @@ class ImageTokens:
     extra: Mapping[str, Any] = field(default_factory=dict)  # the tower's other inputs
     # M-RoPE families: the (rows, columns) grid its image tokens take in position space.
     grid: tuple[int, int] | None = None
+    # A video's block: its media token (the family's video token), the temporal groups
+    # its tokens take on the grid, and text written before it (Qwen3-VL's timestamps).
+    token: int | None = None
+    frames: int = 1
+    prefix: str = ""
 
 
 class VisionFormat(ABC):
@@ -80,7 +86,19 @@ class VisionFormat(ABC):
         """The image's block as the family's processor writes it into the prompt's text,
         which is then encoded whole: text around the block merges with it as there."""
         spelled = dict(self.spelling)
-        return "".join(spelled[t] for t in tokens.ids)
+        return tokens.prefix + "".join(spelled[t] for t in tokens.ids)
+
+    def read_video(self, video: DecodedVideo) -> list[ImageTokens]:
+        """A video's blocks (one, or one per temporal group), in order; a family that reads
+        no video refuses it here."""
+        raise UnsupportedMediaError(
+            f"{video.at}: this model's family ({self.family}) reads images, not videos: "
+            "send frames as images", video.at, self.family,
+            "the family's processor reads no video")
+
+    def video_pixels(self, video: DecodedVideo, block: int) -> np.ndarray:
+        """The tower's pixel values for a video's ``block`` (``read_video``'s order)."""
+        raise NotImplementedError(self.family)
 
     @abstractmethod
     def pixels(self, image: DecodedImage) -> np.ndarray:
@@ -205,6 +223,16 @@ class QwenVLFormat(VisionFormat):
     std: tuple[float, ...]
     rescale: float = 1 / 255
     spelling: tuple[tuple[int, str], ...] = ()
+    # Videos: the video token, frames a second and their bounds, the frame size's pixel
+    # bounds (Qwen2-VL: per frame; Qwen3-VL: over the whole clip), and whether each
+    # temporal group is a block of its own after its ``<t seconds>`` (Qwen3-VL, Qwen3.5).
+    video_token: int | None = None
+    video_rate: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+    timestamps: bool = False
 
     def _size(self, image: DecodedImage) -> tuple[int, int]:
         width, height = image.size
@@ -226,14 +254,80 @@ class QwenVLFormat(VisionFormat):
         height, width = self._size(image)
         values = _normalised(_resized(image, width, height, 3), self.mean, self.std,
                              self.rescale)  # BICUBIC, as its processor
+        return self._patches(np.repeat(values[None], self.temporal, axis=0))  # a still, twice
+
+    def _patches(self, frames: np.ndarray) -> np.ndarray:
+        """(frames, channels, height, width) -> the tower's flattened patches, temporal
+        groups of ``temporal`` frames first, then merged squares row by row."""
+        groups, channels, height, width = frames.shape
+        groups //= self.temporal
         rows, columns = height // self.patch, width // self.patch
-        ps, ms, channels = self.patch, self.merge, values.shape[0]
-        frames = np.repeat(values[None, None], self.temporal, axis=1)  # a still image, twice
-        patches = frames.reshape(1, 1, self.temporal, channels, rows // ms, ms, ps,
+        ps, ms = self.patch, self.merge
+        patches = frames.reshape(1, groups, self.temporal, channels, rows // ms, ms, ps,
                                  columns // ms, ms, ps)
         patches = patches.transpose(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
         return np.ascontiguousarray(patches.reshape(
-            rows * columns, channels * self.temporal * ps * ps))
+            groups * rows * columns, channels * self.temporal * ps * ps))
+
+    def _video_plan(self, video: DecodedVideo) -> tuple[list[int], int, int]:
+        """(frame indices, height, width) the family reads a video at."""
+        indices = sample_indices(video.frame_count, video.fps, rate=self.video_rate,
+                                 factor=self.temporal, min_frames=self.min_frames,
+                                 max_frames=self.max_frames)
+        width, height = video.size
+        factor = self.patch * self.merge
+        try:
+            if self.timestamps:  # Qwen3-VL: the pixel budget is the whole clip's
+                frames = math.ceil(len(indices) / self.temporal) * self.temporal
+                if height < factor or width < factor:
+                    raise ValueError(f"a video of {width}x{height} px is smaller than "
+                                     f"{factor} px, the least its processor reads")
+                budget_h, budget_w = smart_resize(height, width, factor, 1, 1 << 62)
+                if frames * budget_h * budget_w > self.video_max_pixels:
+                    beta = math.sqrt(len(indices) * height * width / self.video_max_pixels)
+                    budget_h = max(factor, math.floor(height / beta / factor) * factor)
+                    budget_w = max(factor, math.floor(width / beta / factor) * factor)
+                elif frames * budget_h * budget_w < self.video_min_pixels:
+                    beta = math.sqrt(self.video_min_pixels / (len(indices) * height * width))
+                    budget_h = math.ceil(height * beta / factor) * factor
+                    budget_w = math.ceil(width * beta / factor) * factor
+                return indices, budget_h, budget_w
+            size = smart_resize(height, width, factor, self.video_min_pixels,
+                                self.video_max_pixels)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{video.at}: {exc}", video.at) from exc
+        return indices, size[0], size[1]
+
+    def read_video(self, video: DecodedVideo) -> list[ImageTokens]:
+        if self.video_token is None:
+            return super().read_video(video)
+        indices, height, width = self._video_plan(video)
+        rows, columns = height // self.patch, width // self.patch
+        per_group = rows * columns // (self.merge * self.merge)
+        groups = len(indices) // self.temporal
+        grid = (rows // self.merge, columns // self.merge)
+        if not self.timestamps:  # one block, its groups on the grid's time axis
+            return [ImageTokens((self.start_token, *([self.video_token] * per_group * groups),
+                                 self.end_token), {"video_grid_thw": [[groups, rows, columns]]},
+                                grid, self.video_token, groups)]
+        seconds = [i / video.fps for i in indices]
+        return [ImageTokens((self.start_token, *([self.video_token] * per_group),
+                             self.end_token), {"video_grid_thw": [[1, rows, columns]]}, grid,
+                            self.video_token, 1,
+                            f"<{(seconds[g * self.temporal] + seconds[g * self.temporal + self.temporal - 1]) / 2:.1f} seconds>")  # noqa: E501
+                for g in range(groups)]
+
+    def video_pixels(self, video: DecodedVideo, block: int) -> np.ndarray:
+        from PIL import Image
+
+        indices, height, width = self._video_plan(video)
+        if self.timestamps:  # one temporal group a block
+            indices = indices[block * self.temporal:(block + 1) * self.temporal]
+        frames = video.frames(indices)
+        resized = np.stack([np.asarray(Image.fromarray(f).resize((width, height), 3))
+                            if f.shape[:2] != (height, width) else f for f in frames])
+        values = np.stack([_normalised(f, self.mean, self.std, self.rescale) for f in resized])
+        return self._patches(values)
 
 
 @dataclass(frozen=True)
@@ -462,12 +556,29 @@ def _qwen2_vl(config: Mapping[str, Any], tokenizer: Any,
     image = int(config.get("image_token_id", _token_id(tokenizer, "<|image_pad|>")))
     start = int(config.get("vision_start_token_id", _token_id(tokenizer, "<|vision_start|>")))
     end = _token_id(tokenizer, "<|vision_end|>")
+    video = config.get("video_token_id")
+    video_settings = dict(processor.get("video", {}))
+    timestamps = str(config.get("model_type")) in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                                                   "qwen3_5_moe")
+    video_size = video_settings.get("size")
+    bounds: dict[str, Any] = {**{k: video_settings[k] for k in ("min_pixels", "max_pixels")
+                                 if k in video_settings},
+                              **(dict(video_size) if isinstance(video_size, Mapping) else {})}
+    low = bounds.get("shortest_edge", bounds.get("min_pixels"))
+    high = bounds.get("longest_edge", bounds.get("max_pixels"))
     return QwenVLFormat(
         str(config.get("model_type")), image, start, end, patch, merge,
         int(processor.get("temporal_patch_size", vision.get("temporal_patch_size", 2))),
         int(processor.get("min_pixels", 56 * 56)),
         int(processor.get("max_pixels", 28 * 28 * 1280)), mean, std,
-        float(processor.get("rescale_factor", 1 / 255)), _spelling(tokenizer, (image, start, end)))
+        float(processor.get("rescale_factor", 1 / 255)),
+        _spelling(tokenizer, (image, start, end, *(() if video is None else (int(video),)))),
+        None if video is None else int(video),
+        float(video_settings.get("fps", 2.0)), int(video_settings.get("min_frames", 4)),
+        int(video_settings.get("max_frames", 768)),
+        int(low) if low is not None else 4096 if timestamps else 128 * 28 * 28,
+        int(high) if high is not None else 25165824 if timestamps else 768 * 28 * 28,
+        timestamps)
 
 
 def _qwen3_vl(config: Mapping[str, Any], tokenizer: Any,
@@ -522,7 +633,7 @@ FORMATS: dict[str, Callable[[Mapping[str, Any], Any, Mapping[str, Any]], VisionF
     "gemma3": _gemma3, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_vl,
     "lfm2-vl": _lfm2_vl, "lfm2_vl": _lfm2_vl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl,
     "qwen3_5": _qwen3_vl, "qwen3_5_moe": _qwen3_vl,
-    **dict.fromkeys(("llava", "smolvlm", "idefics3"), _apart)}
+    **dict.fromkeys(("llava", "smolvlm", "idefics3", "internvl_chat"), _apart)}
 # Families whose text model places image tokens on a grid of positions (M-RoPE; Qwen3's
 # interleaves its sections, which the vision library's language model applies).
 GRID_POSITIONS = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
@@ -546,10 +657,16 @@ def vision_format(config: Mapping[str, Any], tokenizer: Any,
 
 def _preprocessor(model_path: Path | None) -> dict[str, Any]:
     """The image processor's settings: ``preprocessor_config.json`` (or its nested
-    ``image_processor``), then ``processor_config.json``'s, which win (LFM2-VL's split)."""
+    ``image_processor``), then ``processor_config.json``'s, which win (LFM2-VL's split);
+    the video processor's (``video_preprocessor_config.json``) under ``video``."""
     settings: dict[str, Any] = {}
     if model_path is None:
         return settings
+    video = model_path / "video_preprocessor_config.json"
+    if video.is_file():
+        loaded = json.loads(video.read_text())
+        if isinstance(loaded, dict):
+            settings["video"] = loaded
     for name in ("preprocessor_config.json", "processor_config.json"):
         path = model_path / name
         if path.is_file():
