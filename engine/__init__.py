@@ -58,6 +58,7 @@ from engine.requests.inbound.output_constraint import (
 from engine.requests.inbound.sampling import SamplingParams
 from engine.requests.inbound.text_request import Request, TextRequest
 from engine.requests.inbound.tool_specs import ToolSpec, normalize_tool_choice, normalize_tools
+from engine.requests.inbound.videos import MEDIA_PARTS, VIDEO_PARTS
 from engine.requests.outbound.logprobs import TokenText, openai_logprobs, token_texts
 from engine.requests.outbound.results import (
     Completion,
@@ -73,8 +74,10 @@ from engine.runtime.follower import distributed_rank, follow
 __all__ = [
     "DEFAULT_EMBEDDING_NAME",
     "IMAGE_PARTS",
+    "MEDIA_PARTS",
     "REQUEST_OPTIONS",
     "SAMPLING_FIELDS",
+    "VIDEO_PARTS",
     "ChatRequest",
     "Completion",
     "Constraint",

@@ -24,7 +24,7 @@ from engine.models.default_model import default_model_gguf_here
 from engine.models.gguf import read_header
 from engine.models.resolve import config_context_limit, looks_like_path
 from engine.requests.dialects.registry import reasoning_tokens
-from engine.requests.inbound.vision_formats import SUPPORTED, is_vision_config
+from engine.requests.inbound.vision_formats import SUPPORTED, VIDEO_FAMILIES, is_vision_config
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class DeclaredModel:
     context_limit: int | None = None
     reasoning: bool | None = None  # its tokenizer marks reasoning (a thinking model)
     image_inputs: bool = False  # a vision checkpoint of a family whose images are read
+    video_inputs: bool = False  # ... whose videos are read too (the Qwen-VL families)
 
 
 def declared_model(spec: str | os.PathLike[str] | None) -> DeclaredModel:
@@ -44,8 +45,9 @@ def declared_model(spec: str | os.PathLike[str] | None) -> DeclaredModel:
         if source is None:
             return DeclaredModel()
         if source.is_dir():
+            images = _dir_images(source)
             return DeclaredModel(config_context_limit(source), _dir_reasoning(source),
-                                 _dir_images(source))
+                                 images, images and _dir_videos(source))
         header = read_header(source)
         limit = header.arch_value("context_length")
         tokens = header.metadata.get("tokenizer.ggml.tokens")
@@ -88,6 +90,12 @@ def _dir_images(path: Path) -> bool:
     return (isinstance(config, dict) and is_vision_config(config)
             and config.get("model_type") in SUPPORTED
             and importlib.util.find_spec("mlx_vlm") is not None)
+
+
+def _dir_videos(path: Path) -> bool:
+    """The checkpoint's family reads videos (a video token and a family that has them)."""
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    return config.get("model_type") in VIDEO_FAMILIES and "video_token_id" in config
 
 
 def _dir_reasoning(path: Path) -> bool | None:

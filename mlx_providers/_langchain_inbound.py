@@ -25,7 +25,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from pydantic import BaseModel
 
 from engine import (
-    IMAGE_PARTS,
+    MEDIA_PARTS,
     InvalidRequestError,
     JsonObject,
     JsonSchema,
@@ -101,7 +101,7 @@ def carries_images(messages: Sequence[BaseMessage | Mapping[str, Any]]) -> bool:
         content = (message.get("content") if isinstance(message, Mapping)
                    else message.content)
         if isinstance(content, list) and any(
-                isinstance(part, Mapping) and part.get("type") in IMAGE_PARTS
+                isinstance(part, Mapping) and part.get("type") in MEDIA_PARTS
                 for part in content):
             return True
     return False

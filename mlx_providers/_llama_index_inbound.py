@@ -30,8 +30,8 @@ from llama_index.core.base.llms.types import (
 from engine import InvalidRequestError, Message, messages_from_openai
 from mlx_providers._llama_index_tools import legacy_call, tool_call_dict
 
-# Media blocks as OpenAI content-part types: images are read (``image_part``), the rest
-# the engine's rulebook refuses by name.
+# Media blocks as OpenAI content-part types: images and videos are read (``image_part``,
+# ``video_part``), the rest the engine's rulebook refuses by name.
 _MEDIA: dict[type, str] = {ImageBlock: "image_url", AudioBlock: "input_audio", VideoBlock: "video",
           DocumentBlock: "file"}
 # LlamaIndex's own names for the assistant's role (other integrations' histories).
@@ -74,6 +74,20 @@ def image_part(block: ImageBlock) -> dict[str, Any]:
     return {"type": "image", "base64": _base64_text(data), "mime_type": mime}
 
 
+def video_part(block: VideoBlock) -> dict[str, Any]:
+    """A ``VideoBlock`` as a video part: its bytes, its local ``path`` (read here) or a
+    data URL; a remote URL is passed as one, which the engine refuses."""
+    if block.url is not None:
+        return {"type": "video_url", "video_url": {"url": str(block.url)}}
+    mime = block.video_mimetype or "video/mp4"
+    try:
+        data = block.resolve_video(as_base64=False).read()
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError(f"VideoBlock: the video cannot be read ({exc})",
+                                  "VideoBlock") from exc
+    return {"type": "video", "base64": _base64_text(data), "mime_type": mime}
+
+
 # Bytes base64-encoded at a time (a multiple of 3): CPython's encoder holds the GIL
 # throughout, which would stall the caller's event loop while a worker converts.
 _B64_PIECE = 3 << 18
@@ -99,6 +113,7 @@ def _content(blocks: Sequence[Any]) -> str | list[Any]:
                 parts.append(_blocks_text(text))
                 text = []
             parts.append(image_part(block) if isinstance(block, ImageBlock) else
+                         video_part(block) if isinstance(block, VideoBlock) else
                          {"type": _MEDIA[type(block)], "block": type(block).__name__})
         else:
             text.append(block)

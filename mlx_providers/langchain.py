@@ -241,6 +241,8 @@ class ChatMLXBatch(BaseChatModel):
             "attachment": False, "temperature": True}
         if declared.image_inputs:  # base64 and data: URIs, in user and tool messages
             profile.update(image_inputs=True, image_tool_message=True)
+        if declared.video_inputs:  # the Qwen-VL families: v1 video blocks, base64
+            profile.update(video_inputs=True)
         if declared.context_limit is not None:
             profile["max_input_tokens"] = declared.context_limit
         if declared.reasoning is not None:

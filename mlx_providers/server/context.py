@@ -11,7 +11,7 @@ import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from engine import IMAGE_PARTS
+from engine import MEDIA_PARTS
 from mlx_providers.server.errors import APIError, from_validation
 from mlx_providers.server.metrics import ServerMetrics
 from mlx_providers.server.responses_store import ResponseStore
@@ -123,7 +123,7 @@ def has_images(items: Sequence[Any]) -> bool:
         for key in ("content", "output"):
             parts = item.get(key)
             if isinstance(parts, list) and any(
-                    isinstance(p, Mapping) and p.get("type") in IMAGE_PARTS for p in parts):
+                    isinstance(p, Mapping) and p.get("type") in MEDIA_PARTS for p in parts):
                 return True
     return False
 

@@ -96,7 +96,9 @@ def test_image_rows_batched_equal_alone_and_the_vision_library(
         reference = vision_library_tokens(tiny_vlm_dir, prepared.prompt_ids,
                                           [i.read_pixels() for i in prepared.images], 16,
                                           [dict(i.extra) for i in prepared.images])
-        assert list(ours) == reference
+        # The library's loop runs on past the end token, where the engine's row ends.
+        assert list(ours) == reference[:len(ours)]
+        assert len(ours) == 16 or reference[len(ours)] in eng.tokenizer.eos_token_ids
     assert eng.stats().vision_images >= 5
 
 

@@ -31,7 +31,7 @@ PLACEHOLDERS = {"gemma3": "<start_of_image>", "mistral3": "[IMG]",
                 "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                 "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                 "lfm2-vl": "<image>", "llava": "<image>",
-                "smolvlm": "<image>", "idefics3": "<image>",
+                "smolvlm": "<image>", "idefics3": "<image>", "internvl_chat": "<image>",
                 **dict.fromkeys(("qwen3_vl", "qwen3_5", "qwen3_5_moe"),
                                 "<|vision_start|><|image_pad|><|vision_end|>")}
 

@@ -11,9 +11,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from engine.requests.inbound.idefics3_format import build_idefics3
+from engine.requests.inbound.internvl_format import build_internvl
 from engine.requests.inbound.llava_format import build_llava
 from engine.requests.inbound.vision_formats import VisionFormat
 
 BUILDERS: dict[str, Callable[[Mapping[str, Any], Any, Mapping[str, Any]], VisionFormat]] = {
     "llava": build_llava, "smolvlm": build_idefics3, "idefics3": build_idefics3,
+    "internvl_chat": build_internvl,
 }

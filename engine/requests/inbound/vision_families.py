@@ -51,6 +51,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("LFM2-VL", ("lfm2-vl", "lfm2_vl"), Support.IMAGES),
     VisionFamily("LLaVA", ("llava",), Support.IMAGES),
     VisionFamily("SmolVLM / Idefics3", ("smolvlm", "idefics3"), Support.IMAGES),
+    VisionFamily("InternVL", ("internvl_chat",), Support.IMAGES),
     VisionFamily("Gemma 4", ("gemma4",), Support.TEXT,
                  "Gemma 4's image blocks (<|image>, a per-image count of <|image|> soft "
                  "tokens set by its processor's token budget, <image|>), its patch positions "
@@ -62,9 +63,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
                  "Llama 4's tiled image blocks (<|image_start|>, <|patch|> tiles between "
                  "<|tile_x_separator|> / <|tile_y_separator|>, a global <|image|> view, "
                  f"<|image_end|>) {_NOT_WRITTEN}"),
-    VisionFamily("InternVL", ("internvl_chat",), Support.TEXT,
-                 "InternVL's image blocks (<img>, <IMG_CONTEXT> tokens per 448 px tile and a "
-                 f"thumbnail, </img>) {_NOT_WRITTEN}; its text side loads from llm_config"),
     VisionFamily("Phi-4 multimodal", ("phi4-siglip", "phi4mm"), Support.NONE,
                  "Phi-4 multimodal: mlx-lm has no text model for it, and its image "
                  "placeholder (one id, -200) expands into the image's features, changing "

@@ -639,6 +639,9 @@ FORMATS: dict[str, Callable[[Mapping[str, Any], Any, Mapping[str, Any]], VisionF
 GRID_POSITIONS = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
                             "qwen3_5_moe"})
 SUPPORTED = tuple(FORMATS)
+# Families whose videos are read (QwenVLFormat.read_video).
+VIDEO_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                            "qwen3_5_moe"})
 
 
 def vision_format(config: Mapping[str, Any], tokenizer: Any,
