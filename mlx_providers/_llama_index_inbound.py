@@ -30,8 +30,8 @@ from llama_index.core.base.llms.types import (
 from engine import InvalidRequestError, Message, messages_from_openai
 from mlx_providers._llama_index_tools import legacy_call, tool_call_dict
 
-# Media blocks as OpenAI content-part types: images and videos are read (``image_part``,
-# ``video_part``), the rest the engine's rulebook refuses by name.
+# Media blocks as OpenAI content-part types: images, videos and audio are read
+# (``image_part``, ``video_part``, ``audio_part``), the rest the engine's rulebook refuses.
 _MEDIA: dict[type, str] = {ImageBlock: "image_url", AudioBlock: "input_audio", VideoBlock: "video",
           DocumentBlock: "file"}
 # LlamaIndex's own names for the assistant's role (other integrations' histories).
@@ -88,6 +88,20 @@ def video_part(block: VideoBlock) -> dict[str, Any]:
     return {"type": "video", "base64": _base64_text(data), "mime_type": mime}
 
 
+def audio_part(block: AudioBlock) -> dict[str, Any]:
+    """An ``AudioBlock`` as an audio part: its bytes or local ``path`` (read here), or a data
+    URL; a remote URL is passed as one, which the engine refuses."""
+    if block.url is not None:
+        return {"type": "audio", "url": str(block.url)}
+    try:
+        data = block.resolve_audio(as_base64=False).read()
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError(f"AudioBlock: the audio cannot be read ({exc})",
+                                  "AudioBlock") from exc
+    kind = block.format or "wav"
+    return {"type": "audio", "base64": _base64_text(data), "mime_type": f"audio/{kind}"}
+
+
 # Bytes base64-encoded at a time (a multiple of 3): CPython's encoder holds the GIL
 # throughout, which would stall the caller's event loop while a worker converts.
 _B64_PIECE = 3 << 18
@@ -114,6 +128,7 @@ def _content(blocks: Sequence[Any]) -> str | list[Any]:
                 text = []
             parts.append(image_part(block) if isinstance(block, ImageBlock) else
                          video_part(block) if isinstance(block, VideoBlock) else
+                         audio_part(block) if isinstance(block, AudioBlock) else
                          {"type": _MEDIA[type(block)], "block": type(block).__name__})
         else:
             text.append(block)

@@ -46,6 +46,8 @@ CHAT_CASES: list[tuple[dict[str, Any], str, str | None]] = [
     ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0].image_url", "invalid_value"),
     ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+     "messages[0].content[0].input_audio", "invalid_value"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "file"}]}]},
      "messages[0].content[0].type", "invalid_value"),
     ({"model": "tiny", "messages": HI, "temperature": "hot"}, "temperature", "invalid_value"),
     ({"model": "tiny", "messages": HI, "temperature": 3}, "temperature", "invalid_value"),

@@ -101,8 +101,8 @@ def test_the_image_mark_is_refused_as_text() -> None:
 
 
 def test_other_media_are_still_refused_by_name() -> None:
-    with pytest.raises(InvalidRequestError, match="'input_audio' parts are refused"):
-        messages_from_openai(user({"type": "input_audio", "input_audio": {}}))
+    with pytest.raises(InvalidRequestError, match="'file' parts are refused"):
+        messages_from_openai(user({"type": "file", "file": {"file_id": "f1"}}))
 
 
 def test_bytes_seen_again_are_not_decoded_until_their_pixels_are_read() -> None:

@@ -162,12 +162,13 @@ def test_double_system_and_double_ai_messages_do_not_raise() -> None:
 
 def test_media_parts_are_refused_by_the_rulebook_naming_the_part() -> None:
     # The one rulebook refuses what it cannot read at every door (LangChain used to drop
-    # media silently): audio, and an image it would have to fetch.
+    # media silently): audio that is not audio, and an image it would have to fetch.
     content: list[Any] = [{"type": "text", "text": "describe"},
                           {"type": "input_audio", "input_audio": {"data": ""}}]
-    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[1\]\.type") as caught:
+    with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[1\]: not "
+                                                  "readable audio") as caught:
         rendered([HumanMessage(content)])
-    assert caught.value.field == "messages[0].content[1].type"
+    assert caught.value.field == "messages[0].content[1]"
     remote = [{"type": "image", "url": "https://example.com/cat.png"}]
     with pytest.raises(InvalidRequestError, match="not fetched") as caught:
         rendered([HumanMessage(remote)])

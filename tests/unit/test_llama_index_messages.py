@@ -9,6 +9,7 @@ from llama_index.core.base.llms.types import (
     AudioBlock,
     ChatMessage,
     ChatResponse,
+    DocumentBlock,
     ImageBlock,
     MessageRole,
     TextBlock,
@@ -144,8 +145,11 @@ def test_media_blocks_are_refused_not_dropped() -> None:
     with pytest.raises(ValueError, match=r"content\[0\]: remote image URLs are not fetched"):
         to_engine_messages([picture])
     sound = ChatMessage(role=MessageRole.USER, blocks=[AudioBlock(audio=b"RIFF....")])
-    with pytest.raises(ValueError, match="AudioBlock"):
+    with pytest.raises(ValueError, match=r"content\[0\]: not readable audio"):
         to_engine_messages([sound])
+    document = ChatMessage(role=MessageRole.USER, blocks=[DocumentBlock(data=b"%PDF-1.4")])
+    with pytest.raises(ValueError, match="DocumentBlock"):
+        to_engine_messages([document])
 
 
 def test_calls_without_ids_still_get_distinct_tool_ids() -> None:

@@ -28,11 +28,11 @@ from engine.requests.inbound.vision_formats import (
     ImageTokens,
     UnsupportedVision,
     VisionFormat,
-    _mean_std,
-    _normalised,
-    _resized,
-    _spelling,
-    _token_id,
+    mean_std,
+    normalised,
+    resized,
+    spelling_of,
+    token_id,
 )
 
 MAX_IMAGE_SIZE = 4096  # the processors' absolute bound on a resized edge
@@ -134,7 +134,7 @@ class Idefics3Format(VisionFormat):
         from PIL import Image
 
         (height, width), (views_h, views_w) = self._sizes(image)
-        first = _resized(image, width, height, self.resample)
+        first = resized(image, width, height, self.resample)
         values = (first if (views_w, views_h) == (width, height) else
                   np.asarray(Image.fromarray(first).resize((views_w, views_h), self.resample)))
         rows, columns = self._grid(image)
@@ -146,7 +146,7 @@ class Idefics3Format(VisionFormat):
                                                                     self.resample)))
         else:
             frames.append(values)
-        return np.stack([_normalised(f, self.mean, self.std, self.rescale)
+        return np.stack([normalised(f, self.mean, self.std, self.rescale)
                          for f in frames])[None]
 
 
@@ -155,14 +155,14 @@ def build_idefics3(config: Mapping[str, Any], tokenizer: Any,
     """SmolVLM's or Idefics3's format from its ``config.json`` and processor settings."""
     vision = config["vision_config"]
     image_token = int(config.get("image_token_id", config.get("image_token_index",
-                                                                _token_id(tokenizer, "<image>"))))
-    fake = _token_id(tokenizer, "<fake_token_around_image>")
-    global_token = _token_id(tokenizer, "<global-img>")
+                                                                token_id(tokenizer, "<image>"))))
+    fake = token_id(tokenizer, "<fake_token_around_image>")
+    global_token = token_id(tokenizer, "<global-img>")
     tiles = {}
     for row in range(1, _GRID_TOKENS + 1):
         for column in range(1, _GRID_TOKENS + 1):
             try:
-                tiles[(row, column)] = _token_id(tokenizer, f"<row_{row}_col_{column}>")
+                tiles[(row, column)] = token_id(tokenizer, f"<row_{row}_col_{column}>")
             except UnsupportedVision:
                 continue
     view_setting = processor.get("max_image_size", {"longest_edge": vision.get("image_size")})
@@ -179,11 +179,11 @@ def build_idefics3(config: Mapping[str, Any], tokenizer: Any,
     row_end = tuple(tokenizer.encode("\n", add_special_tokens=False))
     grid_end = tuple(tokenizer.encode("\n\n", add_special_tokens=False))
     resample = processor.get("resample")
-    mean, std = _mean_std(processor, 0.5, 0.5)
+    mean, std = mean_std(processor, 0.5, 0.5)
     return Idefics3Format(
         str(config.get("model_type")), image_token, fake, global_token, tiles, row_end,
         grid_end, tokens, longest, view, bool(processor.get("do_image_splitting", True)),
         mean, std, float(processor.get("rescale_factor", 1 / 255)),
         int(resample) if isinstance(resample, int) else 1,
-        _spelling(tokenizer, (image_token, fake, global_token, *tiles.values(), *row_end,
+        spelling_of(tokenizer, (image_token, fake, global_token, *tiles.values(), *row_end,
                               *grid_end)))

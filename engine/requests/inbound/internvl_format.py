@@ -24,9 +24,9 @@ from engine.requests.inbound.images import DecodedImage
 from engine.requests.inbound.vision_formats import (
     ImageTokens,
     VisionFormat,
-    _normalised,
-    _spelling,
-    _token_id,
+    normalised,
+    spelling_of,
+    token_id,
 )
 
 _IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -92,7 +92,7 @@ class InternVLFormat(VisionFormat):
                  for r in range(rows) for c in range(columns)]
         if thumbnail:
             tiles.append(np.asarray(picture.resize((side, side), Image.Resampling.BICUBIC)))
-        return np.stack([_normalised(t, self.mean, self.std, self.rescale)
+        return np.stack([normalised(t, self.mean, self.std, self.rescale)
                          for t in tiles])[None]
 
 
@@ -106,9 +106,9 @@ def build_internvl(config: Mapping[str, Any], tokenizer: Any,
     patch = int(processor.get("patch_size", vision.get("patch_size", 14)))
     ratio = float(processor.get("downsample_ratio", config.get("downsample_ratio", 0.5)))
     tokens = int(processor.get("num_image_token", int((side // patch) ** 2 * ratio ** 2)))
-    marks = (_token_id(tokenizer, "<IMG_CONTEXT>"), _token_id(tokenizer, "<img>"),
-             _token_id(tokenizer, "</img>"))
+    marks = (token_id(tokenizer, "<IMG_CONTEXT>"), token_id(tokenizer, "<img>"),
+             token_id(tokenizer, "</img>"))
     return InternVLFormat(
         str(config.get("model_type")), *marks, tokens, side,
         int(config.get("min_dynamic_patch", 1)), int(config.get("max_dynamic_patch", 12)),
-        bool(config.get("use_thumbnail", True)), spelling=_spelling(tokenizer, marks))
+        bool(config.get("use_thumbnail", True)), spelling=spelling_of(tokenizer, marks))

@@ -23,9 +23,9 @@ from engine.requests.inbound.images import DecodedImage
 from engine.requests.inbound.vision_formats import (
     ImageTokens,
     VisionFormat,
-    _mean_std,
-    _normalised,
-    _spelling,
+    mean_std,
+    normalised,
+    spelling_of,
 )
 
 # A resized image past this many pixels is refused (the request's own bound on images).
@@ -88,7 +88,7 @@ class LlavaFormat(VisionFormat):
                                                                self.resample))
         if self.crop is not None:
             values = _centre_crop(values, *self.crop)
-        return _normalised(values, self.mean, self.std, self.rescale)[None]
+        return normalised(values, self.mean, self.std, self.rescale)[None]
 
 
 def _centre_crop(values: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -134,7 +134,7 @@ def build_llava(config: Mapping[str, Any], tokenizer: Any,
     strategy = processor.get("vision_feature_select_strategy",
                              config.get("vision_feature_select_strategy", "default"))
     extra = int(processor.get("num_additional_image_tokens", 1)) - (strategy == "default")
-    mean, std = _mean_std({"image_mean": _CLIP_MEAN, "image_std": _CLIP_STD, **processor},
+    mean, std = mean_std({"image_mean": _CLIP_MEAN, "image_std": _CLIP_STD, **processor},
                           0.5, 0.5)
     resample = processor.get("resample")
     return LlavaFormat(
@@ -142,4 +142,4 @@ def build_llava(config: Mapping[str, Any], tokenizer: Any,
         int(processor.get("patch_size", vision.get("patch_size", 14))), extra, mean, std,
         float(processor.get("rescale_factor", 1 / 255)),
         int(resample) if isinstance(resample, int) else 3,
-        _spelling(tokenizer, (image_token,)))
+        spelling_of(tokenizer, (image_token,)))

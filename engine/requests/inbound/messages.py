@@ -30,8 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.requests.inbound.audio import AUDIO_PARTS, DecodedAudio, audio_of_part
 from engine.requests.inbound.images import IMAGE_MARK, IMAGE_PARTS, DecodedImage, image_of_part
 from engine.requests.inbound.videos import VIDEO_PARTS, DecodedVideo, video_of_part
+
+# What a message's content may carry besides text.
+Media = DecodedImage | DecodedVideo | DecodedAudio
 
 # The roles the rulebook accepts, and the role each is rendered as.
 ROLES = {"system": "system", "developer": "system", "user": "user",
@@ -74,8 +78,8 @@ class Message:
     tool_calls: tuple[MessageToolCall, ...] = ()
     tool_call_id: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
-    # Images and videos in order, each at an ``IMAGE_MARK`` of content.
-    images: tuple[DecodedImage | DecodedVideo, ...] = ()
+    # Images, videos and audio clips in order, each at an ``IMAGE_MARK`` of content.
+    images: tuple[Media, ...] = ()
 
     def as_openai(self) -> dict[str, Any]:
         """The message as a dict in OpenAI's shape (what chat templates are written for)."""
@@ -115,7 +119,7 @@ def message_from_openai(message: Any, at: str) -> Message:
                                   f"{wire_role!r:.40}", f"{at}.role")
     role = ROLES[wire_role]
     optional = role == "assistant"  # an assistant turn that only calls has no text
-    images: list[DecodedImage | DecodedVideo] = []
+    images: list[Media] = []
     content = _content_text(message.get("content"), f"{at}.content", optional, role, images)
     name = _text_field(message, "name", at)
     call_id = _text_field(message, "tool_call_id", at)
@@ -184,9 +188,9 @@ def _text_field(message: Mapping[str, Any], key: str, at: str) -> str | None:
 
 
 def _content_text(content: Any, at: str, optional: bool, role: str,
-                  images: list[DecodedImage | DecodedVideo]) -> str:
-    """The content's text; its images and videos are appended to ``images``, each marked in
-    the text."""
+                  images: list[Media]) -> str:
+    """The content's text; its images, videos and audio are appended to ``images``, each
+    marked in the text."""
     if isinstance(content, str):
         return _plain(content, at)
     if content is None:
@@ -205,6 +209,9 @@ def _content_text(content: Any, at: str, optional: bool, role: str,
             texts.append(IMAGE_MARK)
         elif isinstance(part, Mapping) and part.get("type") in VIDEO_PARTS:
             images.append(video_of_part(part, where))
+            texts.append(IMAGE_MARK)
+        elif isinstance(part, Mapping) and part.get("type") in AUDIO_PARTS:
+            images.append(audio_of_part(part, where))
             texts.append(IMAGE_MARK)
         else:
             texts.append(_plain(part, where) if isinstance(part, str)
@@ -238,8 +245,9 @@ def _part_text(part: Any, at: str, role: str) -> str:
         return ""
     raise InvalidRequestError(f"{at}.type: {kind!r:.40} parts are refused: the engine reads "
                               f"text parts ({sorted(TEXT_PARTS)}), image parts "
-                              f"({sorted(IMAGE_PARTS)}) and video parts "
-                              f"({sorted(VIDEO_PARTS)})", f"{at}.type")
+                              f"({sorted(IMAGE_PARTS)}), video parts "
+                              f"({sorted(VIDEO_PARTS)}) and audio parts "
+                              f"({sorted(AUDIO_PARTS)})", f"{at}.type")
 
 
 def _call(call: Any, at: str) -> MessageToolCall:

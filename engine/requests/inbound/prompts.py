@@ -15,8 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import InvalidRequestError, UnsupportedMediaError
-from engine.requests.inbound.images import IMAGE_MARK, DecodedImage
-from engine.requests.inbound.messages import Message, messages_from_openai, template_messages
+from engine.requests.inbound.audio import DecodedAudio
+from engine.requests.inbound.images import IMAGE_MARK
+from engine.requests.inbound.messages import (
+    Media,
+    Message,
+    messages_from_openai,
+    template_messages,
+)
 from engine.requests.inbound.sampling import ChatMessage, Prompt
 from engine.requests.inbound.tool_prompts import (
     ToolFormat,
@@ -161,8 +167,10 @@ class PromptRenderer:
             return EncodedPrompt(self.encode(prompt))
         images = [image for m in prompt if isinstance(m, Message) for image in m.images]
         if images and self.vision is None:
+            kind = ("video" if isinstance(images[0], DecodedVideo) else
+                    "audio" if isinstance(images[0], DecodedAudio) else "images")
             raise UnsupportedMediaError(
-                f"{images[0].at}: the model at {self.model_path} takes no images"
+                f"{images[0].at}: the model at {self.model_path} takes no {kind}"
                 f"{': ' + self._no_vision if self._no_vision else ' (a text-only model)'}",
                 images[0].at, self._family if self._no_vision else None,
                 self._no_vision or "a text-only model")
@@ -192,7 +200,7 @@ class PromptRenderer:
         return EncodedPrompt(ids, starts_thinking, self._head_length(messages, ids, kwargs),
                              placed)
 
-    def _with_images(self, text: str, images: Sequence[DecodedImage | DecodedVideo],
+    def _with_images(self, text: str, images: Sequence[Media],
                      ) -> tuple[list[int], tuple[PromptImage, ...]]:
         """The rendered text's ids with each image mark replaced by the family's image
         block, written into the text and encoded whole, as the family's processor does
@@ -210,6 +218,7 @@ class PromptRenderer:
         assert vision is not None
         # A video is one block or several (one per temporal group), an image one.
         media = [(item, vision.read_video(item) if isinstance(item, DecodedVideo)
+                  else vision.read_audio(item) if isinstance(item, DecodedAudio)
                   else [vision.read(item)]) for item in images]
         written = [pieces[0]]
         for (_, blocks), piece in zip(media, pieces[1:]):
@@ -242,7 +251,8 @@ class PromptRenderer:
                 key = f"{item.digest}:{vision.key}" + (f":video{number}" if video else "")
                 read: Callable[[], Any] = (
                     partial(vision.video_pixels, item, number) if isinstance(item, DecodedVideo)
-                    else partial(vision.pixels, item))
+                    else partial(vision.audio_features, item)
+                    if isinstance(item, DecodedAudio) else partial(vision.pixels, item))
                 placed.append(PromptImage(start, end - start, key, read, block.ids, first,
                                           block.extra, block.grid, item.at, block.frames,
                                           video))

@@ -27,12 +27,13 @@ from typing import Any
 import numpy as np
 
 from engine.errors import InvalidRequestError
+from engine.requests.inbound.audio import AUDIO_PARTS
 from engine.requests.inbound.images import IMAGE_PARTS, media_bytes
 
 # Content part types that carry a video.
 VIDEO_PARTS = frozenset({"video_url", "video"})
 # Parts whose reading decodes media (work for a worker thread, not an event loop).
-MEDIA_PARTS = IMAGE_PARTS | VIDEO_PARTS
+MEDIA_PARTS = IMAGE_PARTS | VIDEO_PARTS | AUDIO_PARTS
 MAX_BYTES = 512 * 1024 * 1024  # an encoded video above this is refused
 MAX_SECONDS = 600.0  # ten minutes: longer videos are refused (sample them down first)
 MAX_PIXELS = 8_294_400  # a frame above 4K (3840 x 2160) is refused

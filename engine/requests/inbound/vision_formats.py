@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import InvalidRequestError, UnsupportedMediaError
+from engine.requests.inbound.audio import DecodedAudio
 from engine.requests.inbound.images import DecodedImage
 from engine.requests.inbound.videos import DecodedVideo, sample_indices
 from engine.requests.inbound.vision_families import images_refused_because
@@ -98,6 +99,16 @@ class VisionFormat(ABC):
 
     def video_pixels(self, video: DecodedVideo, block: int) -> np.ndarray:
         """The tower's pixel values for a video's ``block`` (``read_video``'s order)."""
+        raise NotImplementedError(self.family)
+
+    def read_audio(self, audio: DecodedAudio) -> list[ImageTokens]:
+        """An audio clip's block; a family that reads no audio refuses it here."""
+        raise UnsupportedMediaError(
+            f"{audio.at}: this model's family ({self.family}) reads no audio", audio.at,
+            self.family, "the family's audio is not read by this engine")
+
+    def audio_features(self, audio: DecodedAudio) -> np.ndarray:
+        """The audio tower's input features for a clip."""
         raise NotImplementedError(self.family)
 
     @abstractmethod
@@ -619,6 +630,11 @@ def _lfm2_vl(config: Mapping[str, Any], tokenizer: Any,
         float(processor.get("rescale_factor", 1 / 255)),
         int(resample) if isinstance(resample, int) else 3,
         _spelling(tokenizer, (image, *marks, *tile_tokens.values())))
+
+
+# What the families written in modules of their own (``family_formats``) build on.
+normalised, resized, spelling_of, token_id, mean_std = (_normalised, _resized, _spelling,
+                                                        _token_id, _mean_std)
 
 
 def _apart(config: Mapping[str, Any], tokenizer: Any,
