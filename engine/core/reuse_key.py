@@ -44,10 +44,13 @@ class RowContext:
 
     images: tuple[Any, ...] = ()  # ``PromptImage``s: ``key``, ``start``, ``length``...
     adapter: str | None = None  # the resolved adapter name (None: the base model)
+    # The shift its KV is kept at, where not its images' whole shift: a later turn looks
+    # for the cache an earlier turn (fewer images) kept at that turn's shift.
+    frame: int | None = None
 
     @property
     def shift(self) -> int:
-        return position_shift(self.images)
+        return position_shift(self.images) if self.frame is None else self.frame
 
     def tag(self, first: int) -> int | None:
         """The id that keys the first token (``first``) in this context; None where the

@@ -154,6 +154,25 @@ def test_a_second_turn_over_the_same_image_skips_tower_and_prefill(
     assert again.token_ids == tokens(fresh, second, params)
 
 
+def test_a_multi_image_conversation_resumes_and_reads_only_its_new_image(
+        make_engine: Callable[..., Engine], family_vlm_dir: Path) -> None:
+    params = greedy(8)
+    first = asking(image_part(RED, seed=7), image_part(BLUE, seed=8), text="Compare them.")
+    eng = vlm_engine(make_engine, family_vlm_dir)
+    answer = eng.submit(ChatRequest.from_openai(first, params)).result(timeout=120)
+    second = [*first, {"role": "assistant", "content": answer.text},
+              {"role": "user", "content": [image_part(GREEN, seed=9),
+                                           {"type": "text", "text": "And this one?"}]}]
+    before = eng.stats()
+    again = eng.submit(ChatRequest.from_openai(second, params)).result(timeout=120)
+    after = eng.stats()
+    assert after.vision_images == before.vision_images + 1  # only the new image's tower
+    prompt = eng._runtime.preparer().prepare(ChatRequest.from_openai(first, params))
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens >= len(prompt.prompt_ids)
+    fresh = vlm_engine(make_engine, family_vlm_dir, prefix_cache_bytes=0, vision_cache_bytes=0)
+    assert again.token_ids == tokens(fresh, second, params)
+
+
 def test_cancel_storm_with_image_rows_leaves_nothing(make_engine: Callable[..., Engine],
                                                      tiny_vlm_dir: Path) -> None:
     turns = Turns()

@@ -160,13 +160,19 @@ class BatchLane:
         """Queue an image row's own prefill, resuming the longest cached prefix of its
         keyed prompt; False when that prefix covers every image (it starts at once)."""
         assert self.vision is not None, "StepCore refuses image rows here (accepts)"
-        found = self.reuse.lookup(row.keyed(row.prompt), self._running_keyed(),
-                                  self._extract)
+        found, frame = None, row.row.position_shift
+        running = self._running_keyed()
+        for frame in row.resume_frames():  # its own shift, then an earlier turn's
+            found = self.reuse.lookup(row.keyed_at(row.prompt, frame), running,
+                                      self._extract)
+            if found is not None:
+                break
         cache, reused = found if found is not None else (None, 0)
-        if cache is not None and reused >= row.row.vision_end:
+        if (cache is not None and reused >= row.row.vision_end
+                and frame == row.row.position_shift):
             row.vision_ready = (cache, reused)
             return False
-        self.vision.add(row, cache, reused)
+        self.vision.add(row, cache, reused, frame if cache is not None else 0)
         return True
 
     def _running_keyed(self) -> dict[int, list[int]]:
@@ -353,6 +359,8 @@ class BatchLane:
             row.output.append(token)
             done = row.grammar is not None and row.grammar.done  # first tokens: no grammar
             result.tokens.append(RowToken(row.request_id, token, logprob, grammar_done=done))
+        if self.vision is not None and progress:
+            self._charge_joins(progress, result.width, time.perf_counter() - started)
         if self.forced_spans is not None:
             self.forced_spans.run(self.rows, result)
         if (self.forced_spans is not None or self.speculator is not None
@@ -372,6 +380,27 @@ class BatchLane:
                 result.cached_tokens[row.request_id] = row.cached_tokens
         self.reuse.tick()
         return result
+
+    def _charge_joins(self, progress: Sequence[Any], width: int, seconds: float) -> None:
+        """Charge image rows' joins to the image credit.
+
+        An image row joins like a resumed prefix: mlx-lm prefills the text after its image
+        in a prompt batch, samples its first token and merges its cache into the decoding
+        batch, all inside a decode step the text rows wait for. What this step took past
+        a plain step of its width is image work too: the image rows' part of it is paid
+        from the credit, so the decoding rows keep ``1/(1 + vision_share)`` of their pace
+        with the joins counted (uncharged, four rows joining cost a tiny model's text rows
+        about 2% more).
+        """
+        assert self.vision is not None
+        plain = self.costs.step_near(width) if width else None
+        if plain is None or seconds <= plain:
+            return
+        by_uid = self.rows.by_uid
+        joining = [by_uid.get(response.uid) for response in progress]
+        images = sum(1 for row in joining if row is not None and row.row.images)
+        if images:
+            self.vision.schedule.spent((seconds - plain) * images / len(joining))
 
     def _advance_vision(self) -> None:
         """Image prefill for this step; a row whose prefill is done starts in the batch.

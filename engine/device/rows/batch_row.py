@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from engine.core.drafts import ShadowDraft
 from engine.core.lane import LaneRow
-from engine.core.reuse_key import RowContext, reuse_key
+from engine.core.reuse_key import RowContext, position_shift, reuse_key
 from engine.device.rows.first_tokens import Sampler
 from engine.device.rows.speculating_row import SpeculatingRow
 from engine.requests.constraints.grammar import RowGrammar
@@ -74,6 +74,19 @@ class BatchRow:
     def keyed(self, tokens: list[int]) -> list[int]:
         """``tokens`` of this row as prefix reuse keys them (``engine.core.reuse_key``)."""
         return reuse_key(tokens, self.context)
+
+    def resume_frames(self) -> list[int]:
+        """The shifts a cached prefix of this row may be kept at, most images first: its
+        own, then each shorter run of its images' (an earlier turn's cache, kept at that
+        turn's shift, which the row's own prefill turns on to its own). One, where its
+        images sit on no grid of positions."""
+        images = sorted(self.row.images, key=lambda i: i.start)
+        frames = [position_shift(tuple(images[:k])) for k in range(len(images), -1, -1)]
+        return list(dict.fromkeys(frames)) if any(i.grid for i in images) else frames[:1]
+
+    def keyed_at(self, tokens: list[int], frame: int) -> list[int]:
+        """``tokens`` keyed as a cache kept at shift ``frame`` would be."""
+        return reuse_key(tokens, RowContext(self.row.images, self.adapter, frame))
 
 
 class BatchRows:

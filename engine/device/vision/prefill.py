@@ -81,11 +81,14 @@ class VisionPrefill:
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def add(self, row: BatchRow, cache: list[Any] | None, done: int) -> None:
-        """Queue ``row``, resuming ``cache`` (which holds ``prompt[:done]``) if given."""
-        self._jobs[row.request_id] = self.job(row, cache, done)
+    def add(self, row: BatchRow, cache: list[Any] | None, done: int,
+            frame: int | None = None) -> None:
+        """Queue ``row``, resuming ``cache`` (which holds ``prompt[:done]``, its keys kept at
+        shift ``frame``: the row's own where None) if given."""
+        self._jobs[row.request_id] = self.job(row, cache, done, frame)
 
-    def job(self, row: BatchRow, cache: list[Any] | None, done: int) -> VisionJob:
+    def job(self, row: BatchRow, cache: list[Any] | None, done: int,
+            frame: int | None = None) -> VisionJob:
         """A row's image prefill, not queued: for a lane that runs it itself (``work``),
         as the serial lane does for a row that runs alone."""
         if cache is None:
@@ -93,8 +96,9 @@ class VisionPrefill:
         job = VisionJob(row, cache, done)
         if self.grid_positions:
             job.positions = grid_positions(len(row.prompt), row.row.images)
-            # A resumed cache came from a row keyed by the same shift (``reuse_key``).
-            job.frame = row.row.position_shift if done else 0
+            # A resumed cache is kept at the shift it was keyed by (``reuse_key``): the
+            # row's own, or an earlier turn's (``BatchRow.resume_frames``).
+            job.frame = (row.row.position_shift if frame is None else frame) if done else 0
         return job
 
     def tower(self, image: PromptImage) -> VisionTower:
