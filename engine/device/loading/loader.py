@@ -43,7 +43,7 @@ from engine.device.loading.memory import (
     weights_bytes,
 )
 from engine.device.loading.padding_probe import KNOWN_DIVERGENT, batch_divergence
-from engine.device.loading.text_side import load_text_side, text_config_of
+from engine.device.loading.text_side import load_text_side, text_config_of, text_side_preferred
 from engine.device.loading.weight_policy import WeightChoice, apply_weight_policy
 from engine.device.prefix.prefix_disk import PrefixDisk, disk_key
 from engine.device.prefix.prefix_reuse import OFF, PrefixReuse, reuse_policy
@@ -221,7 +221,8 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
         raise UnsupportedModelError(f"{path} (model_type {model_config['model_type']!r}) "
                                     f"is not loaded: {refused}")
     text_side = text_config_of(model_config)  # a VLM whose family mlx-lm lacks: its text
-    if text_side is None or _has_module(model_config, path):
+    if text_side is None or (_has_module(model_config, path)
+                             and not text_side_preferred(model_config)):
         text_side = None
         architecture_module(model_config, path)  # the load errors, named, up front
     if stream is None:

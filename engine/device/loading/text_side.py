@@ -26,6 +26,18 @@ _TOWER_PARTS = frozenset({"vision_model", "vision_tower", "visual", "multi_modal
                           "connector", "mm_projector", "vision", "image_newline", "mlp1"})
 
 
+# Families mlx-lm has a module for that cannot build their checkpoints, whose language
+# model mlx-lm's own module for it builds: Kimi-VL (mlx-lm's kimi_vl leaves kv_b_proj
+# whole; its deepseek_v3 splits it as its attention layers take it).
+_TEXT_SIDE_PREFERRED = frozenset({"kimi_vl"})
+
+
+def text_side_preferred(config: dict[str, Any]) -> bool:
+    """Load the checkpoint's text side from ``text_config`` even where mlx-lm has a module
+    for the whole family (one known not to build it)."""
+    return config.get("model_type") in _TEXT_SIDE_PREFERRED
+
+
 def text_config_of(config: dict[str, Any]) -> dict[str, Any] | None:
     """The language model's config where mlx-lm has a module for it (None: none nested,
     or mlx-lm has none for it either)."""

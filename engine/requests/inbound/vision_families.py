@@ -70,9 +70,11 @@ FAMILIES: tuple[VisionFamily, ...] = (
                  "Phi-4 multimodal: mlx-lm has no text model for it, and its image "
                  "placeholder (one id, -200) expands into the image's features, changing "
                  "the prompt's length"),
-    VisionFamily("Kimi-VL", ("kimi_vl",), Support.NONE,
-                 "Kimi-VL: mlx-lm's kimi_vl cannot build it (its sanitize leaves the "
-                 "checkpoint's kv_b_proj whole; its attention layers take it split)"),
+    VisionFamily("Kimi-VL", ("kimi_vl",), Support.TEXT,
+                 "Kimi-VL's image blocks (<|media_start|>image<|media_content|>, "
+                 f"<|media_pad|> per merged patch, <|media_end|>) {_NOT_WRITTEN}; its text "
+                 "side loads from text_config (mlx-lm's kimi_vl module leaves kv_b_proj whole, "
+                 "which its deepseek_v3 splits)"),
     VisionFamily("GLM-4V", ("glm4v",), Support.NONE,
                  "GLM-4V: mlx-lm has no text model for it (glm4v_text: GLM-4 with M-RoPE on "
                  "half of each head)"),
