@@ -42,8 +42,9 @@ class ZooEntry:
     variant: str
     build: Callable[[Path], Path]
     first: bool = True
-    # Whose greedy text the text side must equal: the vision library's language model, or
-    # (Gemma 3n, whose two implementations disagree on the same weights) mlx-lm's own.
+    # Whose greedy text the text side must equal: the vision library's, or mlx-lm's own
+    # (Gemma 3n: mlx-vlm's generation differs from its own language model's forward on text,
+    # through the per-layer inputs its get_input_embeddings returns; the forwards agree).
     text_reference: str = "vision library"
 
 
