@@ -47,6 +47,7 @@ def _fields(package: str, owner: str, names: Iterable[str], site: str) -> list[R
 _GEN = "mlx_lm.generate.GenerationBatch"
 _PROMPT = "mlx_lm.generate.PromptProcessingBatch"
 _RING = "mlx_lm.models.cache.RotatingKVCache"
+_QUANT = "mlx_lm.models.cache.QuantizedKVCache"
 
 REQUIRED: tuple[Reach, ...] = (
     # The decoding batch's step, re-done with the batch's grammar masks and row adapters.
@@ -70,6 +71,26 @@ REQUIRED: tuple[Reach, ...] = (
     # A sliding window's ring, cut and copied per row.
     Reach("mlx-lm", f"{_RING}._temporal_order", "a row's own sliding-window cache"),
     Reach("mlx-lm", f"{_RING}._idx", "a row's own sliding-window cache", instance=True),
+    # A quantized KV cache the generator batches (quantized_kv): a row is mlx-lm's own
+    # single-request cache, batched through the merge the generator calls on a row's layer;
+    # the batch's ``bits`` sends mlx-lm's attention down its quantized matmuls.
+    Reach("mlx-lm", f"{_QUANT}.keys_and_values", "a row's quantized KV cache"),
+    Reach("mlx-lm", f"{_QUANT}.trim", "a row's quantized KV cache"),
+    Reach("mlx-lm", f"{_QUANT}.make_mask", "a row's quantized KV cache"),
+    Reach("mlx-lm", f"{_QUANT}.state", "a row's quantized KV cache"),
+    *_fields("mlx-lm", _QUANT, ("keys", "values", "offset", "bits", "group_size"),
+             "a row's quantized KV cache"),
+    Reach("mlx-lm", "mlx_lm.models.cache.KVCache", "a float row quantized to join the batch"),
+    Reach("mlx-lm", "mlx_lm.models.cache.make_prompt_cache", "a row's quantized KV cache"),
+    Reach("mlx-lm", "mlx_lm.models.cache.dynamic_roll",
+          "the quantized batch's right padding rolled left"),
+    Reach("mlx-lm", "mlx_lm.models.base.create_causal_mask", "the quantized batch's mask"),
+    Reach("mlx-lm", "mlx_lm.models.base.scaled_dot_product_attention",
+          "attention on the quantized batch (its bits pick the quantized path)"),
+    Reach("mlx-lm", "mlx_lm.models.base.quantized_scaled_dot_product_attention",
+          "attention on the quantized batch"),
+    Reach("mlx-lm", "mlx_lm.generate._merge_caches",
+          "rows' quantized caches batched through their layer's merge"),
     # The CPU kernels take RMSNorm and RoPE wherever a family calls them.
     Reach("mlx", "mlx.core.fast.rms_norm", "the CPU kernels' RMSNorm"),
     Reach("mlx", "mlx.core.fast.rope", "the CPU kernels' RoPE"),
@@ -88,11 +109,12 @@ GENERATOR_FIELDS = ("_generation_batch", "_prompt_batch", "_uid_count")
 
 def _samples() -> dict[str, Callable[[], Any]]:
     from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
-    from mlx_lm.models.cache import RotatingKVCache
+    from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 
     return {_GEN: lambda: GenerationBatch.empty(None, None),
             _PROMPT: lambda: PromptProcessingBatch.empty(None, None),
-            _RING: lambda: RotatingKVCache(max_size=4)}
+            _RING: lambda: RotatingKVCache(max_size=4),
+            _QUANT: lambda: QuantizedKVCache()}
 
 
 def _resolve(reach: Reach, samples: dict[str, Callable[[], Any]]) -> bool:
