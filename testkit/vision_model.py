@@ -342,6 +342,18 @@ def vision_library_tokens(model_dir: Path, prompt_ids: Sequence[int],
     model = load_model(Path(model_dir))
     ids = mx.array([list(prompt_ids)])
     kwargs: dict[str, Any] = {}
+    config = model.config
+    if config.model_type == "gemma4":
+        # Its processor's token types (1 image, 2 video, 3 audio), which its language
+        # model reads for the images' two-way attention.
+        types = np.zeros(len(prompt_ids), np.int32)
+        for kind, name in enumerate(("image_token_id", "video_token_id", "audio_token_id")):
+            if getattr(config, name, None) is not None:
+                types[np.array(prompt_ids) == getattr(config, name)] = kind + 1
+        kwargs["mm_token_type_ids"] = mx.array(types[None])
+        if pixels and len({p.shape for p in pixels}) > 1:  # sizes apart: a list, as there
+            pixels = [p[0] for p in pixels]
+            kwargs["pixel_values"] = [mx.array(p) for p in pixels]
     videos = [(p, e) for p, e in zip(pixels, extras) if "video_grid_thw" in e]
     if videos:  # a video's blocks: the tower's video input, its groups as one grid
         pixels = [p for p, e in zip(pixels, extras) if "video_grid_thw" not in e]
@@ -355,7 +367,9 @@ def vision_library_tokens(model_dir: Path, prompt_ids: Sequence[int],
                 merged.append(grid)
         kwargs["pixel_values_videos"] = mx.array(np.concatenate([p for p, _ in videos]))
         kwargs["video_grid_thw"] = mx.array(np.array(merged))
-    if pixels and pixels[0].ndim == 4:  # pictures, padded at the bottom and right
+    if "pixel_values" in kwargs:
+        values = kwargs.pop("pixel_values")
+    elif pixels and pixels[0].ndim == 4:  # pictures, padded at the bottom and right
         height = max(p.shape[2] for p in pixels)
         width = max(p.shape[3] for p in pixels)
         values = mx.array(np.concatenate([

@@ -70,8 +70,12 @@ GEMMA4_TOKENS = ("<|image>", "<|image|>", "<image|>", "<|audio|>", "<|video|>")
 def build_tiny_gemma4(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -> Path:
     """A tiny Gemma 4 (``gemma4``): its patch tower (2D RoPE, a learned position table,
     patches averaged ``pooling_kernel_size`` square), a ``gemma4_text`` model with
-    per-layer inputs. Real: 16 px patches pooled 3x3, up to 280 tokens an image at its
-    aspect ratio; tiny: 8 px patches pooled 2x2, up to 4 tokens (32x32 px -> 4 tokens)."""
+    per-layer inputs, an image's tokens attending to each other both ways
+    (``use_bidirectional_attention: "vision"``). Real: 16 px patches pooled 3x3, up to 280
+    tokens an image at its aspect ratio; tiny: 8 px patches pooled 2x2, up to 9 tokens
+    (40x40 px -> 48x48 px, 9 tokens; 100x30 px -> 80x16 px, 5 tokens). Its processor's
+    settings are in ``processor_config.json``'s ``image_processor``, as the real
+    checkpoints keep them (where mlx-vlm's processor reads them)."""
     eos, vocab, ids = _start(out, GEMMA4_TOKENS, {
         "boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
         "audio_token": "<|audio|>", "video_token": "<|video|>"})
@@ -80,7 +84,7 @@ def build_tiny_gemma4(out: Path, *, seed: int = 0, weight_scale: float = 4.0) ->
         "vocab_size": vocab, "hidden_size": 64, "pad_token_id": 0, "eos_token_id": [eos],
         "image_token_id": ids["<|image|>"], "boi_token_id": ids["<|image>"],
         "eoi_token_id": ids["<image|>"], "audio_token_id": ids["<|audio|>"],
-        "video_token_id": ids["<|video|>"], "vision_soft_tokens_per_image": 4,
+        "video_token_id": ids["<|video|>"], "vision_soft_tokens_per_image": 9,
         "tie_word_embeddings": True, "torch_dtype": "float32", "audio_config": None,
         "text_config": {
             "model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 2,
@@ -89,6 +93,7 @@ def build_tiny_gemma4(out: Path, *, seed: int = 0, weight_scale: float = 4.0) ->
             "vocab_size_per_layer_input": vocab, "hidden_size_per_layer_input": 8,
             "num_kv_shared_layers": 0, "sliding_window": 512,
             "layer_types": ["sliding_attention", "full_attention"],
+            "use_bidirectional_attention": "vision",
             "max_position_embeddings": 4096, "use_double_wide_mlp": False,
             "final_logit_softcapping": 30.0, "tie_word_embeddings": True,
             "rope_parameters": {
@@ -101,15 +106,17 @@ def build_tiny_gemma4(out: Path, *, seed: int = 0, weight_scale: float = 4.0) ->
             "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
             "head_dim": 16, "global_head_dim": 16, "patch_size": 8,
             "position_embedding_size": 64, "pooling_kernel_size": 2,
-            "default_output_length": 4, "rms_norm_eps": 1e-6,
+            "default_output_length": 9, "rms_norm_eps": 1e-6,
         },
     }
-    _preprocessor(out, {
-        "image_processor_type": "Gemma4ImageProcessor", "processor_class": "Gemma4Processor",
-        "patch_size": 8, "pooling_kernel_size": 2, "max_soft_tokens": 4,
-        "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
-        "do_normalize": False, "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0],
-        "do_convert_rgb": True})
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Gemma4Processor", "image_seq_length": 9,
+        "image_processor": {
+            "image_processor_type": "Gemma4ImageProcessor", "patch_size": 8,
+            "pooling_kernel_size": 2, "max_soft_tokens": 9, "do_resize": True, "resample": 3,
+            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False,
+            "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0],
+            "do_convert_rgb": True}}, indent=2))
     model = _random_model(config, seed)
     scale_language(model, weight_scale)
     embed = model.language_model.model.embed_tokens  # Gemma scales it up by sqrt(hidden)

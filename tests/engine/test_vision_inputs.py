@@ -32,6 +32,7 @@ PLACEHOLDERS = {"gemma3": "<start_of_image>", "mistral3": "[IMG]",
                 "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                 "lfm2-vl": "<image>", "llava": "<image>",
                 "smolvlm": "<image>", "idefics3": "<image>", "internvl_chat": "<image>",
+                "gemma4": "<|image|>",
                 **dict.fromkeys(("qwen3_vl", "qwen3_5", "qwen3_5_moe"),
                                 "<|vision_start|><|image_pad|><|vision_end|>")}
 
@@ -56,7 +57,10 @@ def processed(model_dir: Path, messages: list[dict[str, Any]],
     pictures = [Image.open(io.BytesIO(base64.b64decode(
         part["image_url"]["url"].split(",", 1)[1]))).convert("RGB") for part in images]
     out = processor(text=[text], images=pictures)
-    return [int(t) for t in out["input_ids"].tolist()[0]], np.array(out["pixel_values"])
+    values = out["pixel_values"]
+    if isinstance(values, list):  # images of several sizes (Gemma 4's): one array each
+        values = np.stack([np.array(v) for v in values[:1]])
+    return [int(t) for t in out["input_ids"].tolist()[0]], np.array(values)
 
 
 @pytest.mark.parametrize("order", ["image first", "image last", "two images"])
@@ -123,6 +127,7 @@ SIDES = [1, 2, 9, 13, 14, 15, 27, 28, 29, 41, 42, 56, 99, 300, 1000, 2000, 5000]
 
 def test_sizes_follow_the_vision_librarys_own_resize_rules() -> None:
     pytest.importorskip("mlx_vlm")
+    from mlx_vlm.models.gemma4.processing_gemma4 import get_aspect_ratio_preserving_size
     from mlx_vlm.models.lfm2_vl.processing_lfm2_vl import _is_image_too_large, _smart_resize
     from mlx_vlm.models.pixtral.image_processing_pixtral import get_resize_output_image_size
     from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import _smart_resize_image
@@ -131,6 +136,7 @@ def test_sizes_follow_the_vision_librarys_own_resize_rules() -> None:
         get_resize_output_image_size as idefics3_size,
     )
 
+    from engine.requests.inbound.gemma4_format import gemma4_size
     from engine.requests.inbound.idefics3_format import longest_edge_size
     from engine.requests.inbound.images import DecodedImage
     from engine.requests.inbound.llava_format import LlavaFormat
@@ -166,6 +172,9 @@ def test_sizes_follow_the_vision_librarys_own_resize_rules() -> None:
             for longest in (2048, 8192):
                 assert longest_edge_size(height, width, longest) == idefics3_size(
                     np.broadcast_to(np.uint8(0), (3, height, width)), longest)
+            # Gemma 4's patch budget (its real 280 tokens of 16 px patches pooled 3x3).
+            assert gemma4_size(height, width, 16, 280 * 9, 3) == (
+                get_aspect_ratio_preserving_size(height, width, 16, 280 * 9, 3))
             if resized[0] * resized[1] <= 40_000_000:
                 assert llava._resized_size(image) == resized
             else:

@@ -37,8 +37,14 @@ def zoo_dir(request: pytest.FixtureRequest,
     return _built(_cache_root(tmp_path_factory) / _dir_name(entry), entry.build)
 
 
+# Builders changed since: Gemma 4's (its processor's settings where mlx-vlm reads them, its
+# images attended both ways) and Llama 4's.
+_VERSIONS = {"gemma4": 3, "llama4": 3}
+
+
 def _dir_name(entry: ZooEntry) -> str:
-    return f"zoo-{entry.model_type}-{entry.variant or 'base'}-v2".replace(" ", "_")
+    version = _VERSIONS.get(entry.model_type, 2)
+    return f"zoo-{entry.model_type}-{entry.variant or 'base'}-v{version}".replace(" ", "_")
 
 
 @pytest.mark.parametrize("zoo_dir", [_param(e) for e in ZOO], indirect=True)

@@ -163,7 +163,7 @@ class VisionPrefill:
                     del job.runs[image.key]
                 return False
         chunk = ImageSchedule.chunk(self._chunk, left, self._token_seconds)
-        end = min(job.done + chunk, job.end)
+        end = tower.chunk_end(row.images, min(job.done + chunk, job.end))
         if end > job.done:
             embeds = tower.embeddings(row.prompt, job.done, end, row.images,
                                            job.features)

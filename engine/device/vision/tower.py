@@ -34,8 +34,13 @@ from engine.device.adapters.row_adapters import adapters_of
 from engine.device.upstream.required import check_vision
 from engine.device.upstream.vision_blocks import install_recorder, recording
 from engine.device.upstream.vision_caches import vision_library_caches
+from engine.device.vision.gemma4_inputs import Gemma4Inputs
 from engine.requests.inbound.prompts import PromptImage
-from engine.requests.inbound.vision_formats import GRID_POSITIONS, VisionFormat
+from engine.requests.inbound.vision_formats import (
+    GRID_POSITIONS,
+    LIBRARY_PREFILL,
+    VisionFormat,
+)
 
 
 @dataclass
@@ -133,18 +138,25 @@ class VisionTower:
         language = vlm.language_model
         inner = getattr(language, "model", language)
         self.grid_positions = fmt.family in GRID_POSITIONS
-        if self.grid_positions:
-            # An image row's prefill runs through the vision library's language model,
-            # which places image tokens on their grid of positions: the text model's own
-            # weights, shared (its layers read nothing from disk).
+        self.library_prefill = fmt.family in LIBRARY_PREFILL
+        # Gemma 4: scaled text embeddings, per-layer inputs, images attended both ways.
+        self.gemma4 = Gemma4Inputs(vlm) if fmt.family == "gemma4" else None
+        # An image's tokens are prefilled in one chunk (they attend to each other).
+        self.whole_spans = self.gemma4 is not None and self.gemma4.both_ways
+        if self.library_prefill:
+            # An image row's prefill runs through the vision library's language model
+            # (which places image tokens on their grid of positions, or reads what else
+            # the family's image rows need): the text model's own weights, shared (its
+            # layers read nothing from disk).
             adapters = adapters_of(text_model)
             if adapters is not None:  # an adapter row's image prefill adds its adapter here
                 adapters.mirror(language, _text_language(text_model))
             _share_weights(language, _text_language(text_model))
-            self._rope = next(layer.self_attn.rope for layer in text_model.layers
-                              if hasattr(layer, "self_attn"))  # a hybrid's first attention
         else:  # only its embedding is used: the text model's own
             inner.layers = []
+        if self.grid_positions:
+            self._rope = next(layer.self_attn.rope for layer in text_model.layers
+                              if hasattr(layer, "self_attn"))  # a hybrid's first attention
         inner.embed_tokens = embed
         self._text_model = text_model
         self._vlm = vlm
@@ -217,12 +229,26 @@ class VisionTower:
             if lo >= hi:
                 continue
             if at < lo:
-                pieces.append(self.embed(mx.array(prompt[at:lo])))
+                pieces.append(self._text(prompt[at:lo]))
             pieces.append(features[image.key][lo - image.start:hi - image.start])
             at = hi
         if at < end:
-            pieces.append(self.embed(mx.array(prompt[at:end])))
+            pieces.append(self._text(prompt[at:end]))
         return mx.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+
+    def _text(self, ids: list[int]) -> mx.array:
+        """Text tokens' embeddings as the family's ``get_input_embeddings`` gives them."""
+        embedded: mx.array = self.embed(mx.array(ids))
+        return embedded if self.gemma4 is None else embedded * self.gemma4.text_scale
+
+    def chunk_end(self, images: tuple[PromptImage, ...], end: int) -> int:
+        """A prefill chunk's end, moved to the end of an image it would cut where an
+        image's tokens attend to each other both ways (``whole_spans``)."""
+        if self.whole_spans:
+            for image in images:
+                if image.start < end < image.start + image.length:
+                    return image.start + image.length
+        return end
 
     def deepstack(self, prompt: list[int], start: int, end: int,
                   images: tuple[PromptImage, ...], features: dict[str, mx.array],
@@ -258,16 +284,23 @@ class VisionTower:
         the grid (M-RoPE families), else they follow the cache's offset; ``deepstack``
         (``deepstack``) is added at the chunk's image tokens. Evaluated."""
         inputs = mx.array([ids])
-        if positions is None:
+        if not self.library_prefill:
             self._text_model(inputs, cache=cache, input_embeddings=embeds[None])
         else:
             extra: dict[str, Any] = {}
             if deepstack is not None:
                 extra = {"visual_pos_masks": deepstack[0],
                          "deepstack_visual_embeds": deepstack[1]}
-            self._vlm.language_model(inputs, inputs_embeds=embeds[None],
-                                     cache=vision_library_caches(cache),
-                                     position_ids=mx.array(positions[:, None, :]), **extra)
+            if positions is not None:
+                extra["position_ids"] = mx.array(positions[:, None, :])
+            layers = vision_library_caches(cache)
+            if self.gemma4 is not None:
+                per_layer = self.gemma4.per_layer_inputs(ids)
+                if per_layer is not None:
+                    extra["per_layer_inputs"] = per_layer
+                layers = self.gemma4.caches(layers, ids)
+            self._vlm.language_model(inputs, inputs_embeds=embeds[None], cache=layers,
+                                     **extra)
         mx.eval([layer.state for layer in cache])
 
     def shift_positions(self, cache: list[Any], shift: int) -> None:
@@ -289,9 +322,10 @@ class VisionTower:
 
 # Checkpoint tensors under these names are the tower and projector (what mlx-lm's text
 # models drop from a vision checkpoint: Gemma 3, Mistral 3, Qwen2-VL/2.5-VL, LFM2-VL;
-# SmolVLM / Idefics3's vision_model and connector, InternVL's mlp1).
+# SmolVLM / Idefics3's vision_model and connector, InternVL's mlp1, Gemma 4's embed_vision
+# and its audio tower's).
 TOWER_NAMES = frozenset({"vision_tower", "visual", "multi_modal_projector", "vision_model",
-                         "connector", "mlp1"})
+                         "connector", "mlp1", "embed_vision", "audio_tower", "embed_audio"})
 
 
 def checkpoint_tower_bytes(path: Path) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from engine.requests.inbound.gemma4_format import build_gemma4
 from engine.requests.inbound.idefics3_format import build_idefics3
 from engine.requests.inbound.internvl_format import build_internvl
 from engine.requests.inbound.llava_format import build_llava
@@ -17,5 +18,5 @@ from engine.requests.inbound.vision_formats import VisionFormat
 
 BUILDERS: dict[str, Callable[[Mapping[str, Any], Any, Mapping[str, Any]], VisionFormat]] = {
     "llava": build_llava, "smolvlm": build_idefics3, "idefics3": build_idefics3,
-    "internvl_chat": build_internvl,
+    "internvl_chat": build_internvl, "gemma4": build_gemma4,
 }

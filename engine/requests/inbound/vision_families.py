@@ -52,13 +52,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("LLaVA", ("llava",), Support.IMAGES),
     VisionFamily("SmolVLM / Idefics3", ("smolvlm", "idefics3"), Support.IMAGES),
     VisionFamily("InternVL", ("internvl_chat",), Support.IMAGES),
-    VisionFamily("Gemma 4", ("gemma4",), Support.TEXT,
-                 "Gemma 4's image blocks (<|image>, a per-image count of <|image|> soft "
-                 "tokens set by its processor's token budget, <image|>) and patch positions "
-                 f"{_NOT_WRITTEN}; its image tokens' per-layer inputs are token 0's in the "
-                 "vision library (the text model would read the image token's), and where "
-                 "the config sets use_bidirectional_attention to \"vision\" an image's "
-                 "tokens attend to each other both ways, which a causal prefill does not"),
+    VisionFamily("Gemma 4", ("gemma4",), Support.IMAGES),
     VisionFamily("Gemma 3n", ("gemma3n",), Support.TEXT,
                  "Gemma 3n's image and audio blocks (256 soft tokens from its fixed 294M "
                  f"MobileNetV5 tower; audio from its conformer) {_NOT_WRITTEN}"),
