@@ -53,6 +53,10 @@ class EngineStats:
     # The loaded model's cache kinds (mlx-lm class names) and what each speed-up does on
     # them; set once when the model loads.
     cache_kinds: tuple[str, ...] = ()
+    # KV as rows hold it: its bits (0: the model's own dtype; EngineConfig.kv_bits) and
+    # the bytes one token's keys and values take over every layer.
+    kv_bits: int = 0
+    kv_bytes_per_token: int = 0
     speedups: tuple[SpeedUp, ...] = ()
     running: int = 0  # rows admitted to the batch or the serial lane
     pending: int = 0  # requests waiting for admission

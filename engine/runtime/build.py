@@ -116,7 +116,9 @@ def compose_core(built: BuiltModel, config: EngineConfig, book: StatsBook,
     book.set(kv_budget_bytes=bounds.kv_budget_bytes, prefix_cache_limit_bytes=store.max_bytes,
              buffer_cache_limit_bytes=bounds.buffer_cache_bytes, loaded=True,
              batch_mode=scheduler.mode.value, context_limit=built.model.footprint.context_limit,
-             cache_kinds=lanes.batch.cache_kinds,
+             cache_kinds=lanes.batch.cache_kinds, kv_bits=config.kv_bits or 0,
+             kv_bytes_per_token=built.model.footprint.bytes_for(1)
+             - built.model.footprint.bytes_for(0),
              speedups=lanes.speedups(serial=scheduler.mode is BatchMode.SERIAL),
              **built.model.weights.stats())
     if scheduler.mode is BatchMode.SERIAL:

@@ -65,6 +65,11 @@ ENGINE_FIGURES: tuple[EngineFigure, ...] = (
                  GAUGE, "resident_bytes"),
     EngineFigure("mlx_engine_weights_bytes", "Bytes of the model's weights.",
                  GAUGE, "weights_bytes"),
+    EngineFigure("mlx_engine_kv_bits", "Bits each KV value is kept in (0: the model's own "
+                 "dtype; kv_bits).", GAUGE, "kv_bits"),
+    EngineFigure("mlx_engine_kv_bytes_per_token",
+                 "Bytes one token's keys and values take over every layer.", GAUGE,
+                 "kv_bytes_per_token"),
     EngineFigure("mlx_engine_kv_budget_bytes",
                  "Bound on running rows' KV plus the prefix cache (0 = none).", GAUGE,
                  "kv_budget_bytes"),

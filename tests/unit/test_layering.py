@@ -295,10 +295,10 @@ WINGS = {
     "upstream": (),
     "kernels": ("upstream",),
     "adapters": (),
-    "rows": (),
-    "prefix": ("rows",),
+    "rows": ("upstream",),  # quantized KV rows (upstream.quantized_kv) cut and copied
+    "prefix": ("rows", "upstream"),
     "vision": ("rows", "adapters", "upstream"),
-    "speedups": ("rows", "adapters", "prefix"),
+    "speedups": ("rows", "adapters", "prefix", "upstream"),
     "lane": ("rows", "adapters", "prefix", "vision", "speedups", "upstream"),
     "embedding": (),
     "loading": ("upstream", "kernels", "adapters", "rows", "prefix", "vision", "speedups",

@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from engine.core.footprint import LayerFootprint
+from engine.device.upstream.quantized_kv import RowQuantizedKVCache
 
 CacheAdapter = Callable[[Any], list[LayerFootprint]]
 
@@ -51,6 +52,12 @@ def _quantized(cache: Any) -> list[LayerFootprint]:
     return [LayerFootprint("QuantizedKVCache", False, bytes_per_token=per_token)]
 
 
+def _row_quantized(cache: Any) -> list[LayerFootprint]:
+    # The engine's own quantized rows (``EngineConfig.kv_bits``): they batch.
+    per_token = _per_token(cache.keys, cache.values)
+    return [LayerFootprint(f"KVCache({cache.bits}-bit)", True, bytes_per_token=per_token)]
+
+
 def _arrays(cache: Any) -> list[LayerFootprint]:
     # Recurrent (SSM) state: a fixed size whatever the sequence length.
     return [LayerFootprint("ArraysCache", True, fixed_bytes=_nbytes(cache.cache))]
@@ -70,6 +77,7 @@ ADAPTERS: dict[type, CacheAdapter] = {
     mlx_cache.KVCache: _kv,
     mlx_cache.RotatingKVCache: _rotating,
     mlx_cache.QuantizedKVCache: _quantized,
+    RowQuantizedKVCache: _row_quantized,
     mlx_cache.ArraysCache: _arrays,
     mlx_cache.CacheList: _cache_list,
 }

@@ -50,6 +50,7 @@ from engine.device.prefix.prefix_reuse import OFF, PrefixReuse, reuse_policy
 from engine.device.rows.batch_row import BatchRow
 from engine.device.rows.sampling import SamplerCache
 from engine.device.speedups.report import report
+from engine.device.upstream.quantized_kv import install_quantized_kv
 from engine.device.upstream.required import check_upstream
 from engine.device.vision.prefill import VisionPrefill
 from engine.device.vision.tower import VisionTower, checkpoint_tower_bytes
@@ -246,6 +247,11 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
     except ValueError as exc:  # weights that do not fit the config, a refused model_file
         raise InvalidModelError(f"mlx-lm could not build the model in {path}: {exc}") from exc
     weights = apply_weight_policy(model, config.quantized, config.cpu_int8)
+    if config.kv_bits is not None:  # every row cache from here on keeps its KV quantized
+        try:
+            install_quantized_kv(model, config.kv_bits, config.kv_group_size)
+        except ValueError as exc:
+            raise InvalidModelError(f"{path}: {exc}") from exc
     cache = make_prompt_cache(model, config.max_kv_size)
     with mx.stream(stream):
         logits = model(mx.array([[0]]), cache=cache)

@@ -50,6 +50,7 @@ from engine.core.prefix_files import (
 )
 from engine.core.reuse_key import KEY_VERSION
 from engine.device.rows.row_cache import arrays_of
+from engine.device.upstream.quantized_kv import RowQuantizedKVCache
 
 log = logging.getLogger("engine")
 
@@ -95,6 +96,8 @@ def _layout(layer: Any) -> Any:
         return ["CacheList", [_layout(child) for child in layer.caches]]
     if isinstance(layer, RotatingKVCache):
         return ["RotatingKVCache", int(layer.max_size), int(layer.keep)]
+    if isinstance(layer, RowQuantizedKVCache):  # files of another kv_bits never match
+        return ["RowQuantizedKVCache", int(layer.bits), int(layer.group_size)]
     return [type(layer).__name__]
 
 
@@ -108,6 +111,11 @@ def _encode(layer: Any, arrays: list[mx.array]) -> dict[str, Any]:
         arrays.append(array)
         return len(arrays) - 1
 
+    if isinstance(layer, RowQuantizedKVCache):
+        keys, values = layer.keys or (None,) * 3, layer.values or (None,) * 3
+        return {"kind": "QuantizedKV", "offset": int(layer.offset), "bits": int(layer.bits),
+                "group_size": int(layer.group_size),
+                "arrays": [slot(a) for a in (*keys, *values)]}
     if isinstance(layer, KVCache):
         return {"kind": "KVCache", "offset": int(layer.offset),
                 "arrays": [slot(layer.keys), slot(layer.values)]}
@@ -127,6 +135,14 @@ def _decode(spec: dict[str, Any], arrays: list[mx.array]) -> Any:
         return None if index is None else arrays[index]
 
     kind = spec["kind"]
+    if kind == "QuantizedKV":
+        row = RowQuantizedKVCache(group_size=int(spec["group_size"]), bits=int(spec["bits"]))
+        parts = [take(i) for i in spec["arrays"]]
+        if all(p is not None for p in parts):
+            row.keys = (parts[0], parts[1], parts[2])  # type: ignore[assignment]
+            row.values = (parts[3], parts[4], parts[5])  # type: ignore[assignment]
+        row.offset = int(spec["offset"])
+        return row
     if kind == "KVCache":
         kv = KVCache()
         kv.keys, kv.values = take(spec["arrays"][0]), take(spec["arrays"][1])

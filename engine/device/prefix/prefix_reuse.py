@@ -37,7 +37,9 @@ _BOUNDED = frozenset({"KVCache", "RotatingKVCache", "ArraysCache"})
 
 
 def reuse_policy(footprint: ModelFootprint) -> str:
-    kinds = {layer.kind for layer in footprint.layers}
+    # Quantized plain KV (``kv_bits``: "KVCache(8-bit)") cuts and resumes as plain KV does.
+    kinds = {"KVCache" if layer.kind.startswith("KVCache(") else layer.kind
+             for layer in footprint.layers}
     if kinds <= _PLAIN:
         return TRIM
     if kinds <= _BOUNDED:

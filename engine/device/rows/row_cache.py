@@ -26,6 +26,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
+from engine.device.upstream.quantized_kv import RowQuantizedKVCache
+
 
 def merged(rows: Sequence[Sequence[Any]]) -> list[Any]:
     """One batch cache per layer from several rows' own caches (mlx-lm's own merge:
@@ -44,7 +46,7 @@ def tokens_held(cache: Sequence[Any]) -> int:
 
 
 def _offset(layer: Any) -> int:
-    if isinstance(layer, KVCache | RotatingKVCache):
+    if isinstance(layer, KVCache | RotatingKVCache | RowQuantizedKVCache):
         return int(layer.offset)
     if isinstance(layer, CacheList):
         return tokens_held(layer.caches)
@@ -69,7 +71,7 @@ def _cuttable(layer: Any) -> bool:
         return cuttable(layer.caches)
     if isinstance(layer, RotatingKVCache):
         return not wrapped(layer) and layer.keep == 0
-    return isinstance(layer, KVCache)
+    return isinstance(layer, KVCache | RowQuantizedKVCache)
 
 
 def cut_to(cache: Sequence[Any], n: int, held: int) -> list[Any] | None:
@@ -82,6 +84,8 @@ def cut_to(cache: Sequence[Any], n: int, held: int) -> list[Any] | None:
 
 
 def _cut(layer: Any, n: int, held: int) -> Any:
+    if isinstance(layer, RowQuantizedKVCache):
+        return layer.cut(n)
     if isinstance(layer, KVCache):
         out = KVCache()
         if layer.keys is not None and n:
@@ -135,6 +139,8 @@ def copied(cache: Sequence[Any]) -> list[Any]:
 
 
 def _copied(layer: Any) -> Any:
+    if isinstance(layer, RowQuantizedKVCache):
+        return layer.cut(layer.offset, copy=True)
     if isinstance(layer, KVCache):
         out = KVCache()
         if layer.keys is not None:
@@ -163,7 +169,9 @@ def arrays_of(cache: Sequence[Any]) -> list[mx.array]:
     """Every array a cache holds (what evaluating or counting it touches)."""
     out: list[mx.array] = []
     for layer in cache:
-        if isinstance(layer, KVCache | RotatingKVCache):
+        if isinstance(layer, RowQuantizedKVCache):
+            out += [a for part in (layer.keys, layer.values) if part is not None for a in part]
+        elif isinstance(layer, KVCache | RotatingKVCache):
             out += [a for a in (layer.keys, layer.values) if a is not None]
         elif isinstance(layer, ArraysCache):
             out += [a for a in layer.cache if a is not None]
@@ -194,8 +202,8 @@ def trims_exactly(cache: Sequence[Any]) -> bool:
 def _trims(layer: Any) -> bool:
     if isinstance(layer, CacheList):
         return trims_exactly(layer.caches)
-    return isinstance(layer, KVCache) or (isinstance(layer, RotatingKVCache)
-                                          and layer.keep == 0)
+    return isinstance(layer, KVCache | RowQuantizedKVCache) or (
+        isinstance(layer, RotatingKVCache) and layer.keep == 0)
 
 
 def trimmed(cache: Sequence[Any], n: int) -> None:
@@ -240,7 +248,7 @@ class Rollback:
 
 
 def _mark(layer: Any) -> Any:
-    if isinstance(layer, KVCache):
+    if isinstance(layer, KVCache | RowQuantizedKVCache):
         return layer.offset
     if isinstance(layer, RotatingKVCache):
         return (layer.keys, layer.values, layer.offset, layer._idx)
@@ -252,7 +260,7 @@ def _mark(layer: Any) -> Any:
 
 
 def _restore(layer: Any, mark: Any) -> None:
-    if isinstance(layer, KVCache):
+    if isinstance(layer, KVCache | RowQuantizedKVCache):
         layer.trim(layer.offset - mark)
     elif isinstance(layer, RotatingKVCache):
         layer.keys, layer.values, layer.offset, layer._idx = mark
@@ -264,11 +272,12 @@ def _restore(layer: Any, mark: Any) -> None:
 
 
 def supported(cache: Sequence[Any]) -> bool:
-    """Whether every layer is a kind this module handles (quantized KV is not)."""
+    """Whether every layer is a kind this module handles (mlx-lm's own quantized KV,
+    which no batch takes, is not; ``RowQuantizedKVCache`` is)."""
     return all(_supported(layer) for layer in cache)
 
 
 def _supported(layer: Any) -> bool:
     if isinstance(layer, CacheList):
         return supported(layer.caches)
-    return type(layer) in (KVCache, RotatingKVCache, ArraysCache)
+    return type(layer) in (KVCache, RotatingKVCache, ArraysCache, RowQuantizedKVCache)

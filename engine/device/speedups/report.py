@@ -14,6 +14,7 @@ from mlx_lm.models.cache import CacheList
 
 from engine.core.stats import SpeedUp
 from engine.device.prefix.prefix_reuse import BOUNDARY, TRIM
+from engine.device.upstream.quantized_kv import RowQuantizedKVCache
 
 _STATE = "ArraysCache"
 _RING = "RotatingKVCache"
@@ -25,6 +26,8 @@ def cache_kinds(cache: Sequence[Any]) -> tuple[str, ...]:
     for layer in cache:
         if isinstance(layer, CacheList):
             kinds.update(cache_kinds(layer.caches))
+        elif isinstance(layer, RowQuantizedKVCache):  # kv_bits: plain KV, quantized
+            kinds.add(f"KVCache({layer.bits}-bit)")
         else:
             kinds.add(type(layer).__name__)
     return tuple(sorted(kinds))
@@ -35,7 +38,8 @@ def report(kinds: Sequence[str], *, serial: bool, fast_forward: bool, fast_forwa
            reuse_bytes: int, sharded: bool, disk: str | None,
            disk_off: str | None) -> tuple[SpeedUp, ...]:
     """The four speed-ups as the lanes were built (``*_asked``: the settings)."""
-    odd = [kind for kind in kinds if kind not in ("KVCache", _RING, _STATE)]
+    odd = [kind for kind in kinds
+           if kind not in ("KVCache", _RING, _STATE) and not kind.startswith("KVCache(")]
     unsupported = f"{', '.join(odd)} caches do not merge into a batch" if odd else ""
     return (_fast_forward(serial, fast_forward, fast_forward_asked, unsupported),
             _speculation(kinds, serial, speculation, speculation_asked, trims, unsupported),

@@ -145,6 +145,24 @@ class RowQuantizedKVCache(QuantizedKVCache):  # type: ignore[misc]
                 part[..., prev:self.offset, :] = fresh
         return self.keys_and_values()  # type: ignore[no-any-return]
 
+    def empty_like(self) -> RowQuantizedKVCache:
+        """An empty row cache quantized as this one is."""
+        return type(self)(group_size=self.group_size, bits=self.bits,
+                          scales_dtype=self.scales_dtype)
+
+    def cut(self, n: int, *, copy: bool = False) -> RowQuantizedKVCache:
+        """A new row cache holding this one's first ``n`` tokens: views of its arrays, or
+        (``copy``) contiguous copies sized to them."""
+        out = self.empty_like()
+        if self.keys is not None and self.values is not None and n:
+            keys, values = _slice_seq(self.keys, 0, n), _slice_seq(self.values, 0, n)
+            if copy:
+                keys = (mx.contiguous(keys[0]), mx.contiguous(keys[1]), mx.contiguous(keys[2]))
+                values = (mx.contiguous(values[0]), mx.contiguous(values[1]),
+                          mx.contiguous(values[2]))
+            out.keys, out.values, out.offset = keys, values, n
+        return out
+
     def size(self) -> int:
         """Tokens held (mlx-lm's ``QuantizedKVCache`` leaves ``size`` at 0, which its
         batch merge would read as empty)."""
@@ -406,3 +424,45 @@ def quantized_prompt_cache(model: Any, bits: int = 8, group_size: int = 64,
     layer quantized; other kinds (sliding windows, recurrent state) as they are."""
     return [RowQuantizedKVCache(group_size=group_size, bits=bits, scales_dtype=scales_dtype)
             if type(layer) is KVCache else layer for layer in make_prompt_cache(model)]
+
+
+def install_quantized_kv(model: Any, bits: int, group_size: int) -> None:
+    """Make every row cache built for ``model`` (``make_prompt_cache``: the lanes', the
+    generator's, an image row's) quantize its plain KV layers; other kinds are kept.
+    ``ValueError`` when ``group_size`` does not divide the model's head size."""
+    base = getattr(model, "make_cache", None)
+
+    def plain() -> list[Any]:
+        return list(base()) if base is not None else [KVCache() for _ in model.layers]
+
+    def make_cache() -> list[Any]:
+        return [RowQuantizedKVCache(group_size=group_size, bits=bits)
+                if type(layer) is KVCache else layer for layer in plain()]
+
+    for layer in plain():
+        if type(layer) is KVCache:
+            head = _head_size(model)
+            if head is not None and head % group_size:
+                raise ValueError(f"kv_group_size={group_size} does not divide the model's "
+                                 f"head size {head}: pick one that does (32, 64, 128)")
+            break
+    model.make_cache = make_cache
+
+
+def _head_size(model: Any) -> int | None:
+    """The model's attention head size, where its args say."""
+    args = getattr(model, "args", None)
+    for source in (args, getattr(args, "text_config", None)):
+        if source is None:
+            continue
+        found = source.get("head_dim") if isinstance(source, dict) else getattr(
+            source, "head_dim", None)
+        if found:
+            return int(found)
+        hidden = (source.get("hidden_size") if isinstance(source, dict)
+                  else getattr(source, "hidden_size", None))
+        heads = (source.get("num_attention_heads") if isinstance(source, dict)
+                 else getattr(source, "num_attention_heads", None))
+        if hidden and heads:
+            return int(hidden) // int(heads)
+    return None
