@@ -280,8 +280,9 @@ def build_tiny_llama4(out: Path, *, seed: int = 0, weight_scale: float = 4.0) ->
     MLP) and a ``llama4_text`` model of four layers, dense and mixture-of-experts in turn
     (two experts and a shared one), chunked attention, every fourth layer global without
     RoPE. Real: 336 px tiles
-    (14 px patches: 144 tokens a tile), up to 16 tiles plus a global view; tiny: 32 px
-    tiles (8 px patches: 4 tokens)."""
+    (14 px patches: 144 tokens a tile), up to 4 tiles (mlx-vlm's processor's grids) plus a
+    global view; tiny: 56 px tiles (14 px patches, which mlx-vlm's processor assumes
+    whatever the config says: 4 tokens a tile)."""
     eos, vocab, ids = _start(out, LLAMA4_TOKENS)
     config = {
         "model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"],
@@ -305,10 +306,10 @@ def build_tiny_llama4(out: Path, *, seed: int = 0, weight_scale: float = 4.0) ->
             "rope_scaling": None, "tie_word_embeddings": False,
         },
         "vision_config": {
-            "model_type": "llama4_vision_model", "hidden_size": 32, "image_size": 32,
+            "model_type": "llama4_vision_model", "hidden_size": 32, "image_size": 56,
             "initializer_range": 0.02, "intermediate_size": 128, "norm_eps": 1e-5,
             "num_attention_heads": 2, "num_channels": 3, "num_hidden_layers": 2,
-            "patch_size": 8, "pixel_shuffle_ratio": 0.5, "projector_dropout": 0.0,
+            "patch_size": 14, "pixel_shuffle_ratio": 0.5, "projector_dropout": 0.0,
             "projector_input_dim": 64, "projector_output_dim": 64, "rope_theta": 10000,
             "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
             "vision_output_dim": 64,
@@ -316,12 +317,12 @@ def build_tiny_llama4(out: Path, *, seed: int = 0, weight_scale: float = 4.0) ->
     }
     _preprocessor(out, {
         "image_processor_type": "Llama4ImageProcessorFast", "processor_class": "Llama4Processor",
-        "size": {"height": 32, "width": 32}, "max_patches": 16,
+        "size": {"height": 56, "width": 56}, "max_patches": 16,
         "resize_to_max_canvas": False, "resample": 2, "do_rescale": True,
         "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": HALF,
         "image_std": HALF, "do_convert_rgb": True})
     (out / "processor_config.json").write_text(json.dumps({
-        "processor_class": "Llama4Processor", "patch_size": 8, "pixel_shuffle_ratio": 0.5}))
+        "processor_class": "Llama4Processor", "patch_size": 14, "pixel_shuffle_ratio": 0.5}))
     model = _random_model(config, seed)
     scale_language(model, weight_scale)
     return save_model(out, model, config, eos)

@@ -92,7 +92,7 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session",
                 params=["gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "lfm2_vl", "qwen3_vl",
                         "qwen3_5", "qwen3_5_moe", "llava", "smolvlm",
-                        "idefics3", "internvl_chat", "gemma4"])
+                        "idefics3", "internvl_chat", "gemma4", "llama4"])
 def family_vlm_dir(request: pytest.FixtureRequest,
                    tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight VLM of each family whose images are read."""
@@ -121,7 +121,8 @@ def _family_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "smolvlm": vision_zoo_builders.build_tiny_smolvlm,
                 "idefics3": vision_zoo_builders.build_tiny_idefics3,
                 "internvl_chat": vision_zoo_builders.build_tiny_internvl,
-                "gemma4": vision_zoo_builders.build_tiny_gemma4}
+                "gemma4": vision_zoo_builders.build_tiny_gemma4,
+                "llama4": vision_zoo_builders.build_tiny_llama4}
     # v2/v3: Qwen-VL families carry a video processor config.
     versions = {"gemma3": "tiny-gemma3-vlm-v2", "qwen3_vl": "tiny-qwen3_vl-v3"}
     name = versions.get(family, f"tiny-{family}-v{2 if family.startswith('qwen') else 1}")

@@ -60,6 +60,12 @@ def vlm_engine(make_engine: Callable[..., Engine], model: Path, **config: Any) -
     return make_engine(model, **{"max_batch": 16, **config})
 
 
+def reuses_prefixes(eng: Engine) -> bool:
+    """Whether the engine resumes prefixes on this model's caches (Llama 4's chunked
+    attention caches run alone in the serial lane, which resumes none)."""
+    return next(s for s in eng.stats().speedups if s.name == "prefix_reuse").on
+
+
 def tokens(eng: Engine, messages: list[dict[str, Any]], params: SamplingParams,
            ) -> tuple[int, ...]:
     return eng.submit(ChatRequest.from_openai(messages, params)).result(timeout=120).token_ids
@@ -130,7 +136,8 @@ def test_prefix_reuse_never_serves_another_image(make_engine: Callable[..., Engi
     # Both images' prompts were stored; the text before the image was shared (a model with
     # recurrent layers resumes only whole stored prompts, so its repeats are not hits).
     stats = eng.stats()
-    assert stats.prefix_hits >= 3 or "ArraysCache" in stats.cache_kinds
+    assert (stats.prefix_hits >= 3 or "ArraysCache" in stats.cache_kinds
+            or not reuses_prefixes(eng))
 
 
 def test_a_second_turn_over_the_same_image_skips_tower_and_prefill(
@@ -146,10 +153,13 @@ def test_a_second_turn_over_the_same_image_skips_tower_and_prefill(
     again = eng.submit(ChatRequest.from_openai(second, params)).result(timeout=120)
     after = eng.stats()
     assert after.vision_images == before.vision_images  # no tower forward
-    assert after.vision_feature_hits == before.vision_feature_hits  # not even a lookup
-    reused = after.prefix_hit_tokens - before.prefix_hit_tokens
-    prompt = eng._runtime.preparer().prepare(ChatRequest.from_openai(first, params))
-    assert reused >= len(prompt.prompt_ids)  # the whole first prompt, image included
+    if reuses_prefixes(eng):
+        assert after.vision_feature_hits == before.vision_feature_hits  # not even a lookup
+        reused = after.prefix_hit_tokens - before.prefix_hit_tokens
+        prompt = eng._runtime.preparer().prepare(ChatRequest.from_openai(first, params))
+        assert reused >= len(prompt.prompt_ids)  # the whole first prompt, image included
+    else:  # no prefix resumed: the image's features from the LRU, the prompt prefilled
+        assert after.vision_feature_hits == before.vision_feature_hits + 1
     fresh = vlm_engine(make_engine, tiny_vlm_dir, prefix_cache_bytes=0, vision_cache_bytes=0)
     assert again.token_ids == tokens(fresh, second, params)
 
@@ -168,7 +178,8 @@ def test_a_multi_image_conversation_resumes_and_reads_only_its_new_image(
     after = eng.stats()
     assert after.vision_images == before.vision_images + 1  # only the new image's tower
     prompt = eng._runtime.preparer().prepare(ChatRequest.from_openai(first, params))
-    assert after.prefix_hit_tokens - before.prefix_hit_tokens >= len(prompt.prompt_ids)
+    assert (after.prefix_hit_tokens - before.prefix_hit_tokens >= len(prompt.prompt_ids)
+            or not reuses_prefixes(eng))
     fresh = vlm_engine(make_engine, family_vlm_dir, prefix_cache_bytes=0, vision_cache_bytes=0)
     assert again.token_ids == tokens(fresh, second, params)
 

@@ -32,7 +32,7 @@ PLACEHOLDERS = {"gemma3": "<start_of_image>", "mistral3": "[IMG]",
                 "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
                 "lfm2-vl": "<image>", "llava": "<image>",
                 "smolvlm": "<image>", "idefics3": "<image>", "internvl_chat": "<image>",
-                "gemma4": "<|image|>",
+                "gemma4": "<|image|>", "llama4": "<|image|>",
                 **dict.fromkeys(("qwen3_vl", "qwen3_5", "qwen3_5_moe"),
                                 "<|vision_start|><|image_pad|><|vision_end|>")}
 
@@ -63,6 +63,20 @@ def processed(model_dir: Path, messages: list[dict[str, Any]],
     return [int(t) for t in out["input_ids"].tolist()[0]], np.array(values)
 
 
+def llama4_global_view(model_dir: Path, part: dict[str, Any]) -> np.ndarray:
+    """mlx-vlm's Llama 4 processor's pixels for ``part``'s image read as one tile."""
+    from PIL import Image
+
+    importlib.import_module("mlx_vlm.models.llama4")
+    from mlx_vlm.utils import load_processor
+
+    processor = load_processor(model_dir, add_detokenizer=False).image_processor
+    picture = Image.open(io.BytesIO(base64.b64decode(
+        part["image_url"]["url"].split(",", 1)[1]))).convert("RGB")
+    return np.asarray(processor._preprocess_single(
+        processor._split_into_tiles(picture, (1, 1))[0]))
+
+
 @pytest.mark.parametrize("order", ["image first", "image last", "two images"])
 def test_prompt_ids_equal_the_vision_library_processors(
         make_engine: Callable[..., Engine], family_vlm_dir: Path, order: str) -> None:
@@ -77,7 +91,14 @@ def test_prompt_ids_equal_the_vision_library_processors(
     ids, pixels = processed(family_vlm_dir, messages, images)
     assert prepared.prompt_ids == ids
     if len(images) == 1:  # the tower reads the processor's own pixel values
-        np.testing.assert_allclose(prepared.images[0].read_pixels(), pixels, atol=1e-5)
+        ours = prepared.images[0].read_pixels()
+        if len(ours) == len(pixels) + 1 and "llama4" in family_vlm_dir.name:
+            # Llama 4's tiles, then the global view its prompt holds and mlx-vlm's processor
+            # gives no pixels for: the processor's own view of the image as one tile.
+            ours, view = ours[:-1], ours[-1]
+            np.testing.assert_allclose(view, llama4_global_view(family_vlm_dir, wide),
+                                       atol=1e-5)
+        np.testing.assert_allclose(ours, pixels, atol=1e-5)
 
 
 # The tiny models' refusals (``testkit.vision_model``): Qwen-VL's processors read aspect
@@ -129,6 +150,7 @@ def test_sizes_follow_the_vision_librarys_own_resize_rules() -> None:
     pytest.importorskip("mlx_vlm")
     from mlx_vlm.models.gemma4.processing_gemma4 import get_aspect_ratio_preserving_size
     from mlx_vlm.models.lfm2_vl.processing_lfm2_vl import _is_image_too_large, _smart_resize
+    from mlx_vlm.models.llama4.processing_llama4 import Llama4ImageProcessor
     from mlx_vlm.models.pixtral.image_processing_pixtral import get_resize_output_image_size
     from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import _smart_resize_image
     from transformers.image_transforms import get_resize_output_image_size as get_output_size
@@ -139,6 +161,7 @@ def test_sizes_follow_the_vision_librarys_own_resize_rules() -> None:
     from engine.requests.inbound.gemma4_format import gemma4_size
     from engine.requests.inbound.idefics3_format import longest_edge_size
     from engine.requests.inbound.images import DecodedImage
+    from engine.requests.inbound.llama4_format import best_grid
     from engine.requests.inbound.llava_format import LlavaFormat
     from engine.requests.inbound.vision_formats import (
         Lfm2VlFormat,
@@ -149,6 +172,7 @@ def test_sizes_follow_the_vision_librarys_own_resize_rules() -> None:
     mistral = Mistral3Format("mistral3", 10, 12, 13, 1024, 28, (0.5,) * 3, (0.5,) * 3)
     lfm2 = Lfm2VlFormat("lfm2-vl", 396, 1, 2, 3, {})
     llava = LlavaFormat("llava", 32000, 336, None, (336, 336), 14, 0, (0.5,) * 3, (0.5,) * 3)
+    llama4 = Llama4ImageProcessor(size=336, max_patches=16)
     for height in SIDES:
         for width in SIDES:
             image = DecodedImage(b"", "", (width, height))
@@ -172,6 +196,9 @@ def test_sizes_follow_the_vision_librarys_own_resize_rules() -> None:
             for longest in (2048, 8192):
                 assert longest_edge_size(height, width, longest) == idefics3_size(
                     np.broadcast_to(np.uint8(0), (3, height, width)), longest)
+            # Llama 4's grid of 336 px tiles (at most 16; its processor's grids hold 4).
+            assert best_grid(width, height, 336, 16) == llama4._get_best_resolution(
+                width, height)
             # Gemma 4's patch budget (its real 280 tokens of 16 px patches pooled 3x3).
             assert gemma4_size(height, width, 16, 280 * 9, 3) == (
                 get_aspect_ratio_preserving_size(height, width, 16, 280 * 9, 3))

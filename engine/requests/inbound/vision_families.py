@@ -56,10 +56,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("Gemma 3n", ("gemma3n",), Support.TEXT,
                  "Gemma 3n's image and audio blocks (256 soft tokens from its fixed 294M "
                  f"MobileNetV5 tower; audio from its conformer) {_NOT_WRITTEN}"),
-    VisionFamily("Llama 4", ("llama4",), Support.TEXT,
-                 "Llama 4's tiled image blocks (<|image_start|>, <|patch|> tiles between "
-                 "<|tile_x_separator|> / <|tile_y_separator|>, a global <|image|> view, "
-                 f"<|image_end|>) {_NOT_WRITTEN}"),
+    VisionFamily("Llama 4", ("llama4",), Support.IMAGES),
     VisionFamily("Phi-4 multimodal", ("phi4-siglip", "phi4mm"), Support.NONE,
                  "Phi-4 multimodal: mlx-lm has no text model for it, and its image "
                  "placeholder (one id, -200) expands into the image's features, changing "

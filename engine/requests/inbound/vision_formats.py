@@ -649,15 +649,16 @@ FORMATS: dict[str, Callable[[Mapping[str, Any], Any, Mapping[str, Any]], VisionF
     "gemma3": _gemma3, "mistral3": _mistral3, "qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_vl,
     "lfm2-vl": _lfm2_vl, "lfm2_vl": _lfm2_vl, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl,
     "qwen3_5": _qwen3_vl, "qwen3_5_moe": _qwen3_vl,
-    **dict.fromkeys(("llava", "smolvlm", "idefics3", "internvl_chat", "gemma4"), _apart)}
+    **dict.fromkeys(("llava", "smolvlm", "idefics3", "internvl_chat", "gemma4",
+                      "llama4"), _apart)}
 # Families whose text model places image tokens on a grid of positions (M-RoPE; Qwen3's
 # interleaves its sections, which the vision library's language model applies).
 GRID_POSITIONS = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
                             "qwen3_5_moe"})
 # Families whose image rows are prefilled through the vision library's language model, the
-# text model's weights shared: the grid's (M-RoPE) and Gemma 4's (per-layer inputs, an
-# image's tokens attending both ways).
-LIBRARY_PREFILL = GRID_POSITIONS | {"gemma4"}
+# text model's weights shared: the grid's (M-RoPE), Gemma 4's (per-layer inputs, an
+# image's tokens attending both ways) and Llama 4's (mlx-lm's takes no embeddings).
+LIBRARY_PREFILL = GRID_POSITIONS | {"gemma4", "llama4"}
 SUPPORTED = tuple(FORMATS)
 # Families whose videos are read (QwenVLFormat.read_video).
 VIDEO_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
