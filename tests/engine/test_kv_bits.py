@@ -10,15 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig, InvalidRequestError, JsonSchema, SamplingParams
+from engine import (
+    ChatRequest,
+    Engine,
+    EngineConfig,
+    InvalidRequestError,
+    JsonSchema,
+    SamplingParams,
+)
 from tests.conftest import Turns, greedy, prompts_of_lengths, request_for
 
 pytestmark = pytest.mark.timeout(300)
 BITS = [8, 4]
 
 
-def quantized(make_engine: Callable[..., Engine], bits: int, **config: object) -> Engine:
-    return make_engine(kv_bits=bits, kv_group_size=32, **{"max_batch": 16, **config})
+def quantized(make_engine: Callable[..., Engine], bits: int, model: Path | None = None,
+              **config: object) -> Engine:
+    return make_engine(model, kv_bits=bits, kv_group_size=32, **{"max_batch": 16, **config})
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -129,3 +137,22 @@ def test_the_disk_tier_stores_quantized_blocks_and_only_its_setting_reads_them(
     # Another setting (float KV, or the other bit width) never reads these files.
     _, other = answer(tiny_model_dir, "What is third?", prefix_cache_dir=str(tmp_path))
     assert other.prefix_disk_hits == 0
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl", "qwen3_5"])
+def test_image_rows_batch_beside_text_rows_on_quantized_kv(
+        make_engine: Callable[..., Engine], family_dirs: Callable[[str], Path],
+        family: str) -> None:
+    from tests.engine.test_vision import BLUE, RED, asking, image_part, tokens
+
+    eng = quantized(make_engine, 8, model=family_dirs(family), prefill_chunk=8)
+    params = greedy(10)
+    images = [asking(image_part(RED)), asking(image_part(BLUE, seed=2, size=(90, 40)))]
+    texts = prompts_of_lengths(eng, [20, 9], seed=4)
+    alone = [tokens(eng, m, params) for m in images]
+    alone_texts = [eng.submit(request_for(p, params)).result(timeout=60).token_ids
+                   for p in texts]
+    handles = [eng.submit(request_for(p, params)) for p in texts]
+    handles += [eng.submit(ChatRequest.from_openai(m, params)) for m in images]
+    results = [h.result(timeout=120).token_ids for h in handles]
+    assert results == alone_texts + alone

@@ -33,7 +33,7 @@ The head dim must be a multiple of ``group_size`` (``mx.quantize``'s rule): a mo
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
@@ -149,6 +149,18 @@ class RowQuantizedKVCache(QuantizedKVCache):  # type: ignore[misc]
         """An empty row cache quantized as this one is."""
         return type(self)(group_size=self.group_size, bits=self.bits,
                           scales_dtype=self.scales_dtype)
+
+    def map_keys(self, change: Callable[[mx.array], mx.array], upto: int) -> None:
+        """Replace the first ``upto`` keys by ``change`` of them (float32, (B, heads, upto,
+        head_dim)), quantized again: an image row's keys turned to other positions."""
+        if self.keys is None or not upto:
+            return
+        held = _slice_seq(self.keys, 0, upto)
+        keys = mx.dequantize(*held, group_size=self.group_size, bits=self.bits)
+        fresh = quantize(change(keys.astype(mx.float32)), self.bits, self.group_size,
+                         self.scales_dtype)
+        for part, new in zip(self.keys, fresh, strict=True):
+            part[..., :upto, :] = new.astype(part.dtype)
 
     def cut(self, n: int, *, copy: bool = False) -> RowQuantizedKVCache:
         """A new row cache holding this one's first ``n`` tokens: views of its arrays, or

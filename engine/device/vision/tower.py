@@ -33,6 +33,7 @@ import numpy as np
 from engine.device.adapters.row_adapters import adapters_of
 from engine.device.upstream.required import check_vision
 from engine.device.upstream.vision_blocks import install_recorder, recording
+from engine.device.upstream.quantized_kv import RowQuantizedKVCache
 from engine.device.upstream.vision_caches import vision_library_caches
 from engine.device.vision.gemma4_inputs import Gemma4Inputs
 from engine.requests.inbound.prompts import PromptImage
@@ -309,8 +310,16 @@ class VisionTower:
         at the cache's own offsets (RoPE rotations compose)."""
         if not shift:
             return
+        def turned(keys: mx.array) -> mx.array:
+            b, h, n, d = keys.shape
+            rotated: mx.array = self._rope(keys.reshape(b, h, n, 1, d), offset=-shift)
+            return rotated.reshape(b, h, n, d)
+
         for layer in cache:
             if getattr(layer, "keys", None) is None:  # a hybrid's recurrent state: no positions
+                continue
+            if isinstance(layer, RowQuantizedKVCache):  # kv_bits: turned, quantized again
+                layer.map_keys(turned, layer.offset)
                 continue
             held = layer.offset
             keys = layer.keys[..., :held, :]
