@@ -8,7 +8,7 @@ the mean time to first token per round, the mean decode-step time while every ro
 and the bounds the issue sets: cold mean TTFT against one prefill of the context plus the
 questions, and the long decode step against the short one.
 
-    python bench/long_context.py [--rows 16] [--tokens 24] [--context 886]
+    python bench/long_context.py [--rows 16] [--tokens 24] [--context 886] [--kv-bits 8]
 """
 
 from __future__ import annotations
@@ -101,13 +101,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--context", type=int, default=886, help="system context, ~tokens")
+    parser.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
+                        help="keep the KV quantized (EngineConfig.kv_bits)")
     args = parser.parse_args()
     system = context_text(args.context)
     timer = StepTimer(args.rows)
-    config = EngineConfig(max_batch=args.rows)
+    config = EngineConfig(max_batch=args.rows, kv_bits=args.kv_bits)
     with Engine(args.model, config, probe=StepProbe(on_turn=timer)) as eng:
         eng.start()
-        print(f"model: {eng.model_path}\nBLAS: {blas_info().name}")
+        print(f"model: {eng.model_path}\nBLAS: {blas_info().name}\n"
+              f"KV: {eng.stats().cache_kinds}, {eng.stats().kv_bytes_per_token} bytes a token")
         eng.submit(TextRequest("warm up", SamplingParams(max_tokens=2))).result()
         short = run_round(eng, timer, None, args.rows, args.tokens)
         cold = run_round(eng, timer, system, args.rows, args.tokens)
