@@ -500,6 +500,362 @@ void attention(const AttentionProblem& p, int b, int g, int i, float* work) {
   }
 }
 
+// ---- attention over a quantized cache: the portable algorithm (portable.h) with each key and
+// value row unpacked once into 512-bit registers and shared by the query heads of its group.
+// A row's integers are multiplied by their group's scale as they are unpacked (one product a
+// value, not one a value and head); the biases meet the query's group sums as scalars. 4-bit
+// rows unpack a chunk of 32 values to its even values, then its odd ones; the query and the
+// accumulator are kept in that order (perm_index) and put back in order at the end.
+
+inline float load_scale(const void* base, DType t, int64_t i) {
+  if (t == DType::f16) {
+    return _cvtsh_ss(static_cast<const uint16_t*>(base)[i]);
+  }
+  return load_f(base, t, i);
+}
+
+// Where value d of a row sits among the unpacked lanes.
+template <int BITS>
+inline int perm_index(int d) {
+  if (BITS == 8) {
+    return d;
+  }
+  const int e = d & 31;
+  return (d & ~31) + 16 * (e & 1) + (e >> 1);
+}
+
+// A packed row's DC vectors of 16 values as float32, each times its group's scale where
+// SCALED (else the integers themselves: one group a row takes its scale after the sum).
+template <int BITS, int DC, bool SCALED>
+inline void unpack_row(const uint32_t* row, const float* scales, int vshift, __m512* out) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row);
+  if constexpr (BITS == 8) {
+    for (int c = 0; c < DC; c++) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * c));
+      out[c] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw));
+      if (SCALED) {
+        out[c] = _mm512_mul_ps(out[c], _mm512_set1_ps(scales[c >> vshift]));
+      }
+    }
+  } else {
+    const __m512i low = _mm512_set1_epi32(0x0f);
+    for (int c = 0; c < DC; c += 2) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 8 * c));
+      const __m512i w = _mm512_cvtepu8_epi32(raw);
+      out[c] = _mm512_cvtepi32_ps(_mm512_and_si512(w, low));
+      out[c + 1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+      if (SCALED) {
+        const __m512 s = _mm512_set1_ps(scales[c >> vshift]);
+        out[c] = _mm512_mul_ps(out[c], s);
+        out[c + 1] = _mm512_mul_ps(out[c + 1], s);
+      }
+    }
+  }
+}
+
+// r[t] = the sum of v[t]'s 16 lanes, for 16 vectors at once (a transposing tree: ~3
+// instructions a vector where one reduction each takes ~8).
+__attribute__((always_inline)) inline __m512 sum_lanes16(const float (*v)[16]) {
+  __m512 w[8];
+  for (int k = 0; k < 8; k++) {
+    const __m512 a = _mm512_load_ps(v[2 * k]);
+    const __m512 b = _mm512_load_ps(v[2 * k + 1]);
+    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  __m512 u[4];
+  for (int k = 0; k < 4; k++) {
+    const __m512d c = _mm512_castps_pd(w[2 * k]);
+    const __m512d d = _mm512_castps_pd(w[2 * k + 1]);
+    u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+  }
+  // u[k]'s 128-bit lane l holds keys 4k .. 4k + 3 summed over that lane's elements.
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// HT query heads of group g (h0 ..) over the allowed keys of a quantized cache, D = Dv = 16 * DC;
+// ONE: a row is one group (its scale applies once, to a key's score or a value's weight).
+template <int DC, int HT, int BITS, bool ONE>
+void quant_attend_heads(const QuantAttentionProblem& p, int b, int g, int i, int h0, int nh,
+                        const int32_t* keys, int n, float* scores) {
+  const AttentionProblem& a = p.a;
+  const int vshift = p.group == 32 ? 1 : (p.group == 64 ? 2 : 3);  // vectors a group: 2^vshift
+  const int groups = a.D / p.group;
+  __m512 q[HT][DC];
+  __m512 o[HT][DC];
+  float qsum[HT][MAXG];
+  float vbias[HT][MAXG];
+  float run_max[HT];
+  float total[HT];
+  for (int h = 0; h < HT; h++) {
+    const int hh = h < nh ? h0 + h : h0;
+    const int64_t qoff = b * a.q_strides[0] + hh * a.q_strides[1] + i * a.q_strides[2];
+    alignas(64) float tmp[16 * DC];
+    for (int d = 0; d < 16 * DC; d++) {
+      tmp[perm_index<BITS>(d)] = load_f(a.q, a.dtype, qoff + d) * a.scale;
+    }
+    for (int c = 0; c < DC; c++) {
+      q[h][c] = _mm512_load_ps(tmp + 16 * c);
+      o[h][c] = _mm512_setzero_ps();
+    }
+    for (int gi = 0; gi < groups; gi++) {  // a group's vectors are contiguous in both orders
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = gi << vshift; c < (gi + 1) << vshift; c++) {
+        sum = _mm512_add_ps(sum, q[h][c]);
+      }
+      qsum[h][gi] = _mm512_reduce_add_ps(sum);
+      vbias[h][gi] = 0.0f;
+    }
+    run_max[h] = -3.4e38f;
+    total[h] = 0.0f;
+  }
+  const uint32_t* kw = static_cast<const uint32_t*>(a.k);
+  const uint32_t* vw = static_cast<const uint32_t*>(a.v);
+  const int64_t kbase = b * a.k_strides[0] + g * a.k_strides[1];
+  const int64_t vbase = b * a.v_strides[0] + g * a.v_strides[1];
+  const int64_t ksbase = b * p.ks_strides[0] + g * p.ks_strides[1];
+  const int64_t kbbase = b * p.kb_strides[0] + g * p.kb_strides[1];
+  const int64_t vsbase = b * p.vs_strides[0] + g * p.vs_strides[1];
+  const int64_t vbbase = b * p.vb_strides[0] + g * p.vb_strides[1];
+  const bool additive = a.mask_kind == 3;
+  // A block's scales and biases by group, then key (the scalar work done once, as vectors).
+  alignas(64) float kss[MAXG][KB];
+  alignas(64) float kbs[MAXG][KB];
+  alignas(64) float vss[MAXG][KB];
+  alignas(64) float vbs[MAXG][KB];
+  alignas(64) float adds[HT][KB];
+  for (int start = 0; start < n; start += KB) {
+    const int count = n - start < KB ? n - start : KB;
+    for (int t = 0; t < count; t++) {  // lanes past count are masked wherever read
+      const int j = keys[start + t];
+      for (int gi = 0; gi < groups; gi++) {
+        kss[gi][t] = load_scale(p.k_scales, p.s_dtype, ksbase + j * p.ks_strides[2] + gi);
+        kbs[gi][t] = load_scale(p.k_biases, p.s_dtype, kbbase + j * p.kb_strides[2] + gi);
+        vss[gi][t] = load_scale(p.v_scales, p.s_dtype, vsbase + j * p.vs_strides[2] + gi);
+        vbs[gi][t] = load_scale(p.v_biases, p.s_dtype, vbbase + j * p.vb_strides[2] + gi);
+      }
+      if (additive) {
+        for (int h = 0; h < HT; h++) {
+          key_allowed(a, b, h0 + (h < nh ? h : 0), i, j, &adds[h][t]);
+        }
+      }
+    }
+    // Scores 16 keys at a time: each key's products stay a vector until the 16 are summed
+    // lane-wise together (sum_lanes16); scale, bias and mask then apply as vectors.
+    for (int t0 = 0; t0 < count; t0 += 16) {
+      const int tn = count - t0 < 16 ? count - t0 : 16;
+      alignas(64) float part[HT][16][16];
+      for (int tt = 0; tt < 16; tt++) {
+        if (tt >= tn) {
+          for (int h = 0; h < HT; h++) {
+            _mm512_store_ps(part[h][tt], _mm512_setzero_ps());
+          }
+          continue;
+        }
+        const int t = t0 + tt;
+        float ks[MAXG];
+        if (!ONE) {
+          for (int gi = 0; gi < groups; gi++) {
+            ks[gi] = kss[gi][t];
+          }
+        }
+        __m512 kf[DC];
+        unpack_row<BITS, DC, !ONE>(kw + kbase + keys[start + t] * a.k_strides[2], ks, vshift,
+                                   kf);
+#pragma GCC unroll 4
+        for (int h = 0; h < HT; h++) {
+          __m512 acc = _mm512_mul_ps(q[h][0], kf[0]);
+#pragma GCC unroll 16
+          for (int c = 1; c < DC; c++) {
+            acc = _mm512_fmadd_ps(q[h][c], kf[c], acc);
+          }
+          _mm512_store_ps(part[h][tt], acc);
+        }
+      }
+      const __mmask16 live = tn == 16 ? 0xFFFF : (__mmask16)((1u << tn) - 1);
+      for (int h = 0; h < HT; h++) {
+        __m512 r = sum_lanes16(part[h]);
+        if (ONE) {
+          r = _mm512_mul_ps(r, _mm512_maskz_loadu_ps(live, kss[0] + t0));
+        }
+        for (int gi = 0; gi < groups; gi++) {
+          r = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, kbs[gi] + t0),
+                              _mm512_set1_ps(qsum[h][gi]), r);
+        }
+        if (additive) {
+          r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(live, adds[h] + t0));
+        }
+        _mm512_mask_storeu_ps(scores + h * KB + t0, live, r);
+      }
+    }
+    for (int h = 0; h < HT; h++) {
+      float* sc = scores + h * KB;
+      __m512 mx = _mm512_set1_ps(-3.4e38f);
+      int t = 0;
+      for (; t + 16 <= count; t += 16) {
+        mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + t));
+      }
+      float block_max = _mm512_reduce_max_ps(mx);
+      for (; t < count; t++) {
+        block_max = fmax2(block_max, sc[t]);
+      }
+      const float new_max = fmax2(run_max[h], block_max);
+      const float alpha = exp_nonpositive(run_max[h] - new_max);
+      const __m512 m16 = _mm512_set1_ps(new_max);
+      __m512 sum = _mm512_setzero_ps();
+      __m512 bsum[MAXG];
+      for (int gi = 0; gi < groups; gi++) {
+        bsum[gi] = _mm512_setzero_ps();
+      }
+      for (t = 0; t < count; t += 16) {
+        const __mmask16 live = count - t >= 16 ? 0xFFFF : (__mmask16)((1u << (count - t)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(
+            live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + t), m16)));
+        sum = _mm512_add_ps(sum, e);
+        // The values' biases meet the weights here: sum_t p_t * bias_t, a group at a time.
+        for (int gi = 0; gi < groups; gi++) {
+          bsum[gi] = _mm512_fmadd_ps(e, _mm512_maskz_loadu_ps(live, vbs[gi] + t), bsum[gi]);
+        }
+        // One group a row: its scale folds into the weight.
+        _mm512_mask_storeu_ps(sc + t, live,
+                              ONE ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(live, vss[0] + t))
+                                  : e);
+      }
+      total[h] = total[h] * alpha + _mm512_reduce_add_ps(sum);
+      const __m512 a16 = _mm512_set1_ps(alpha);
+      for (int c = 0; c < DC; c++) {
+        o[h][c] = _mm512_mul_ps(o[h][c], a16);
+      }
+      for (int gi = 0; gi < groups; gi++) {
+        vbias[h][gi] = vbias[h][gi] * alpha + _mm512_reduce_add_ps(bsum[gi]);
+      }
+      run_max[h] = new_max;
+    }
+    for (int t = 0; t < count; t++) {
+      float vs[MAXG];
+      if (!ONE) {
+        for (int gi = 0; gi < groups; gi++) {
+          vs[gi] = vss[gi][t];
+        }
+      }
+      __m512 vf[DC];
+      unpack_row<BITS, DC, !ONE>(vw + vbase + keys[start + t] * a.v_strides[2], vs, vshift, vf);
+#pragma GCC unroll 4
+      for (int h = 0; h < HT; h++) {
+        const __m512 w16 = _mm512_set1_ps(scores[h * KB + t]);
+#pragma GCC unroll 16
+        for (int c = 0; c < DC; c++) {
+          o[h][c] = _mm512_fmadd_ps(w16, vf[c], o[h][c]);
+        }
+      }
+    }
+  }
+  for (int h = 0; h < nh; h++) {
+    const float inv = total[h] > 0.0f ? 1.0f / total[h] : 0.0f;
+    alignas(64) float tmp[16 * DC];
+    for (int c = 0; c < DC; c++) {
+      const __m512 r = _mm512_add_ps(o[h][c], _mm512_set1_ps(vbias[h][c >> vshift]));
+      _mm512_store_ps(tmp + 16 * c, _mm512_mul_ps(r, _mm512_set1_ps(inv)));
+    }
+    const int64_t out = ((static_cast<int64_t>(b) * a.Hq + h0 + h) * a.Lq + i) * a.Dv;
+    for (int d = 0; d < 16 * DC; d++) {
+      store_f(a.out, a.dtype, out + d, tmp[perm_index<BITS>(d)]);
+    }
+  }
+}
+
+template <int DC, int HT, int BITS, bool ONE>
+void quant_attention_group(const QuantAttentionProblem& p, int b, int g, int i, float* work) {
+  const AttentionProblem& a = p.a;
+  const int rep = a.Hq / a.Hkv;
+  int32_t* keys = reinterpret_cast<int32_t*>(work);
+  float* scores = work + a.Lk;
+  const bool shared = a.mask_kind <= 1 || a.mask_strides[1] == 0;
+  int n = shared ? allowed_keys(a, b, g * rep, i, keys) : 0;
+  for (int h0 = 0; h0 < rep; h0 += shared ? HT : 1) {
+    const int nh = shared ? (rep - h0 < HT ? rep - h0 : HT) : 1;
+    if (!shared) {
+      n = allowed_keys(a, b, g * rep + h0, i, keys);
+    }
+    quant_attend_heads<DC, HT, BITS, ONE>(p, b, g, i, g * rep + h0, nh, keys, n, scores);
+  }
+}
+
+size_t quant_attention_work_simd(const QuantAttentionProblem& p) {
+  return static_cast<size_t>(p.a.Lk) + 4 * KB + quant_attention_work(p);
+}
+
+// Heads taken together: the most (up to cap) that divide a group's heads evenly, else cap.
+inline int heads_per_pass(int rep, int cap) {
+  for (int ht = cap; ht > 1; ht--) {
+    if (rep % ht == 0) {
+      return ht;
+    }
+  }
+  return rep < cap ? rep : cap;
+}
+
+template <int DC, int HT, int BITS>
+void quant_attention_ht(const QuantAttentionProblem& p, int b, int g, int i, float* work) {
+  if (p.group >= 16 * DC) {
+    quant_attention_group<DC, HT, BITS, true>(p, b, g, i, work);
+  } else {
+    quant_attention_group<DC, HT, BITS, false>(p, b, g, i, work);
+  }
+}
+
+template <int DC, int CAP, int BITS>
+void quant_attention_dc(const QuantAttentionProblem& p, int b, int g, int i, float* work) {
+  const int ht = heads_per_pass(p.a.Hq / p.a.Hkv, CAP);
+  if (CAP >= 4 && ht == 4) {
+    quant_attention_ht<DC, (CAP >= 4 ? 4 : 1), BITS>(p, b, g, i, work);
+  } else if (CAP >= 3 && ht == 3) {
+    quant_attention_ht<DC, (CAP >= 3 ? 3 : 1), BITS>(p, b, g, i, work);
+  } else if (CAP >= 2 && ht == 2) {
+    quant_attention_ht<DC, (CAP >= 2 ? 2 : 1), BITS>(p, b, g, i, work);
+  } else {
+    quant_attention_ht<DC, 1, BITS>(p, b, g, i, work);
+  }
+}
+
+template <int BITS>
+void quant_attention_bits(const QuantAttentionProblem& p, int b, int g, int i, float* work) {
+  switch (p.a.D) {
+    case 32:
+      quant_attention_dc<2, 4, BITS>(p, b, g, i, work);
+      break;
+    case 64:
+      quant_attention_dc<4, 4, BITS>(p, b, g, i, work);
+      break;
+    case 96:
+      quant_attention_dc<6, 3, BITS>(p, b, g, i, work);
+      break;
+    case 128:
+      quant_attention_dc<8, 2, BITS>(p, b, g, i, work);
+      break;
+    case 256:
+      quant_attention_dc<16, 1, BITS>(p, b, g, i, work);
+      break;
+    default:
+      quant_attention_item(p, b, g, i, work);
+  }
+}
+
+void quant_attention(const QuantAttentionProblem& p, int b, int g, int i, float* work) {
+  if (p.a.D != p.a.Dv) {
+    quant_attention_item(p, b, g, i, work);
+  } else if (p.bits == 8) {
+    quant_attention_bits<8>(p, b, g, i, work);
+  } else {
+    quant_attention_bits<4>(p, b, g, i, work);
+  }
+}
+
 // silu(gate) * up, 16 at a time, the portable formula lane by lane.
 void silu_mul_simd(const void* gate, const void* up, void* out, DType t, int64_t i0,
                    int64_t i1) {
@@ -529,6 +885,7 @@ void silu_mul_simd(const void* gate, const void* up, void* out, DType t, int64_t
 const KernelTable table = {
     "avx512", supports,  row_bytes,           prepare,
     compute,       attention, attention_work_simd, silu_mul_simd,
+    quant_attention, quant_attention_work_simd,
 };
 
 }  // namespace

@@ -22,6 +22,7 @@ size_t row_bytes(int K, int bits, int group) {
 const KernelTable table = {
     "generic",        supports,       row_bytes,      GenericX::prepare,
     generic_compute,  attention_item, attention_work, silu_mul,
+    quant_attention_item, quant_attention_work,
 };
 
 }  // namespace

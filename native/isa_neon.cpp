@@ -93,6 +93,7 @@ void compute(const QmmProblem& p, const uint8_t* scratch, int n0, int n1) {
 const KernelTable table = {
     "neon",  supports,       row_bytes,      prepare,
     compute, attention_item, attention_work, silu_mul,
+    quant_attention_item, quant_attention_work,
 };
 
 }  // namespace

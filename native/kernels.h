@@ -49,6 +49,26 @@ struct AttentionProblem {
   void* out;  // B x Hq x Lq x Dv, row-major
 };
 
+// Attention over a quantized KV cache (mlx-lm's QuantizedKVCache, mx.quantize along the head
+// dimension): a.k / a.v point at the packed uint32 words (a.k_strides / a.v_strides count
+// words; a key's D * bits / 32 words are contiguous), a.D / a.Dv are the unpacked head sizes,
+// a.dtype is the queries' and the output's. Each key's group of `group` values has one scale
+// and bias (s_dtype), strided like the packed words. key = scale * q_int + bias, computed per
+// group as scale * (q . k_int) + bias * sum(q): the cache is never dequantized to a copy.
+struct QuantAttentionProblem {
+  AttentionProblem a;
+  const void* k_scales;
+  const void* k_biases;
+  const void* v_scales;
+  const void* v_biases;
+  DType s_dtype;
+  int64_t ks_strides[3];  // b, h, j (a key's groups are contiguous)
+  int64_t kb_strides[3];
+  int64_t vs_strides[3];
+  int64_t vb_strides[3];
+  int bits, group;
+};
+
 // What one instruction set provides. The matmul runs in two phases over a scratch buffer:
 // stage the activations as float32 rows (rows in parallel), then the products (columns in
 // parallel).
@@ -65,6 +85,9 @@ struct KernelTable {
   // out[i] = silu(gate[i]) * up[i] for i in [i0, i1) (mlx-lm's swiglu), contiguous arrays.
   void (*silu_mul)(const void* gate, const void* up, void* out, DType t, int64_t i0,
                    int64_t i1);
+  // The attention's work item over a quantized cache; its scratch in floats.
+  void (*quant_attention)(const QuantAttentionProblem& p, int b, int g, int i, float* work);
+  size_t (*quant_attention_work_floats)(const QuantAttentionProblem& p);
 };
 
 // The tables compiled in (null where the unit was built for another architecture).

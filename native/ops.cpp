@@ -565,6 +565,201 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
                    std::make_shared<AttentionCpu>(cpu_stream(), scale, kind), std::move(inputs));
 }
 
+// ---- attention over a quantized KV cache ---------------------------------------------------
+
+// Where a 4-D array's elements lie for the kernels: its own data, walked by its strides over
+// the first three axes, when its last axis is contiguous (a cache's slice of its buffer);
+// else a row-major copy.
+const void* walkable(const mx::array& t, std::vector<uint8_t>& copy, int64_t strides[3]) {
+  if (t.strides()[3] == 1 || t.shape(3) == 1) {
+    for (int d = 0; d < 3; d++) {
+      strides[d] = t.strides()[d];
+    }
+    return t.data<void>();
+  }
+  const void* data = row_major(t, copy);
+  strides[2] = t.shape(3);
+  strides[1] = strides[2] * t.shape(2);
+  strides[0] = strides[1] * t.shape(1);
+  return data;
+}
+
+// Inputs: q, k packed, k scales, k biases, v packed, v scales, v biases[, mask].
+void run_quant_attention(const std::vector<mx::array>& in, mx::array& out, float scale,
+                         int mask_kind, int group, int bits) {
+  QuantAttentionProblem p{};
+  AttentionProblem& a = p.a;
+  std::vector<uint8_t> copies[7];
+  a.q = walkable(in[0], copies[0], a.q_strides);
+  a.k = walkable(in[1], copies[1], a.k_strides);
+  p.k_scales = walkable(in[2], copies[2], p.ks_strides);
+  p.k_biases = walkable(in[3], copies[3], p.kb_strides);
+  a.v = walkable(in[4], copies[4], a.v_strides);
+  p.v_scales = walkable(in[5], copies[5], p.vs_strides);
+  p.v_biases = walkable(in[6], copies[6], p.vb_strides);
+  a.dtype = dtype_of(in[0]);
+  p.s_dtype = dtype_of(in[2]);
+  a.B = in[0].shape(0);
+  a.Hq = in[0].shape(1);
+  a.Lq = in[0].shape(2);
+  a.D = in[0].shape(3);
+  a.Hkv = in[1].shape(1);
+  a.Lk = in[1].shape(2);
+  a.Dv = in[4].shape(3) * 32 / bits;
+  a.scale = scale;
+  a.mask_kind = mask_kind;
+  if (mask_kind >= 2) {
+    const mx::array& m = in[7];
+    a.mask = m.data<void>();
+    const int nd = m.ndim();
+    for (int d = 0; d < 4; d++) {
+      const int md = d - (4 - nd);
+      a.mask_strides[d] = (md < 0 || m.shape(md) == 1) ? 0 : m.strides()[md];
+    }
+  }
+  a.out = out.data<void>();
+  p.bits = bits;
+  p.group = group;
+  const KernelTable& t = best_kernels();
+  const size_t work_floats = t.quant_attention_work_floats(p);
+  const int items = a.B * a.Hkv * a.Lq;
+  const int parts = split(items, 1, 2);
+  const int each = (items + parts - 1) / parts;
+  parallel_for(parts, [&](int part) {
+    float* work = reinterpret_cast<float*>(scratch(work_floats * sizeof(float)));
+    const int i0 = part * each;
+    const int i1 = i0 + each < items ? i0 + each : items;
+    for (int item = i0; item < i1; item++) {
+      const int i = item % a.Lq;
+      const int g = (item / a.Lq) % a.Hkv;
+      const int b = item / (a.Lq * a.Hkv);
+      t.quant_attention(p, b, g, i, work);
+    }
+  });
+}
+
+class QuantAttentionCpu : public mx::UnaryPrimitive {
+ public:
+  QuantAttentionCpu(mx::Stream stream, float scale, int mask_kind, int group, int bits)
+      : mx::UnaryPrimitive(stream), scale_(scale), mask_kind_(mask_kind), group_(group),
+        bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch_cpu(stream(), inputs, out,
+                 [scale = scale_, kind = mask_kind_, group = group_, bits = bits_](
+                     std::vector<mx::array>& in, mx::array& y) {
+                   run_quant_attention(in, y, scale, kind, group, bits);
+                 });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlx_providers cpu kernels run on the CPU only");
+  }
+
+  const char* name() const override {
+    return "CpuQuantizedKVAttention";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantAttentionCpu&>(other);
+    return scale_ == o.scale_ && mask_kind_ == o.mask_kind_ && group_ == o.group_ &&
+           bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[4].shape(-1) * 32 / bits_;
+    return {shape};
+  }
+
+ private:
+  float scale_;
+  int mask_kind_;
+  int group_;
+  int bits_;
+};
+
+mx::array quantized_attention(const mx::array& q, const mx::array& k, const mx::array& k_scales,
+                              const mx::array& k_biases, const mx::array& v,
+                              const mx::array& v_scales, const mx::array& v_biases, float scale,
+                              int group_size, int bits, const std::optional<mx::array>& mask,
+                              bool causal) {
+  const char* what = "quantized_attention: ";
+  auto fail = [&](const std::string& why) { throw std::invalid_argument(what + why); };
+  if (bits != 4 && bits != 8) {
+    fail("bits must be 4 or 8");
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    fail("group_size must be 32, 64 or 128");
+  }
+  const std::vector<const mx::array*> all = {&q, &k, &k_scales, &k_biases, &v, &v_scales,
+                                             &v_biases};
+  for (const mx::array* t : all) {
+    if (t->ndim() != 4) {
+      fail("every array must be 4-D (B, heads, length, width)");
+    }
+  }
+  dtype_of(q);
+  if (k.dtype() != mx::uint32 || v.dtype() != mx::uint32) {
+    fail("packed keys and values must be uint32 (mx.quantize's layout)");
+  }
+  dtype_of(k_scales);
+  if (k_biases.dtype() != k_scales.dtype() || v_scales.dtype() != k_scales.dtype() ||
+      v_biases.dtype() != k_scales.dtype()) {
+    fail("scales and biases must share a dtype");
+  }
+  const int B = q.shape(0);
+  const int Hq = q.shape(1);
+  const int D = q.shape(3);
+  const int Hkv = k.shape(1);
+  const int Lk = k.shape(2);
+  const int per = 32 / bits;
+  const int Dv = v.shape(3) * per;
+  if (D > 256 || Dv > 256) {
+    fail("head dimensions up to 256");
+  }
+  if (D % group_size != 0 || Dv % group_size != 0 || k.shape(3) * per != D) {
+    fail("the packed keys must hold the queries' head size in whole groups");
+  }
+  if (Hkv == 0 || Hq % Hkv != 0) {
+    fail("query heads must be a multiple of the key heads");
+  }
+  for (const mx::array* t : all) {
+    if (t == &q) {
+      continue;
+    }
+    if (t->shape(0) != B || t->shape(1) != Hkv || t->shape(2) != Lk) {
+      fail("keys, values, scales and biases must share (B, heads, length)");
+    }
+  }
+  if (k_scales.shape(3) != D / group_size || k_biases.shape(3) != D / group_size ||
+      v_scales.shape(3) != Dv / group_size || v_biases.shape(3) != Dv / group_size) {
+    fail("one scale and bias a group");
+  }
+  std::vector<mx::array> inputs = {q, k, k_scales, k_biases, v, v_scales, v_biases};
+  int kind = causal ? 1 : 0;
+  if (mask.has_value()) {
+    const mx::array& m = *mask;
+    if (m.ndim() > 4) {
+      fail("a mask has at most 4 axes");
+    }
+    if (m.dtype() == mx::bool_) {
+      kind = 2;
+    } else if (m.dtype() == mx::float32) {
+      kind = 3;
+    } else {
+      fail("the mask must be bool or float32");
+    }
+    inputs.push_back(m);
+  }
+  auto shape = q.shape();
+  shape.back() = Dv;
+  return mx::array(std::move(shape), q.dtype(),
+                   std::make_shared<QuantAttentionCpu>(cpu_stream(), scale, kind, group_size,
+                                                       bits),
+                   std::move(inputs));
+}
+
 // ---- silu(gate) * up -----------------------------------------------------------------------
 
 class SiluMulCpu : public mx::UnaryPrimitive {
@@ -922,6 +1117,11 @@ NB_MODULE(cpu_native, m) {
   m.def("attention", &mlxp::attention, "q"_a, "k"_a, "v"_a, "scale"_a,
         "mask"_a = nb::none(), "causal"_a = false,
         "Fused attention of (B, Hq, Lq, D) queries over (B, Hkv, Lk, D) keys and values.");
+  m.def("quantized_attention", &mlxp::quantized_attention, "q"_a, "k"_a, "k_scales"_a,
+        "k_biases"_a, "v"_a, "v_scales"_a, "v_biases"_a, "scale"_a, "group_size"_a, "bits"_a,
+        "mask"_a = nb::none(), "causal"_a = false,
+        "Fused attention of (B, Hq, Lq, D) queries over keys and values kept as mx.quantize's "
+        "(packed, scales, biases), read where they lie.");
   m.def("silu_mul", &mlxp::silu_mul, "gate"_a, "up"_a, "silu(gate) * up (mlx-lm's swiglu).");
   m.def("rms_norm", &mlxp::rms_norm, "x"_a, "weight"_a = nb::none(), "eps"_a,
         "mx.fast.rms_norm's formula, float32, as one op.");

@@ -338,6 +338,157 @@ inline void attention_item(const AttentionProblem& p, int b, int g, int i, float
   }
 }
 
+// ---- fused attention over a quantized KV cache ------------------------------------------
+//
+// The same pass as above (blocks of KB allowed keys from the first allowed one, an online
+// softmax), reading mx.quantize's packed keys and values where they lie. The query is scaled
+// first (as mlx-lm's quantized attention does) and its sum over each group taken once:
+// q . key = sum over groups of scale * (q_g . k_int_g) + bias * sum(q_g). The values
+// accumulate p * scale * v_int per element and p * bias per group, added at the end.
+
+constexpr int MAXG = MAXD / 32;  // groups of a head, at the smallest group (32)
+
+// Element k of a packed row (little endian within each uint32 word).
+inline uint32_t packed_q(const uint32_t* words, int bits, int k) {
+  const int per = 32 / bits;
+  return (words[k / per] >> (bits * (k % per))) & ((1u << bits) - 1u);
+}
+
+inline size_t quant_attention_work(const QuantAttentionProblem& p) {
+  // allowed key indices, a block's scores, the query, its group sums, the accumulator, the
+  // value groups' bias sums
+  return static_cast<size_t>(p.a.Lk) + KB + p.a.D + MAXG + p.a.Dv + MAXG + 64;
+}
+
+// One query head's pass over its allowed keys (q scaled, qsum its group sums); out gets Dv
+// values.
+inline void quant_attend_head(const QuantAttentionProblem& p, int b, int h, int i,
+                              const float* q, const float* qsum, int32_t* keys, float* scores,
+                              float* acc, float* vbias, float* out) {
+  const AttentionProblem& a = p.a;
+  const int g = h / (a.Hq / a.Hkv);
+  const int kgroups = a.D / p.group;
+  const int vgroups = a.Dv / p.group;
+  int n = 0;
+  for (int j = 0; j < a.Lk; j++) {
+    float add;
+    if (key_allowed(a, b, h, i, j, &add)) {
+      keys[n++] = j;
+    }
+  }
+  for (int d = 0; d < a.Dv; d++) {
+    acc[d] = 0.0f;
+  }
+  for (int c = 0; c < vgroups; c++) {
+    vbias[c] = 0.0f;
+  }
+  const uint32_t* kw = static_cast<const uint32_t*>(a.k);
+  const uint32_t* vw = static_cast<const uint32_t*>(a.v);
+  const int64_t kbase = b * a.k_strides[0] + g * a.k_strides[1];
+  const int64_t vbase = b * a.v_strides[0] + g * a.v_strides[1];
+  const int64_t ksbase = b * p.ks_strides[0] + g * p.ks_strides[1];
+  const int64_t kbbase = b * p.kb_strides[0] + g * p.kb_strides[1];
+  const int64_t vsbase = b * p.vs_strides[0] + g * p.vs_strides[1];
+  const int64_t vbbase = b * p.vb_strides[0] + g * p.vb_strides[1];
+  float running_max = -3.4e38f;
+  float total = 0.0f;
+  for (int start = 0; start < n; start += KB) {
+    const int count = n - start < KB ? n - start : KB;
+    float block_max = -3.4e38f;
+    for (int t = 0; t < count; t++) {
+      const int j = keys[start + t];
+      float add;
+      key_allowed(a, b, h, i, j, &add);
+      const uint32_t* row = kw + kbase + j * a.k_strides[2];
+      float s = 0.0f;
+      for (int c = 0; c < kgroups; c++) {
+        float lanes[16] = {0};
+        for (int e = 0; e < p.group; e++) {
+          const int d = c * p.group + e;
+          lanes[e % 16] += q[d] * static_cast<float>(packed_q(row, p.bits, d));
+        }
+        const float scale = load_f(p.k_scales, p.s_dtype, ksbase + j * p.ks_strides[2] + c);
+        const float bias = load_f(p.k_biases, p.s_dtype, kbbase + j * p.kb_strides[2] + c);
+        s += scale * sum16(lanes) + bias * qsum[c];
+      }
+      s += add;
+      scores[t] = s;
+      block_max = fmax2(block_max, s);
+    }
+    const float new_max = fmax2(running_max, block_max);
+    const float alpha = exp_nonpositive(running_max - new_max);
+    float partial[16] = {0};
+    for (int t = 0; t < count; t++) {
+      scores[t] = exp_nonpositive(scores[t] - new_max);
+      partial[t % 16] += scores[t];
+    }
+    total = total * alpha + sum16(partial);
+    for (int d = 0; d < a.Dv; d++) {
+      acc[d] *= alpha;
+    }
+    for (int c = 0; c < vgroups; c++) {
+      vbias[c] *= alpha;
+    }
+    for (int t = 0; t < count; t++) {
+      const int j = keys[start + t];
+      const uint32_t* row = vw + vbase + j * a.v_strides[2];
+      const float w = scores[t];
+      for (int c = 0; c < vgroups; c++) {
+        const float ws = w * load_f(p.v_scales, p.s_dtype, vsbase + j * p.vs_strides[2] + c);
+        vbias[c] += w * load_f(p.v_biases, p.s_dtype, vbbase + j * p.vb_strides[2] + c);
+        for (int e = 0; e < p.group; e++) {
+          const int d = c * p.group + e;
+          acc[d] += ws * static_cast<float>(packed_q(row, p.bits, d));
+        }
+      }
+    }
+    running_max = new_max;
+  }
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int d = 0; d < a.Dv; d++) {
+    out[d] = (acc[d] + vbias[d / p.group]) * inv;
+  }
+}
+
+// The query of head h, row i, scaled, and its sums over each group of the keys.
+inline void quant_query(const QuantAttentionProblem& p, int b, int h, int i, float* q,
+                        float* qsum) {
+  const AttentionProblem& a = p.a;
+  to_f32(a.q, a.dtype, b * a.q_strides[0] + h * a.q_strides[1] + i * a.q_strides[2], a.D, q);
+  for (int d = 0; d < a.D; d++) {
+    q[d] *= a.scale;
+  }
+  for (int c = 0; c < a.D / p.group; c++) {
+    float lanes[16] = {0};
+    for (int e = 0; e < p.group; e++) {
+      lanes[e % 16] += q[c * p.group + e];
+    }
+    qsum[c] = sum16(lanes);
+  }
+}
+
+inline void quant_attention_item(const QuantAttentionProblem& p, int b, int g, int i,
+                                 float* work) {
+  const AttentionProblem& a = p.a;
+  const int rep = a.Hq / a.Hkv;
+  int32_t* keys = reinterpret_cast<int32_t*>(work);
+  float* scores = work + a.Lk;
+  float* q = scores + KB;
+  float* qsum = q + a.D;
+  float* acc = qsum + MAXG;
+  float* vbias = acc + a.Dv;
+  float out[MAXD];
+  for (int r = 0; r < rep; r++) {
+    const int h = g * rep + r;
+    quant_query(p, b, h, i, q, qsum);
+    quant_attend_head(p, b, h, i, q, qsum, keys, scores, acc, vbias, out);
+    const int64_t o = ((static_cast<int64_t>(b) * a.Hq + h) * a.Lq + i) * a.Dv;
+    for (int d = 0; d < a.Dv; d++) {
+      store_f(a.out, a.dtype, o + d, out[d]);
+    }
+  }
+}
+
 // ---- silu(gate) * up ---------------------------------------------------------------------
 
 inline float silu_mul_one(float g, float u) {

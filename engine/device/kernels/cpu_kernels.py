@@ -3,9 +3,10 @@
 Two operations of the MLX graph, for the CPU backend only: a quantized matmul over MLX's
 affine 4/8-bit layout (float32 activations, weights dequantized exactly in registers;
 AVX-512 / AVX2 / NEON units chosen at run time, several threads)
-and a fused attention for decode steps. This module loads the extension once, checks it
-(the mlx it was built against, a small product against MLX's own op) and says why when it
-cannot be used: then MLX's own ops run, as before.
+and a fused attention for decode steps, over float keys and values or over a KV cache kept
+quantized (``mx.quantize``'s triples, read where they lie). This module loads the extension
+once, checks it (the mlx it was built against, a small product against MLX's own op) and
+says why when it cannot be used: then MLX's own ops run, as before.
 
 ``MLX_PROVIDERS_CPU_KERNELS=0`` turns the kernels off (the reference path, for tests and
 comparisons); ``MLX_PROVIDERS_CPU_ISA`` picks a lower instruction set, and
@@ -26,6 +27,12 @@ ENV_SWITCH = "MLX_PROVIDERS_CPU_KERNELS"
 ATTENTION_MAX_QUERIES = 32  # longer query spans (prefill) keep MLX's GEMM-based attention
 QMM_BITS = (4, 8)
 QMM_GROUPS = (32, 64)
+QATTN_BITS = (4, 8)  # what quantized_attention reads (mx.quantize's affine layout)
+QATTN_GROUPS = (32, 64, 128)
+ATTENTION_MAX_DIM = 256
+
+# mx.quantize's (packed uint32, scales, biases), each (B, heads, length, width).
+Triple = tuple[mx.array, mx.array, mx.array]
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,37 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     drops are never read, so padding costs nothing and changes no result.
     """
     return _ext().attention(q, k, v, scale, mask, causal)  # type: ignore[no-any-return]
+
+
+def quantized_attention_supported(queries: mx.array, keys: Triple, values: Triple,
+                                  group_size: int, bits: int) -> bool:
+    """Whether ``quantized_attention`` takes these shapes and dtypes (else mlx-lm's
+    ``quantized_scaled_dot_product_attention`` should run)."""
+    if bits not in QATTN_BITS or group_size not in QATTN_GROUPS or queries.ndim != 4:
+        return False
+    if len(keys) != 3 or len(values) != 3 or any(t.ndim != 4 for t in (*keys, *values)):
+        return False
+    floats = (mx.float32, mx.float16, mx.bfloat16)
+    dim, value_dim = queries.shape[-1], values[0].shape[-1] * 32 // bits
+    return (queries.dtype in floats and keys[1].dtype in floats
+            and keys[0].dtype == values[0].dtype == mx.uint32
+            and all(t.dtype == keys[1].dtype for t in (keys[2], values[1], values[2]))
+            and keys[0].shape[-1] * 32 // bits == dim
+            and max(dim, value_dim) <= ATTENTION_MAX_DIM
+            and dim % group_size == 0 and value_dim % group_size == 0)
+
+
+def quantized_attention(q: mx.array, keys: Triple, values: Triple, scale: float,
+                        group_size: int, bits: int, mask: mx.array | None = None,
+                        causal: bool = False) -> mx.array:
+    """Fused attention of (B, Hq, L, D) queries over keys and values kept quantized:
+    ``keys`` and ``values`` are ``mx.quantize(..., group_size, bits)``'s (packed uint32,
+    scales, biases) along the head dimension, (B, Hkv, S, ·) each, as mlx-lm's quantized
+    caches hand them out; never dequantized to a copy. What mlx-lm's
+    ``quantized_scaled_dot_product_attention`` computes (``mask`` and ``causal`` as for
+    ``attention``), in float32 with the output in ``q``'s dtype."""
+    return _ext().quantized_attention(q, *keys, *values, scale, group_size, bits,  # type: ignore[no-any-return]
+                                      mask, causal)
 
 
 def read_through(a: mx.array) -> int:

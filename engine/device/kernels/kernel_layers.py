@@ -229,10 +229,36 @@ def _wrap_swiglu(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     return swiglu
 
 
+def _quantized_attention(queries: mx.array, keys: Any, values: Any, cache: Any,
+                         scale: float, mask: Any) -> mx.array | None:
+    """The quantized-KV kernel's output for a cache with ``bits`` (keys and values arrive
+    as ``mx.quantize``'s triples), or None where it does not take the call (mlx-lm's
+    quantized path then runs). Any number of queries: mlx-lm's alternative is two
+    ``mx.quantized_matmul`` calls, slower on the CPU than the kernel in prefill too."""
+    bits, group_size = getattr(cache, "bits", None), getattr(cache, "group_size", None)
+    if (not isinstance(bits, int) or not isinstance(group_size, int)
+            or not isinstance(keys, (tuple, list)) or not isinstance(values, (tuple, list))
+            or len(keys) != 3 or len(values) != 3):
+        return None
+    qk: cpu_kernels.Triple = (keys[0], keys[1], keys[2])
+    qv: cpu_kernels.Triple = (values[0], values[1], values[2])
+    if not cpu_kernels.quantized_attention_supported(queries, qk, qv, group_size, bits):
+        return None
+    usable, array, causal = _kernel_mask(mask, queries.shape[2])
+    if not usable:
+        return None
+    return cpu_kernels.quantized_attention(queries, qk, qv, scale, group_size, bits, array,
+                                           causal)
+
+
 def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(queries: mx.array, keys: Any, values: Any, cache: Any,
                                      scale: float, mask: Any, sinks: Any = None) -> mx.array:
-        if (_in_kernel_forward() and sinks is None and not hasattr(cache, "bits")
+        if _in_kernel_forward() and sinks is None and hasattr(cache, "bits"):
+            out = _quantized_attention(queries, keys, values, cache, scale, mask)
+            if out is not None:
+                return out
+        elif (_in_kernel_forward() and sinks is None
                 and isinstance(keys, mx.array) and queries.ndim == 4
                 and queries.shape[2] <= cpu_kernels.ATTENTION_MAX_QUERIES
                 and queries.dtype == keys.dtype == values.dtype
