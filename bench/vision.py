@@ -7,10 +7,11 @@ figures are the engine's and this machine's, not a real checkpoint's. Prints:
 
 - the tower and projector per image (``stats().vision_seconds`` / images);
 - an image row's time to first token alone, and beside ``--rows`` text rows decoding;
-- the text rows' tokens/s while the image row prefills, against the same rows in windows
-  just before it arrives and just after its first token (it ends there), which cancels
-  this machine's drift (goal: >= 0.9; ``EngineConfig.vision_step_share``, 0.08, sets it:
-  about 1/1.08 = 0.93 in theory);
+- the text rows' tokens/s while the image rows are in flight (from the first one's
+  arrival to the last one's first token; each ends there), against the same text rows
+  over the same seconds of a control run without images just after it (goal: >= 0.9;
+  ``EngineConfig.vision_step_share``, 0.08, sets it: about 1/1.08 = 0.93 in theory), each
+  run's ratio, and the longest gap with no text token while they were in flight;
 - a conversation's second turn over the same image: TTFT with reuse (feature LRU and
   prefix cache) against an engine with both off (goal: >= 5x lower).
 
@@ -28,6 +29,8 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -116,39 +119,107 @@ class TokenClock:
     def rate(self, start: float, end: float) -> float:
         return sum(start <= t < end for t in self.times) / max(end - start, 1e-9)
 
+    def longest_gap(self, start: float, end: float) -> float:
+        """The longest time in [start, end) with no text token (stalls show here)."""
+        inside = [start, *(t for t in self.times if start <= t < end), end]
+        return max(b - a for a, b in pairwise(inside))
 
-def beside_text_rows(eng: Engine, rows: int, seed: int, images: int = 1,
-                     ) -> tuple[float, float, float]:
-    """(image TTFT beside decoding text rows, the text rows' tok/s without it (the mean of
-    windows just before it came and just after its first token, when it ends), their tok/s
-    during its prefill). Bracketing cancels the machine's drift."""
+
+@dataclass(frozen=True)
+class Beside:
+    """One run of image rows arriving together beside decoding text rows, and its control.
+
+    ``during``: the text rows' tok/s from the first image row's arrival to the last one's
+    first token (each image row ends there). ``alone``: the same text rows' tok/s over the
+    same seconds since they started, in a control run just after it in which no image
+    comes. Their tokens are greedy, so the control's rows hold the same contexts at the
+    same step: a text row's step grows with its context (on the tiny checkpoints its time
+    doubles within the run), and only a run of the same rows matches that drift.
+    ``before``/``after``: the image run's own tok/s in a window before the first image
+    arrives and one after the last has left the batch (the drift, for the record).
+    """
+
+    ttft: float  # the last image row's first token, from the first arrival
+    before: float  # text tok/s
+    during: float
+    after: float
+    alone: float  # text tok/s over the same seconds of the control run
+    stall: float  # the longest gap with no text token while the images were in flight
+
+    @property
+    def ratio(self) -> float:
+        return self.during / self.alone
+
+
+TEXT_TOKENS = 3000  # a text row outlives the run (its end would change the batch's width)
+WINDOW = 0.6  # seconds of each bracketing window
+
+
+@dataclass(frozen=True)
+class TextRun:
+    """Text rows' token times in one run, from when every row decodes (``steady``)."""
+
+    clock: TokenClock
+    steady: float
+    arrived: float = 0.0  # the image rows' first arrival, their last first token, their end
+    first: float = 0.0
+    ended: float = 0.0
+
+
+def text_rows(eng: Engine, rows: int, seed: int, images: int, length: float = 0.0,
+              ) -> TextRun:
+    """``rows`` text rows decoding; ``images`` image rows arrive ``WINDOW`` seconds after
+    every row decodes, and the run goes on ``WINDOW`` seconds after they leave. Without
+    images (a control), the run lasts ``length`` seconds from then."""
     clock = TokenClock()
     texts = [eng.submit(ChatRequest.from_openai(
-        [{"role": "user", "content": f"Tell a long story about item {i}."}], greedy(400)),
-        on_token=clock) for i in range(rows)]
+        [{"role": "user", "content": f"Tell a long story about item {i}."}],
+        greedy(TEXT_TOKENS)), on_token=clock) for i in range(rows)]
     while len(clock.times) < rows * 4:  # every row decoding
         time.sleep(0.01)
     steady = time.perf_counter()
-    time.sleep(0.6)  # the text rows' own pace, measured before the image arrives
-    timers = [FirstToken(stop=True) for _ in range(images)]
-    handles = [eng.submit(ChatRequest.from_openai(image_message(seed * 10 + i), greedy(4)),
-                          on_token=timer) for i, timer in enumerate(timers)]
-    for timer in timers:
-        timer.done.wait(600)
-        assert timer.first is not None
-    timer = max(timers, key=lambda t: t.start + (t.first or 0.0))  # the last image's first
-    arrived = min(t.start for t in timers)
-    first = timer.start + (timer.first or 0.0)
-    for handle in handles:
-        handle.result(timeout=600)
-    time.sleep(0.6)  # and after it
-    before = (clock.rate(steady, arrived) + clock.rate(first + 0.05, first + 0.65)) / 2
-    during = clock.rate(arrived, first)
+    time.sleep(WINDOW)  # the text rows' own pace, measured before the images arrive
+    run = TextRun(clock, steady)
+    if images:
+        # Encoded before they arrive: a client's work (the engine's caller decodes them,
+        # inside the window, as an in-process caller would).
+        messages = [image_message(seed * 10 + i) for i in range(images)]
+        timers: list[FirstToken] = []
+        handles = []
+        for message in messages:
+            timers.append(timer := FirstToken(stop=True))
+            handles.append(eng.submit(ChatRequest.from_openai(message, greedy(4)),
+                                      on_token=timer))
+        for handle in handles:
+            handle.result(timeout=600)
+        ended = time.perf_counter()  # every image row is out of the batch
+        assert all(timer.first is not None for timer in timers)
+        run = TextRun(clock, steady, arrived=min(t.start for t in timers),
+                      first=max(t.start + (t.first or 0.0) for t in timers), ended=ended)
+        time.sleep(0.05 + WINDOW)  # and the text rows alone again
+    else:
+        time.sleep(length)
+    if any(text.done for text in texts):
+        raise RuntimeError("a text row ended inside the run: raise TEXT_TOKENS")
     for text in texts:
         text.cancel()
     for text in texts:
         text.result(timeout=600)
-    return first - arrived, before, during
+    return run
+
+
+def beside_text_rows(eng: Engine, rows: int, seed: int, images: int = 1) -> Beside:
+    """Image rows arriving together beside ``rows`` decoding text rows, then the same text
+    rows alone (``Beside``)."""
+    run = text_rows(eng, rows, seed, images)
+    clock, arrived, first = run.clock, run.arrived, run.first
+    control = text_rows(eng, rows, seed, 0, length=run.ended + 0.05 + WINDOW - arrived)
+    since = control.steady - run.steady  # the same seconds since the rows decoded
+    after = run.ended + 0.05
+    return Beside(ttft=first - arrived, before=clock.rate(run.steady, arrived),
+                  during=clock.rate(arrived, first), after=clock.rate(after, after + WINDOW),
+                  alone=control.clock.rate(arrived + since, first + since),
+                  stall=clock.longest_gap(arrived, first))
 
 
 def second_turn(eng: Engine, seed: int) -> float:
@@ -192,19 +263,24 @@ def main() -> int:
     finally:
         eng.close()
         cold.close()
-    ratio = statistics.median(b[2] / b[1] for b in beside)
+    ratio = statistics.median(b.ratio for b in beside)
     print()
     print("| measure | value |")
     print("|---|---:|")
     print(f"| tower + projector per image | {per_image * 1e3:.1f} ms |")
     print(f"| image row TTFT alone | {statistics.median(alone) * 1e3:.1f} ms |")
     print(f"| last of {args.images} image rows' TTFT beside {args.rows} decoding text rows | "
-          f"{statistics.median(b[0] for b in beside) * 1e3:.1f} ms |")
-    print(f"| text rows' tok/s before the image row | "
-          f"{statistics.median(b[1] for b in beside):.1f} |")
-    print(f"| text rows' tok/s while it prefills | "
-          f"{statistics.median(b[2] for b in beside):.1f} |")
-    runs = " ".join(f"{b[2] / b[1]:.2f}" for b in beside)
+          f"{statistics.median(b.ttft for b in beside) * 1e3:.1f} ms |")
+    print(f"| text rows' tok/s before the images / after them | "
+          f"{statistics.median(b.before for b in beside):.0f} / "
+          f"{statistics.median(b.after for b in beside):.0f} |")
+    print(f"| text rows' tok/s alone over the same seconds (a control run) | "
+          f"{statistics.median(b.alone for b in beside):.0f} |")
+    print(f"| text rows' tok/s while they are in flight | "
+          f"{statistics.median(b.during for b in beside):.0f} |")
+    print(f"| longest text-token gap while they are in flight | "
+          f"{statistics.median(b.stall for b in beside) * 1e3:.1f} ms |")
+    runs = " ".join(f"{b.ratio:.2f}" for b in beside)
     print(f"| ratio (goal >= 0.9; each run: {runs}) | {ratio:.2f} |")
     print(f"| second turn TTFT, reuse off | {statistics.median(fresh) * 1e3:.1f} ms |")
     print(f"| second turn TTFT, reuse on | {statistics.median(reused) * 1e3:.1f} ms |")

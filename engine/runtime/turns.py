@@ -12,7 +12,6 @@ runs.
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import Any
 
@@ -26,6 +25,7 @@ from engine.distributed.protocol import heartbeat_seconds
 from engine.embedding.service import EmbeddingService
 from engine.runtime.build import Composition
 from engine.runtime.commands import Cancel, Command, Embed, Submit
+from engine.runtime.unload import collect_cycles
 
 # Seconds with nothing to run before finished batches' cycles are collected (the next turn
 # of a sequential agent arrives sooner and must not wait for a full collection).
@@ -51,6 +51,7 @@ class Turns:
         self._speedups_version = -1
         self._resident = ResidentSampler()
         self._idle_since: float | None = None  # rows ended and none since: the collection's clock
+        self._tower_frozen = False  # the vision tower, once built, frozen (``collect_cycles``)
 
     @property
     def idle(self) -> bool:
@@ -82,7 +83,17 @@ class Turns:
         turn = self.composition.core.turn()
         if used:  # the keep_alive clock starts again after the last turn that ran rows
             self._keep_alive.used(time.monotonic())
+            # So does the idle collection's: a row admitted and ended within one turn left
+            # the clock running, and back-to-back one-turn requests paid a full collection
+            # every IDLE_COLLECT_SECONDS (a quarter of the engine thread, profiled).
+            self._idle_since = None
         stepping = turn.step_seconds
+        vision = self.composition.built.lanes.batch.vision
+        if not self._tower_frozen and vision is not None and vision.built is not None:
+            # The first image row built the tower (mlx-vlm imported, its weights read): what
+            # that made lives as long as the model, so it is frozen as the load's was.
+            self._tower_frozen = True
+            collect_cycles()
         stepping += self.run_embeddings(stepping)  # between steps, never beside one
         self.publish_stats(time.perf_counter() - self._started - stepping, fresh_memory=False)
         if self._probe is not None:
@@ -141,7 +152,7 @@ class Turns:
         if now - self._idle_since >= IDLE_COLLECT_SECONDS:
             core.ended_since_collect = False
             self._idle_since = None
-            gc.collect()
+            collect_cycles()  # and freezes the rest: collections while busy skip it
             # The batch's freed KV otherwise stays in MLX's cache and malloc's arenas: the
             # process kept its peak (950 MB resident beside 514 MB of arrays, measured).
             self.composition.built.lanes.release_memory()
