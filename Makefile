@@ -31,9 +31,10 @@ test: $(STAMP)
 # CI runs these too: the family matrix (every family's real tokenizer and template, its tiny
 # model), family models fitted to write their own calls and reasoning, every family through
 # ChatMLXBatch, MLXBatchLLM and the server, each family's own syntax and constrained replies
-# (~11 min on two cores), and the vision zoo's other checkpoints of each family.
+# (~11 min on two cores), the vision zoo's other checkpoints of each family, and the image
+# proofs on the served vision families make test leaves to the zoo.
 test-fitted: $(STAMP)
-	$(BIN)/python -m pytest -ra $(XDIST) -m fitted tests/families tests/engine/test_vision_zoo.py
+	$(BIN)/python -m pytest -ra $(XDIST) -m fitted tests/families tests/engine
 
 # The edit loop: lint, then everything but the slow and multi-process cases (a few minutes).
 check: $(STAMP)

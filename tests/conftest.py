@@ -91,11 +91,17 @@ def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session",
                 params=["gemma3", "mistral3", "qwen2_vl", "qwen2_5_vl", "lfm2_vl", "qwen3_vl",
-                        "qwen3_5", "qwen3_5_moe", "llava", "smolvlm",
-                        "idefics3", "internvl_chat", "gemma4", "llama4"])
+                        *(pytest.param(family, marks=pytest.mark.fitted) for family in (
+                            "qwen3_5", "qwen3_5_moe", "llava", "smolvlm", "idefics3",
+                            "internvl_chat", "gemma4", "llama4"))])
 def family_vlm_dir(request: pytest.FixtureRequest,
                    tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight VLM of each family whose images are read."""
+    """A tiny random-weight VLM of each family whose images are read. ``make test`` runs
+    each family-parametrised proof on six families (one of each way of reading images:
+    a fixed block, rows of the image's aspect, a grid of positions, Qwen2.5-VL's windowed
+    tower, tiles, interleaved M-RoPE with deepstack); the other served families run them
+    in ``make test-fitted``, and every family runs once in ``make test`` through the zoo
+    (``tests/engine/test_vision_zoo.py``: batched == alone == the vision library's)."""
     return _family_dir(request.param, tmp_path_factory)
 
 

@@ -49,7 +49,7 @@ from engine.runtime.commands import (
 )
 from engine.runtime.load_errors import load_error
 from engine.runtime.turns import Turns, embedding_figures, weight_figures
-from engine.runtime.unload import collect_cycles, release_memory, unload
+from engine.runtime.unload import freeze_live, release_memory, unload
 
 if TYPE_CHECKING:
     from engine.requests.prepare import Preparer
@@ -236,8 +236,8 @@ class Runtime:
         self._turns = Turns(composition, self.config, self.book, self.embeddings,
                             self._probe, self._keep_alive)
         # What the load built lives as long as the model: frozen now, the collections
-        # while the first rows decode do not scan it (``collect_cycles``).
-        collect_cycles()
+        # while the first rows decode do not scan it (``freeze_live``).
+        freeze_live()
         self.book.add(loads=1)
         self.book.set(last_load_seconds=time.perf_counter() - started)
         self._keep_alive.used(time.monotonic())  # the idle clock starts at the load

@@ -25,7 +25,7 @@ from engine.distributed.protocol import heartbeat_seconds
 from engine.embedding.service import EmbeddingService
 from engine.runtime.build import Composition
 from engine.runtime.commands import Cancel, Command, Embed, Submit
-from engine.runtime.unload import collect_cycles
+from engine.runtime.unload import collect_cycles, freeze_live
 
 # Seconds with nothing to run before finished batches' cycles are collected (the next turn
 # of a sequential agent arrives sooner and must not wait for a full collection).
@@ -51,7 +51,7 @@ class Turns:
         self._speedups_version = -1
         self._resident = ResidentSampler()
         self._idle_since: float | None = None  # rows ended and none since: the collection's clock
-        self._tower_frozen = False  # the vision tower, once built, frozen (``collect_cycles``)
+        self._tower_frozen = False  # the vision tower, once built, frozen (``freeze_live``)
 
     @property
     def idle(self) -> bool:
@@ -93,7 +93,7 @@ class Turns:
             # The first image row built the tower (mlx-vlm imported, its weights read): what
             # that made lives as long as the model, so it is frozen as the load's was.
             self._tower_frozen = True
-            collect_cycles()
+            freeze_live()
         stepping += self.run_embeddings(stepping)  # between steps, never beside one
         self.publish_stats(time.perf_counter() - self._started - stepping, fresh_memory=False)
         if self._probe is not None:

@@ -56,3 +56,11 @@ def collect_cycles() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+def freeze_live() -> None:
+    """Freeze what is alive now, without a collection first: what a load (or the first
+    image's tower) built lives as long as the model, and a full collection to find its
+    garbage costs 60-120 ms in a process with the vision stack imported (every engine
+    start paid it). The next idle collection (``collect_cycles``) unfreezes and collects."""
+    gc.freeze()

@@ -31,9 +31,9 @@ import mlx.core as mx
 import numpy as np
 
 from engine.device.adapters.row_adapters import adapters_of
+from engine.device.upstream.quantized_kv import RowQuantizedKVCache
 from engine.device.upstream.required import check_vision
 from engine.device.upstream.vision_blocks import install_recorder, recording
-from engine.device.upstream.quantized_kv import RowQuantizedKVCache
 from engine.device.upstream.vision_caches import vision_library_caches
 from engine.device.vision.gemma4_inputs import Gemma4Inputs
 from engine.requests.inbound.prompts import PromptImage
