@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import InvalidRequestError
-from engine.requests.inbound.images import media_bytes
+from engine.requests.inbound.images import media_bytes, standard_block_source
 
 # Content part types that carry audio.
 AUDIO_PARTS = frozenset({"input_audio", "audio"})
@@ -67,21 +67,8 @@ def audio_of_part(part: Mapping[str, Any], at: str) -> DecodedAudio:
                                       f"{at}.input_audio.format")
         source = str(body["data"])
     else:
-        source = _standard_block_source(part, at)
+        source = standard_block_source(part, at, "audio", "audio/wav")
     return decoded_audio(media_bytes(source, at, "audio"), at)
-
-
-def _standard_block_source(part: Mapping[str, Any], at: str) -> str:
-    for key in ("base64", "data"):
-        data = part.get(key)
-        if isinstance(data, str) and data:
-            mime = part.get("mime_type") or "audio/wav"
-            return data if data.startswith("data:") else f"data:{mime};base64,{data}"
-    url = part.get("url")
-    if isinstance(url, str) and url:
-        return url
-    raise InvalidRequestError(f"{at}: an 'audio' block needs 'base64' (with 'mime_type') or "
-                              "'url' (a data: URI)", at)
 
 
 def decoded_audio(data: bytes, at: str) -> DecodedAudio:

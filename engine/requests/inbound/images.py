@@ -83,7 +83,7 @@ def image_of_part(part: Mapping[str, Any], at: str) -> DecodedImage:
     """The image of an image content part (``IMAGE_PARTS``), decoded; refusals name ``at``."""
     kind = part.get("type")
     if kind == "image":
-        source = _standard_block_source(part, at)
+        source = standard_block_source(part, at)
     else:
         url = part.get("image_url")
         if isinstance(url, Mapping):
@@ -96,20 +96,23 @@ def image_of_part(part: Mapping[str, Any], at: str) -> DecodedImage:
     return decoded_image(media_bytes(source, at), at)
 
 
-def _standard_block_source(part: Mapping[str, Any], at: str) -> str:
-    """LangChain v1's image block: base64 (``base64`` or v0's ``data``) or a ``url``."""
+def standard_block_source(part: Mapping[str, Any], at: str, kind: str = "image",
+                          default_mime: str = "image/png") -> str:
+    """LangChain v1's media block (an image, video or audio: ``kind``): base64
+    (``base64`` or v0's ``data``, typed by ``mime_type``) or a ``url``."""
     for key in ("base64", "data"):
         data = part.get(key)
         if isinstance(data, str) and data:
-            mime = part.get("mime_type") or "image/png"
+            mime = part.get("mime_type") or default_mime
             return data if data.startswith("data:") else f"data:{mime};base64,{data}"
     url = part.get("url")
     if isinstance(url, str) and url:
         return url
     if part.get("file_id") is not None or part.get("id") is not None:
-        raise InvalidRequestError(f"{at}: an image block by file id cannot be read here: "
-                                  "send the image itself (base64 or a data: URI)", at)
-    raise InvalidRequestError(f"{at}: an 'image' block needs 'base64' (with 'mime_type') or "
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise InvalidRequestError(f"{at}: {article} {kind} block by file id cannot be read "
+                                  f"here: send the {kind} itself (base64 or a data: URI)", at)
+    raise InvalidRequestError(f"{at}: an '{kind}' block needs 'base64' (with 'mime_type') or "
                               "'url' (a data: URI)", at)
 
 

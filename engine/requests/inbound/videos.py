@@ -28,7 +28,7 @@ import numpy as np
 
 from engine.errors import InvalidRequestError
 from engine.requests.inbound.audio import AUDIO_PARTS
-from engine.requests.inbound.images import IMAGE_PARTS, media_bytes
+from engine.requests.inbound.images import IMAGE_PARTS, media_bytes, standard_block_source
 
 # Content part types that carry a video.
 VIDEO_PARTS = frozenset({"video_url", "video"})
@@ -90,7 +90,7 @@ class DecodedVideo:
 def video_of_part(part: Mapping[str, Any], at: str) -> DecodedVideo:
     """The video of a video content part (``VIDEO_PARTS``), probed; refusals name ``at``."""
     if part.get("type") == "video":
-        source = _standard_block_source(part, at)
+        source = standard_block_source(part, at, "video", "video/mp4")
     else:
         url = part.get("video_url")
         if isinstance(url, Mapping):
@@ -101,19 +101,6 @@ def video_of_part(part: Mapping[str, Any], at: str) -> DecodedVideo:
                                       f"{at}.video_url")
         source = url
     return decoded_video(media_bytes(source, at, "video"), at)
-
-
-def _standard_block_source(part: Mapping[str, Any], at: str) -> str:
-    for key in ("base64", "data"):
-        data = part.get(key)
-        if isinstance(data, str) and data:
-            mime = part.get("mime_type") or "video/mp4"
-            return data if data.startswith("data:") else f"data:{mime};base64,{data}"
-    url = part.get("url")
-    if isinstance(url, str) and url:
-        return url
-    raise InvalidRequestError(f"{at}: a 'video' block needs 'base64' (with 'mime_type') or "
-                              "'url' (a data: URI)", at)
 
 
 def decoded_video(data: bytes, at: str) -> DecodedVideo:
