@@ -169,10 +169,11 @@ def past_reasoning(message: ChatMessage) -> str:
 
 
 def carries_images(messages: Any) -> bool:
-    """Whether a chat history holds an ``ImageBlock``: converting it reads (a ``path``) and
-    decodes the image, work the async paths hand to a worker thread."""
+    """Whether a chat history holds an image, video or audio block: converting it reads (a
+    ``path``) and decodes or probes the media, work the async paths hand to a worker
+    thread."""
     return isinstance(messages, Iterable) and any(
-        isinstance(block, ImageBlock) for message in messages
+        isinstance(block, ImageBlock | VideoBlock | AudioBlock) for message in messages
         if isinstance(message, ChatMessage) for block in message.blocks)
 
 

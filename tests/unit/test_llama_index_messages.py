@@ -183,3 +183,17 @@ def test_tools_become_openai_function_schemas() -> None:
     assert openai_tool(schema) == schema
     with pytest.raises(TypeError, match="LlamaIndex tool"):
         openai_tool(object())
+
+
+def test_media_of_every_kind_is_converted_off_the_event_loop() -> None:
+    from llama_index.core.base.llms.types import VideoBlock
+
+    from mlx_providers._llama_index_inbound import carries_images
+
+    def user(block: Any) -> list[ChatMessage]:
+        return [ChatMessage(role=MessageRole.USER, blocks=[block, TextBlock(text="hi")])]
+
+    assert carries_images(user(ImageBlock(image=b"x")))
+    assert carries_images(user(VideoBlock(video=b"x")))  # probed: a worker thread's job
+    assert carries_images(user(AudioBlock(audio=b"x")))  # decoded: likewise
+    assert not carries_images(user(TextBlock(text="only text")))
