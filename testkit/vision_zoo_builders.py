@@ -64,7 +64,9 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 
-GEMMA4_TOKENS = ("<|image>", "<|image|>", "<image|>", "<|audio|>", "<|video|>")
+# The audio block's marks last, so the image and video tokens keep their ids.
+GEMMA4_TOKENS = ("<|image>", "<|image|>", "<image|>", "<|audio|>", "<|video|>",
+                 "<|audio>", "<audio|>")
 
 
 def build_tiny_gemma4(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -> Path:
@@ -75,17 +77,33 @@ def build_tiny_gemma4(out: Path, *, seed: int = 0, weight_scale: float = 4.0) ->
     tokens an image at its aspect ratio; tiny: 8 px patches pooled 2x2, up to 9 tokens
     (40x40 px -> 48x48 px, 9 tokens; 100x30 px -> 80x16 px, 5 tokens). Its processor's
     settings are in ``processor_config.json``'s ``image_processor``, as the real
-    checkpoints keep them (where mlx-vlm's processor reads them)."""
+    checkpoints keep them (where mlx-vlm's processor reads them). Its audio tower is the
+    small models' conformer (``audio_config``: a two-layer subsampling convolution over
+    128 log-mel bins, chunked local attention) at toy size: hidden 32, two layers; a clip
+    takes one ``<|audio|>`` a 40 ms between ``<|audio>`` and ``<audio|>``, as real."""
     eos, vocab, ids = _start(out, GEMMA4_TOKENS, {
         "boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
-        "audio_token": "<|audio|>", "video_token": "<|video|>"})
+        "audio_token": "<|audio|>", "video_token": "<|video|>", "boa_token": "<|audio>",
+        "eoa_token": "<audio|>"})
     config = {
         "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
         "vocab_size": vocab, "hidden_size": 64, "pad_token_id": 0, "eos_token_id": [eos],
         "image_token_id": ids["<|image|>"], "boi_token_id": ids["<|image>"],
         "eoi_token_id": ids["<image|>"], "audio_token_id": ids["<|audio|>"],
         "video_token_id": ids["<|video|>"], "vision_soft_tokens_per_image": 9,
-        "tie_word_embeddings": True, "torch_dtype": "float32", "audio_config": None,
+        "boa_token_id": ids["<|audio>"], "eoa_token_id": ids["<audio|>"],
+        "audio_soft_tokens_per_image": 750, "audio_ms_per_token": 40,
+        "tie_word_embeddings": True, "torch_dtype": "float32",
+        # Real (E2B/E4B): hidden 1024, 12 layers, 8 heads, channels (128, 32), 1536 out.
+        "audio_config": {
+            "model_type": "gemma4_audio", "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "hidden_act": "silu",
+            "subsampling_conv_channels": [8, 4], "conv_kernel_size": 5,
+            "residual_weight": 0.5, "attention_chunk_size": 12,
+            "attention_context_left": 13, "attention_context_right": 0,
+            "attention_logit_cap": 50.0, "attention_invalid_logits_value": -1e9,
+            "use_clipped_linears": True, "rms_norm_eps": 1e-6,
+            "gradient_clipping": 1e10, "output_proj_dims": 48},
         "text_config": {
             "model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 2,
             "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -111,6 +129,7 @@ def build_tiny_gemma4(out: Path, *, seed: int = 0, weight_scale: float = 4.0) ->
     }
     (out / "processor_config.json").write_text(json.dumps({
         "processor_class": "Gemma4Processor", "image_seq_length": 9,
+        "audio_seq_length": 750, "audio_ms_per_token": 40,
         "image_processor": {
             "image_processor_type": "Gemma4ImageProcessor", "patch_size": 8,
             "pooling_kernel_size": 2, "max_soft_tokens": 9, "do_resize": True, "resample": 3,

@@ -129,8 +129,9 @@ def _family_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "internvl_chat": vision_zoo_builders.build_tiny_internvl,
                 "gemma4": vision_zoo_builders.build_tiny_gemma4,
                 "llama4": vision_zoo_builders.build_tiny_llama4}
-    # v2/v3: Qwen-VL families carry a video processor config.
-    versions = {"gemma3": "tiny-gemma3-vlm-v2", "qwen3_vl": "tiny-qwen3_vl-v3"}
+    # v2/v3: Qwen-VL families carry a video processor config; Gemma 4's v2 its audio tower.
+    versions = {"gemma3": "tiny-gemma3-vlm-v2", "qwen3_vl": "tiny-qwen3_vl-v3",
+                "gemma4": "tiny-gemma4-v2"}
     name = versions.get(family, f"tiny-{family}-v{2 if family.startswith('qwen') else 1}")
     return _built(_cache_root(tmp_path_factory) / name, builders[family])
 

@@ -38,8 +38,8 @@ def zoo_dir(request: pytest.FixtureRequest,
 
 
 # Builders changed since: Gemma 4's (its processor's settings where mlx-vlm reads them, its
-# images attended both ways) and Llama 4's.
-_VERSIONS = {"gemma4": 3, "llama4": 3}
+# images attended both ways; v4: its audio tower) and Llama 4's.
+_VERSIONS = {"gemma4": 4, "llama4": 3}
 
 
 def _dir_name(entry: ZooEntry) -> str:

@@ -35,6 +35,7 @@ from engine.device.upstream.quantized_kv import RowQuantizedKVCache
 from engine.device.upstream.required import check_vision
 from engine.device.upstream.vision_blocks import install_recorder, recording
 from engine.device.upstream.vision_caches import vision_library_caches
+from engine.device.vision.gemma4_audio import audio_tower_inputs
 from engine.device.vision.gemma4_inputs import Gemma4Inputs
 from engine.requests.inbound.prompts import PromptImage
 from engine.requests.inbound.vision_formats import (
@@ -172,6 +173,8 @@ class VisionTower:
                                             "deepstack_visual_indexes", None) or ())
         towers_root = getattr(vlm, "vision_tower", getattr(vlm, "vision_model", None))
         self.blocks_recorded = towers_root is not None and install_recorder(towers_root)
+        if getattr(vlm, "audio_tower", None) is not None:  # Gemma 4's conformer, a block a unit
+            install_recorder(vlm.audio_tower)
         self.embed = embed
         self.stream = stream
         towers = [module for name, child in vlm.children().items() if name != "language_model"
@@ -195,15 +198,21 @@ class VisionTower:
         started = time.perf_counter()
         outputs: list[mx.array] = []
         with mx.stream(self.stream), recording(outputs):
-            pixels = mx.array(image.read_pixels())
             block = mx.array([list(image.block)])
-            extra = {k: mx.array(v) if k in _ARRAY_INPUTS else v
-                     for k, v in image.extra.items()}
+            pixels: mx.array | None
+            extra: dict[str, Any]
+            if getattr(image, "audio", False):  # a clip: the audio tower's frames, no pixels
+                pixels, extra = None, dict(audio_tower_inputs(
+                    image.read_pixels(), image.extra["feature_extractor"]))
+            else:
+                pixels = mx.array(image.read_pixels())
+                extra = {k: mx.array(v) if k in _ARRAY_INPUTS else v
+                         for k, v in image.extra.items()}
             if getattr(image, "video", False):  # a video's frames: the tower's video input
                 extra["pixel_values_videos"] = pixels
+                pixels = None
             out = self._vlm.get_input_embeddings(
-                block, None if "pixel_values_videos" in extra else pixels,
-                mask=mx.ones(block.shape, mx.int32), **extra)
+                block, pixels, mask=mx.ones(block.shape, mx.int32), **extra)
             embeds = getattr(out, "inputs_embeds", out)
             features: mx.array = embeds[0, image.first:image.first + image.length]
             deep = getattr(out, "deepstack_visual_embeds", None)
@@ -244,10 +253,12 @@ class VisionTower:
 
     def chunk_end(self, images: tuple[PromptImage, ...], end: int) -> int:
         """A prefill chunk's end, moved to the end of an image it would cut where an
-        image's tokens attend to each other both ways (``whole_spans``)."""
+        image's tokens attend to each other both ways (``whole_spans``; an audio clip's
+        attend causally, so a chunk may cut it)."""
         if self.whole_spans:
             for image in images:
-                if image.start < end < image.start + image.length:
+                if (image.start < end < image.start + image.length
+                        and not getattr(image, "audio", False)):
                     return image.start + image.length
         return end
 

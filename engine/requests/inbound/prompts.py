@@ -95,6 +95,7 @@ class PromptImage:
     at: str = ""  # the content part it came from (``messages[i].content[k]``), for errors
     frames: int = 1  # a video block's temporal groups on the grid (M-RoPE)
     video: bool = False  # a video's block: the tower reads its pixels as a video's
+    audio: bool = False  # an audio clip's block: ``read_pixels`` gives its waveform
 
     @property
     def positions(self) -> int:
@@ -247,15 +248,16 @@ class PromptRenderer:
                 # The span (its media tokens and any row breaks between) is special tokens
                 # only, so whole-text encoding writes it exactly as the block's own ids.
                 assert ids[start:end] == list(block.ids[first:last + 1]), item.at
-                video = isinstance(item, DecodedVideo)
-                key = f"{item.digest}:{vision.key}" + (f":video{number}" if video else "")
+                video, audio = isinstance(item, DecodedVideo), isinstance(item, DecodedAudio)
+                key = f"{item.digest}:{vision.key}" + (f":video{number}" if video else
+                                                       ":audio" if audio else "")
                 read: Callable[[], Any] = (
                     partial(vision.video_pixels, item, number) if isinstance(item, DecodedVideo)
                     else partial(vision.audio_features, item)
                     if isinstance(item, DecodedAudio) else partial(vision.pixels, item))
                 placed.append(PromptImage(start, end - start, key, read, block.ids, first,
                                           block.extra, block.grid, item.at, block.frames,
-                                          video))
+                                          video, audio))
         return ids, tuple(placed)
 
     def _head_length(self, messages: list[ChatMessage], ids: list[int],

@@ -102,13 +102,15 @@ class VisionFormat(ABC):
         raise NotImplementedError(self.family)
 
     def read_audio(self, audio: DecodedAudio) -> list[ImageTokens]:
-        """An audio clip's block; a family that reads no audio refuses it here."""
+        """An audio clip's block (its ``token`` the family's audio token); a family, or a
+        checkpoint, that reads no audio refuses it here."""
         raise UnsupportedMediaError(
             f"{audio.at}: this model's family ({self.family}) reads no audio", audio.at,
             self.family, "the family's audio is not read by this engine")
 
     def audio_features(self, audio: DecodedAudio) -> np.ndarray:
-        """The audio tower's input features for a clip."""
+        """What the audio side reads for a clip (``read_audio``'s block): Gemma 4's is the
+        waveform, which the device side turns into its feature extractor's frames."""
         raise NotImplementedError(self.family)
 
     @abstractmethod
@@ -663,6 +665,9 @@ SUPPORTED = tuple(FORMATS)
 # Families whose videos are read (QwenVLFormat.read_video).
 VIDEO_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
                             "qwen3_5_moe"})
+# Families whose audio is read where the checkpoint has an audio tower (``audio_config``):
+# Gemma4Format.read_audio.
+AUDIO_FAMILIES = frozenset({"gemma4"})
 
 
 def vision_format(config: Mapping[str, Any], tokenizer: Any,
@@ -682,7 +687,10 @@ def vision_format(config: Mapping[str, Any], tokenizer: Any,
 def _preprocessor(model_path: Path | None) -> dict[str, Any]:
     """The image processor's settings: ``preprocessor_config.json`` (or its nested
     ``image_processor``), then ``processor_config.json``'s, which win (LFM2-VL's split);
-    the video processor's (``video_preprocessor_config.json``) under ``video``."""
+    the video processor's (``video_preprocessor_config.json``) under ``video``; the audio
+    settings of the processor's own file (``processor_config.json`` where there is one, as
+    mlx-vlm's Gemma 4 processor reads it: ``audio_seq_length``, ``audio_ms_per_token``,
+    ``feature_extractor``) under ``audio``."""
     settings: dict[str, Any] = {}
     if model_path is None:
         return settings
@@ -698,4 +706,8 @@ def _preprocessor(model_path: Path | None) -> dict[str, Any]:
             if isinstance(loaded, dict):
                 nested = loaded.get("image_processor")
                 settings.update(nested if isinstance(nested, dict) else loaded)
+                settings["audio"] = {k: loaded[k] for k in _AUDIO_SETTINGS if k in loaded}
     return settings
+
+
+_AUDIO_SETTINGS = ("audio_seq_length", "audio_ms_per_token", "feature_extractor")
