@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, RotatingKVCache
 
 from engine.device.upstream.quantized_kv import RowQuantizedKVCache
 
@@ -38,6 +38,31 @@ def merged(rows: Sequence[Sequence[Any]]) -> list[Any]:
 def extracted(layers: Sequence[Any], index: int) -> list[Any]:
     """Row ``index``'s own cache out of batch caches."""
     return [layer.extract(index) for layer in layers]
+
+
+def rows_after_chunk(layers: Sequence[Any], right_padding: Sequence[int]) -> list[list[Any]]:
+    """Each row's own cache out of batch caches that just took a right-padded chunk.
+
+    mlx-lm's ``finalize`` rolls every row's padding to the left (a gather over the whole
+    cache, a fifth of a span forward's time on a CPU); rows leaving the batch at once
+    need no roll: a plain KV layer's row is sliced between its left padding and its
+    right padding. Other kinds finalize as mlx-lm does, then extract."""
+    rows: list[list[Any]] = [[] for _ in right_padding]
+    for layer in layers:
+        if type(layer) is BatchKVCache and layer.keys is not None:
+            left = layer.left_padding.tolist()
+            for i, pad in enumerate(right_padding):
+                row = KVCache()
+                end = layer._idx - pad
+                row.keys = mx.contiguous(layer.keys[i:i + 1, :, left[i]:end])
+                row.values = mx.contiguous(layer.values[i:i + 1, :, left[i]:end])
+                row.offset = end - left[i]
+                rows[i].append(row)
+            continue
+        layer.finalize()
+        for i in range(len(right_padding)):
+            rows[i].append(layer.extract(i))
+    return rows
 
 
 def tokens_held(cache: Sequence[Any]) -> int:

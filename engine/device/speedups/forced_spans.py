@@ -27,7 +27,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.device.rows.row_cache import extracted, merged, supported
+from engine.device.rows.row_cache import merged, rows_after_chunk, supported
+from engine.device.upstream.fast_ops import marked_forward
 
 
 @dataclass
@@ -51,7 +52,8 @@ def last_logits(model: Any, tokens: mx.array, cache: list[Any],
     if type(model).__module__ not in _BACKBONE_THEN_HEAD:
         logits = model(tokens, cache=cache)[rows, positions]
     else:
-        hidden = model.model(tokens, cache)[rows, positions]
+        with marked_forward(model):  # the backbone alone still takes the CPU kernels
+            hidden = model.model(tokens, cache)[rows, positions]
         head = (model.model.embed_tokens.as_linear if model.args.tie_word_embeddings
                 else model.lm_head)
         logits = head(hidden)
@@ -81,8 +83,6 @@ def forward_spans(model: Any, caches: Sequence[Sequence[Any]],
             layer.prepare(lengths=lengths, right_padding=padding)
     tokens = mx.array([list(span) + [0] * pad for span, pad in zip(spans, padding)])
     last = last_logits(model, tokens, layers, mx.array(lengths) - 1)
-    for layer in layers:
-        layer.finalize()
-    mx.eval(last, [layer.state for layer in layers])
-    rows = [extracted(layers, i) for i in range(len(spans))]
+    rows = rows_after_chunk(layers, padding)
+    mx.eval(last, [[layer.state for layer in row] for row in rows])
     return SpanForward(last, rows)

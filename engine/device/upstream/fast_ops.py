@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -28,6 +29,18 @@ _marked: dict[type, type] = {}  # model class -> its marked subclass
 def in_marked_forward() -> bool:
     """Whether this thread is inside a forward of a marked model."""
     return bool(getattr(_forward, "active", False))
+
+
+@contextmanager
+def marked_forward(model: Any) -> Iterator[None]:
+    """Inside: a forward that calls a marked model's parts directly (its backbone, not its
+    ``__call__``) takes the kernels as its ``__call__`` would."""
+    outer = in_marked_forward()
+    _forward.active = outer or type(model) in _marked.values()
+    try:
+        yield
+    finally:
+        _forward.active = outer
 
 
 def _marked_class(cls: type) -> type:
