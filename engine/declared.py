@@ -24,7 +24,12 @@ from engine.models.default_model import default_model_gguf_here
 from engine.models.gguf import read_header
 from engine.models.resolve import config_context_limit, looks_like_path
 from engine.requests.dialects.registry import reasoning_tokens
-from engine.requests.inbound.vision_formats import SUPPORTED, VIDEO_FAMILIES, is_vision_config
+from engine.requests.inbound.vision_formats import (
+    AUDIO_FAMILIES,
+    SUPPORTED,
+    VIDEO_FAMILIES,
+    is_vision_config,
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class DeclaredModel:
     reasoning: bool | None = None  # its tokenizer marks reasoning (a thinking model)
     image_inputs: bool = False  # a vision checkpoint of a family whose images are read
     video_inputs: bool = False  # ... whose videos are read too (the Qwen-VL families)
+    audio_inputs: bool = False  # ... whose audio is read too (Gemma 4 with an audio tower)
 
 
 def declared_model(spec: str | os.PathLike[str] | None) -> DeclaredModel:
@@ -47,7 +53,8 @@ def declared_model(spec: str | os.PathLike[str] | None) -> DeclaredModel:
         if source.is_dir():
             images = _dir_images(source)
             return DeclaredModel(config_context_limit(source), _dir_reasoning(source),
-                                 images, images and _dir_videos(source))
+                                 images, images and _dir_videos(source),
+                                 images and _dir_audio(source))
         header = read_header(source)
         limit = header.arch_value("context_length")
         tokens = header.metadata.get("tokenizer.ggml.tokens")
@@ -96,6 +103,13 @@ def _dir_videos(path: Path) -> bool:
     """The checkpoint's family reads videos (a video token and a family that has them)."""
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     return config.get("model_type") in VIDEO_FAMILIES and "video_token_id" in config
+
+
+def _dir_audio(path: Path) -> bool:
+    """The checkpoint's family reads audio and the checkpoint has an audio tower."""
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    return (config.get("model_type") in AUDIO_FAMILIES
+            and isinstance(config.get("audio_config"), dict))
 
 
 def _dir_reasoning(path: Path) -> bool | None:

@@ -243,6 +243,8 @@ class ChatMLXBatch(BaseChatModel):
             profile.update(image_inputs=True, image_tool_message=True)
         if declared.video_inputs:  # the Qwen-VL families: v1 video blocks, base64
             profile.update(video_inputs=True)
+        if declared.audio_inputs:  # Gemma 4 with an audio tower: v1 audio blocks, base64
+            profile.update(audio_inputs=True)
         if declared.context_limit is not None:
             profile["max_input_tokens"] = declared.context_limit
         if declared.reasoning is not None:

@@ -29,7 +29,9 @@ def render() -> str:
     for family in FAMILIES:
         types = ", ".join(f"`{t}`" for t in family.model_types)
         why = (family.reason or "").replace("|", "\\|")
-        lines.append(f"| {family.name} | {types} | {mark[family.support]} | {why} |")
+        served = mark[family.support] + ("; audio where the checkpoint has an audio tower"
+                                         if family.audio else "")
+        lines.append(f"| {family.name} | {types} | {served} | {why} |")
     lines.append(END)
     return "\n".join(lines)
 

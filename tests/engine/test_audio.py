@@ -1,7 +1,8 @@
 """Audio parts: OpenAI's ``input_audio`` and LangChain v1 ``audio`` blocks decoded on the
 caller's thread to mono 16 kHz, refused by part where they are not audio or too long, and
-refused by name by a model whose family's audio is not read (no family's audio is served
-yet: docs/models.md) while text rows beside them are untouched."""
+refused by name by a model whose family's audio is not read (only Gemma 4's is, where the
+checkpoint has an audio tower: tests/engine/test_audio_gemma4.py) while text rows beside
+them are untouched."""
 
 from __future__ import annotations
 

@@ -193,3 +193,24 @@ def test_a_clip_longer_than_the_feature_extractor_reads_is_refused_by_part(
                                                   r"30 s a clip") as raised:
         ours(eng, [QUESTION, audio_part(tone_wav(30.1))])
     assert raised.value.field == "messages[0].content[1]"
+
+
+def test_a_second_turn_over_the_same_clip_resumes_past_it(
+        make_engine: Callable[..., Engine], gemma4: Path) -> None:
+    first = [{"role": "user", "content": [audio_part(tone_wav(1.0)), QUESTION]}]
+    eng = make_engine(gemma4, max_batch=8)
+    answer = eng.submit(ChatRequest.from_openai(first, greedy(8))).result(timeout=120)
+    second = [*first, {"role": "assistant", "content": answer.text},
+              {"role": "user", "content": "Say more."}]
+    before = eng.stats()
+    again = eng.submit(ChatRequest.from_openai(second, greedy(8))).result(timeout=120)
+    after = eng.stats()
+    # No tower forward, not even a feature lookup: the whole first prompt, clip included,
+    # comes from the prefix store.
+    assert after.vision_images == before.vision_images
+    assert after.vision_feature_hits == before.vision_feature_hits
+    prompt = eng._runtime.preparer().prepare(ChatRequest.from_openai(first, greedy(8)))
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens >= len(prompt.prompt_ids)
+    fresh = make_engine(gemma4, max_batch=8, prefix_cache_bytes=0, vision_cache_bytes=0)
+    assert again.token_ids == fresh.submit(
+        ChatRequest.from_openai(second, greedy(8))).result(timeout=120).token_ids

@@ -4,7 +4,7 @@ has a reason where it is not served, and a served family has a format."""
 from __future__ import annotations
 
 from engine.requests.inbound.vision_families import FAMILIES, Support, images_refused_because
-from engine.requests.inbound.vision_formats import FORMATS
+from engine.requests.inbound.vision_formats import AUDIO_FAMILIES, FORMATS
 from testkit.vision_zoo_docs import DOCS, written
 
 
@@ -21,6 +21,12 @@ def test_a_family_is_served_exactly_when_it_has_a_format_and_says_why_not() -> N
         assert (family.reason is None) == served, family.name
         if not served:
             assert images_refused_because(family.model_types[0]) == family.reason
+
+
+def test_a_family_says_it_reads_audio_exactly_when_its_format_does() -> None:
+    for family in FAMILIES:
+        assert family.audio == bool(AUDIO_FAMILIES & set(family.model_types)), family.name
+    assert any(family.audio for family in FAMILIES)
 
 
 def test_an_unknown_family_is_told_which_are_served() -> None:

@@ -29,13 +29,15 @@ class Support(Enum):
 
 @dataclass(frozen=True)
 class VisionFamily:
-    """A family: its name, its checkpoints' ``model_type`` values, what it gets, and why
-    not more (None where its images are served)."""
+    """A family: its name, its checkpoints' ``model_type`` values, what it gets, why not
+    more (None where its images are served), and whether its audio is read too (where a
+    checkpoint has an audio tower: ``vision_formats.AUDIO_FAMILIES``)."""
 
     name: str
     model_types: tuple[str, ...]
     support: Support
     reason: str | None = None
+    audio: bool = False
 
 
 _NOT_WRITTEN = "are not written by this engine yet"
@@ -52,7 +54,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily("LLaVA", ("llava",), Support.IMAGES),
     VisionFamily("SmolVLM / Idefics3", ("smolvlm", "idefics3"), Support.IMAGES),
     VisionFamily("InternVL", ("internvl_chat",), Support.IMAGES),
-    VisionFamily("Gemma 4", ("gemma4",), Support.IMAGES),
+    VisionFamily("Gemma 4", ("gemma4",), Support.IMAGES, audio=True),
     VisionFamily("Gemma 3n", ("gemma3n",), Support.TEXT,
                  "Gemma 3n's image and audio blocks (256 soft tokens from its fixed 294M "
                  f"MobileNetV5 tower; audio from its conformer) {_NOT_WRITTEN}"),
