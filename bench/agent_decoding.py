@@ -12,6 +12,10 @@ with it off, on greedy loads (an answer quoting its RAG context, a code edit, fr
 and a forced tool call with parallel calls allowed, whose second call repeats the first)
 at ``--spec-load-rows`` concurrent rows; the answers must be identical.
 
+``--fresh``: part 1 from a fresh process, as a user's first agent batch meets it. Each run is
+its own process (``fast_forward`` on and off alternating): the model loads, and the first
+load is the first request the engine ever sees; nothing is measured before it.
+
 Part 3, what a speculation check costs on each cache kind: a row's forward of one token
 (a decode step) against seven (a check: the last token and a six-token draft), on its own
 cache after a 500-token prompt, alternating, median of ``--check-repeats``; state caches
@@ -25,12 +29,15 @@ like trained ones, though their drafts are never right.
     python bench/agent_decoding.py [--model PATH_OR_GGUF] [--rows 1 4 8 16] [--repeats 2]
         [--spec-rows 1] [--spec-load-rows 1 2 4] [--skip-ff] [--skip-spec]
         [--kinds gemma3_text lfm2] [--kinds-spec] [--check-repeats 9] [--short]
+        [--fresh]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -209,8 +216,18 @@ def main() -> None:
                         help="bounded strings in part 1's loads (a random --model)")
     parser.add_argument("--check-repeats", type=int, default=9)
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--fresh", action="store_true",
+                        help="part 1 only, each load the first request of a fresh process")
+    parser.add_argument("--fresh-child", nargs=3, metavar=("FF", "KIND", "ROWS"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.fresh_child:
+        fresh_child(args.model, *args.fresh_child)
+        return
     print(f"BLAS: {blas_info().name}")
+    if args.fresh:
+        fresh_table(args.model, args.rows, args.repeats)
+        return
     models: list[str | None] = [args.model]
     if args.kinds:
         tokenizer = Path(resolve_model(args.model))
@@ -260,6 +277,43 @@ def check_cost_table(models: list[str | None], repeats: int) -> None:
         how = "trimmed" if trims else "rolled back (state)"
         print(f"| {Path(path).name} | {', '.join(cache_kinds(cache))} | {step:.1f} | "
               f"{check:.1f} | {check / step:.2f} | {how} |")
+
+
+def fresh_child(model: str | None, flag: str, kind: str, rows: str) -> None:
+    """One load as the first request of this process; its Run as JSON on stdout."""
+    eng = Engine(model, EngineConfig(fast_forward=flag == "1")).start()
+    run = load(eng, kind, int(rows))
+    decision = {s.name: s.measured for s in eng.stats().speedups}["fast_forward"]
+    eng.close()
+    print(json.dumps({**run.__dict__, "decision": decision}))
+
+
+def fresh_table(model: str | None, rows_list: list[int], repeats: int) -> None:
+    """Part 1's loads, each the first request of its own process; the median of
+    ``repeats`` runs a side, on and off alternating."""
+    print("| load | rows | ff | wall s (median) | tokens | forced | steps | speed-up |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    decisions = []
+    for kind, title in (("tool", "forced tool call"), ("schema", "schema answer (Trip)")):
+        for rows in rows_list:
+            runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+            for _ in range(repeats):
+                for flag in (True, False):
+                    command = [sys.executable, __file__, "--fresh-child", str(int(flag)), kind,
+                               str(rows)] + (["--model", model] if model else [])
+                    out = subprocess.run(command, check=True, capture_output=True, text=True)
+                    runs[flag].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            walls = {flag: statistics.median(r["wall"] for r in runs[flag]) for flag in runs}
+            for flag in (False, True):
+                run = runs[flag][0]
+                ratio = f"{walls[False] / walls[True]:.2f}x" if flag else ""
+                print(f"| {title} | {rows} | {'on' if flag else 'off'} | {walls[flag]:.2f} | "
+                      f"{run['tokens']} | {run['forced']} | {run['steps']} | {ratio} |",
+                      flush=True)
+            decisions.append(f"{title}, {rows} rows: {runs[True][-1]['decision']}")
+    print("\nfast-forward's decision after each first load (stats().speedups):")
+    for line in decisions:
+        print(f"- {line}")
 
 
 def fast_forward_table(model: str | None, rows_list: list[int], repeats: int,

@@ -12,9 +12,13 @@ directions (a forced call 1.33x faster at 1 row, 0.92x at 8 rows on the CPU), so
 
 - each plain decode step is timed by its width (rows decoding), and each step with spans
   by its extra time over a plain step of that width, per forced token fed;
-- spans are taken where the measured saving exceeds the measured cost; until both have
-  been measured the shipped thresholds (``min_span``) decide, and their spans are the
-  first measurements.
+- spans are taken where the measured saving exceeds the measured cost. Before anything is
+  measured, a forward timed at two lengths when the lane was built (``ForwardCost``) prices
+  both: a step of ``w`` rows costs a forward of ``w`` tokens, a span a forward of its
+  padded tokens plus a second forward's fixed cost for leaving and rejoining the batch.
+  Measured steps replace the prior width by width, and after ``WARM_SPANS`` spans their
+  fitted line replaces its span cost. Without a prior the shipped thresholds
+  (``min_span``) decide until then.
 
 **Speculation checks** are timed here too (``checked``): a check feeds a row its pending
 token and a draft in one forward outside the batch, and pays when the tokens it brings beat
@@ -49,6 +53,18 @@ def min_span(rows: int) -> int:
     envelope (8-15 tokens) still won.
     """
     return 3 if rows <= 1 else 8
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """Seconds a forward of ``n`` tokens takes here: ``fixed + per_token * n`` (timed when
+    the lane was built, before any request)."""
+
+    fixed: float
+    per_token: float
+
+    def of(self, tokens: int) -> float:
+        return self.fixed + self.per_token * tokens
 
 
 @dataclass
@@ -91,8 +107,9 @@ class _Line:
 class StepCosts:
     """Measured step, span and check costs, and the decisions they give."""
 
-    def __init__(self, measured: bool = True) -> None:
+    def __init__(self, measured: bool = True, prior: ForwardCost | None = None) -> None:
         self.measured = measured  # False: the shipped thresholds decide (ranks must agree)
+        self.prior = prior if measured else None  # prices spans before they are measured
         self._steps: dict[int, _Mean] = {}  # by width: seconds a plain decode step
         self._spans = _Line()  # forced tokens fed -> seconds added to the step
         self._check = _Mean()  # seconds a speculation check (one row, draft and all)
@@ -135,14 +152,31 @@ class StepCosts:
         ``width`` rows decoding and ``rows`` held by the lane; above them all: none."""
         if not spans:
             return 2
-        step = self._steps.get(width)
-        if not self.measured or self._spans.seen < WARM_SPANS or step is None:
+        step = self._step(width)
+        warm = self._spans.seen >= WARM_SPANS
+        if not self.measured or step is None or not (warm or self.prior is not None):
             return min_span(rows)
-        return 2 if self._pays(spans, width, step.value) else max(spans) + 1
+        return 2 if self._pays(spans, width, step) else max(spans) + 1
+
+    def _step(self, width: int) -> float | None:
+        """A plain step of ``width`` rows: as measured at that width, else as priced by the
+        prior (None with neither)."""
+        step = self._steps.get(width)
+        if step is not None and step.weight >= 1:
+            return step.value
+        return None if self.prior is None else self.prior.of(width)
+
+    def _span_cost(self, spans: list[int]) -> float:
+        """Seconds feeding these spans adds to a step: the fitted line once warm, else the
+        prior's forward over the spans' padded tokens and a second fixed cost (the rows
+        leave the batch and rejoin it)."""
+        if self._spans.seen >= WARM_SPANS or self.prior is None:
+            fixed, per_token = self._spans.fit()
+            return fixed + per_token * sum(spans)
+        return self.prior.fixed + self.prior.of(len(spans) * max(spans))
 
     def _pays(self, spans: list[int], width: int, step: float) -> bool:
-        fixed, per_token = self._spans.fit()
-        cost = fixed + per_token * sum(spans)
+        cost = self._span_cost(spans)
         # Every row spans: the batch skips whole steps. Others keep stepping: the rows
         # save only their share of each step.
         saving = (min(spans) * step if len(spans) >= width
@@ -155,11 +189,12 @@ class StepCosts:
 
     def _share(self, width: int) -> float:
         """What one row adds to a step of ``width`` rows: from the nearest narrower width
-        measured, or the step's mean per row if none was."""
-        step = self._steps[width].value
+        measured, else the prior's cost of a token, else the step's mean per row."""
+        step = self._step(width)
+        assert step is not None
         narrower = [w for w, mean in self._steps.items() if w < width and mean.weight >= 1]
-        if not narrower:
-            return step / width
+        if not narrower or width not in self._steps or self._steps[width].weight < 1:
+            return self.prior.per_token if self.prior is not None else step / width
         nearest = max(narrower)
         return max(0.0, (step - self._steps[nearest].value) / (width - nearest))
 
@@ -220,6 +255,12 @@ class StepCosts:
         if not self.measured:
             return (f"spans taken at >= {min_span(1)} forced tokens alone, >= {min_span(2)} "
                     "in a batch (sharded: the ranks decide alike)")
+        if self._spans.seen < WARM_SPANS and self.prior is not None:
+            return (f"spans taken when they cost less than the steps they save, priced by a "
+                    f"forward timed at load ({1e3 * self.prior.fixed:.1f} ms + "
+                    f"{1e3 * self.prior.per_token:.2f} ms a token) until their cost is "
+                    f"measured ({self._spans.seen} of {WARM_SPANS} spans so far); "
+                    f"{self.taken} taken, {self.declined} declined")
         if self._spans.seen < WARM_SPANS:
             return (f"spans taken at >= {min_span(1)} forced tokens alone, >= {min_span(2)} "
                     f"in a batch until their cost is measured ({self._spans.seen} of "

@@ -4,7 +4,7 @@ speculation's acceptance floor, and image work's budget."""
 
 from __future__ import annotations
 
-from engine.core.step_costs import WARM_CHECKS, WARM_SPANS, StepCosts, min_span
+from engine.core.step_costs import WARM_CHECKS, WARM_SPANS, ForwardCost, StepCosts, min_span
 
 MS = 1e-3
 
@@ -28,6 +28,54 @@ def test_before_anything_is_measured_the_shipped_thresholds_decide() -> None:
     costs.stepped(4, 50 * MS)
     assert costs.shortest([5, 9], 4, 4) == min_span(4) == 8  # no span measured yet
     assert "until their cost is measured" in costs.summary()
+
+
+# This machine's default model as the probe times it: 13 ms a forward + 3.3 ms a token.
+CPU_PRIOR = ForwardCost(fixed=13 * MS, per_token=3.3 * MS)
+
+
+def test_before_anything_is_measured_the_load_time_forward_prices_spans() -> None:
+    """A user's first agent batch: no step or span timed yet. Alone, a 3-token span costs
+    two fixed forwards and its tokens (36 ms) against three 16 ms steps: taken; 2 tokens
+    are not. Eight rows all spanning 19 tokens skip 19 steps of 8 rows (39 ms each, 741
+    ms) for 528 ms: taken. Six of eight rows spanning 8 tokens save only their share of
+    each step, which a CPU's token costs anyway: declined."""
+    costs = StepCosts(prior=CPU_PRIOR)
+    assert costs.shortest([3], 1, 1) == 2
+    assert costs.shortest([2], 1, 1) == 3
+    assert costs.shortest([19] * 8, 8, 8) == 2
+    assert costs.shortest([8] * 6, 8, 8) == 9
+    assert costs.taken == 2 and costs.declined == 2
+    assert "forward timed at load (13.0 ms + 3.30 ms a token)" in costs.summary()
+
+
+def test_spans_beside_decoding_rows_save_only_their_share_of_a_step() -> None:
+    """Where a token costs little next to a forward (a GPU), every row spanning three
+    tokens skips three 20 ms steps for 41 ms; two rows of eight spanning 12 tokens save
+    only their tokens' share (1.2 ms), far below a span's fixed cost, on either device."""
+    gpu = StepCosts(prior=ForwardCost(fixed=20 * MS, per_token=0.05 * MS))
+    cpu = StepCosts(prior=CPU_PRIOR)
+    assert gpu.shortest([3] * 8, 8, 8) == 2
+    assert gpu.shortest([12] * 2, 8, 8) == 13
+    assert cpu.shortest([12] * 2, 8, 8) == 13
+
+
+def test_measurements_replace_the_prior_as_they_come() -> None:
+    """A measured step replaces the prior at its width; after WARM_SPANS spans, their
+    fitted line replaces its span cost: here spans measured far dearer than the prior
+    said are declined where the prior took them."""
+    costs = StepCosts(prior=CPU_PRIOR)
+    assert costs.shortest([5], 1, 1) == 2
+    for _ in range(10):
+        costs.stepped(1, 16 * MS)
+    for fed in (5, 9, 13, 19):
+        costs.spanned(1, fed, 16 * MS + 60 * MS + 20 * MS * fed)
+    assert costs.shortest([5], 1, 1) == 6
+    assert "a span 60.0 ms + 20.00 ms a token" in costs.summary()
+
+
+def test_a_sharded_lane_has_no_prior() -> None:
+    assert StepCosts(measured=False, prior=CPU_PRIOR).shortest([19] * 8, 8, 8) == min_span(8)
 
 
 def test_unmeasured_costs_keep_the_shipped_thresholds_however_much_is_timed() -> None:

@@ -50,6 +50,7 @@ from engine.device.rows.row_cache import copied, trims_exactly
 from engine.device.rows.sampling import GrammarMask, SamplerCache, guarded, penalty_processors
 from engine.device.speedups.forced_span_runner import ForcedSpanRunner
 from engine.device.speedups.forced_spans import spans_supported
+from engine.device.speedups.forward_probe import forward_cost
 from engine.device.speedups.report import cache_kinds
 from engine.device.speedups.speculator import Speculator
 from engine.device.upstream.batches import install
@@ -107,7 +108,11 @@ class BatchLane:
         self.trims = trims_exactly(layers)
         words = compiler.words
         # Steps, spans and checks as measured here: what fast-forward and speculation decide by.
-        self.costs = StepCosts(measured_costs)
+        # Before any is measured, a forward timed now prices them (not on a sharded lane's
+        # ranks, which must decide alike).
+        prior = (forward_cost(model, stream, max_kv_size)
+                 if measured_costs and (self.fast_forward or self.speculation) else None)
+        self.costs = StepCosts(measured_costs, prior)
         self.forced_spans: ForcedSpanRunner | None = (
             ForcedSpanRunner(model, stream, self.seam, words, self.costs) if self.fast_forward
             else None)
