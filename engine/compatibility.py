@@ -55,6 +55,7 @@ class Feature(Enum):
     PREFIX_MEMORY = "prefix_memory"
     PREFIX_DISK = "prefix_disk"
     KEEP_ALIVE = "keep_alive"
+    KV_BITS = "kv_bits"
     SERIAL = "serial"
     SHARDED_TENSOR = "sharded_tensor"
     SHARDED_PIPELINE = "sharded_pipeline"
@@ -92,6 +93,7 @@ _TITLES = {
     Feature.PREFIX_MEMORY: "prefix reuse in memory",
     Feature.PREFIX_DISK: "prefix reuse's disk tier (`prefix_cache_dir`)",
     Feature.KEEP_ALIVE: "`keep_alive` unload and reload",
+    Feature.KV_BITS: "quantized KV (`kv_bits=8`)",
     Feature.SERIAL: "the serial lane (caches that cannot batch)",
     Feature.SHARDED_TENSOR: "sharded, tensor parallel",
     Feature.SHARDED_PIPELINE: "sharded, pipeline parallel",
@@ -109,8 +111,8 @@ _KINDS = {
         Feature.SEED, Feature.STREAM)},
     **{f: Kind.ENGINE for f in (
         Feature.SPECULATION, Feature.FAST_FORWARD, Feature.PREFIX_MEMORY,
-        Feature.PREFIX_DISK, Feature.KEEP_ALIVE, Feature.SERIAL, Feature.SHARDED_TENSOR,
-        Feature.SHARDED_PIPELINE)},
+        Feature.PREFIX_DISK, Feature.KEEP_ALIVE, Feature.KV_BITS, Feature.SERIAL,
+        Feature.SHARDED_TENSOR, Feature.SHARDED_PIPELINE)},
     **{f: Kind.EVENT for f in (
         Feature.CANCEL_PREFILL, Feature.CANCEL_DECODE, Feature.TIMEOUT, Feature.EMBEDDINGS)},
 }

@@ -257,8 +257,11 @@ APPLY: dict[Feature, Callable[[Draft, Assets], None]] = {
 }
 
 # Features that never change a row's tokens: a row with one equals the row without it.
+# Quantized KV is an engine mode that does change them (attention reads rounded keys and
+# values), so a row on a kv_bits engine is compared with rows on a kv_bits engine only.
 NEUTRAL = frozenset({Feature.LOGPROBS, Feature.STREAM, Feature.EMBEDDINGS,
-                     *(f for f in Feature if f.kind is Kind.ENGINE)})
+                     *(f for f in Feature if f.kind is Kind.ENGINE
+                       and f is not Feature.KV_BITS)})
 
 
 def draft_of(features: Collection[Feature], assets: Assets, question: str = QUESTION,
@@ -284,6 +287,8 @@ _CONFIG: dict[Feature, dict[str, Any]] = {
     Feature.PREFIX_MEMORY: {"prefix_cache_bytes": 64 << 20},
     Feature.PREFIX_DISK: {"prefix_cache_bytes": 64 << 20},  # and a directory of its own
     Feature.KEEP_ALIVE: {"keep_alive": 0.0},
+    # Groups of 32: the tiny models' heads are 32 wide (the default 64 would not divide).
+    Feature.KV_BITS: {"kv_bits": 8, "kv_group_size": 32},
 }
 
 

@@ -5,7 +5,8 @@ Started by tests/distributed/test_sharded_crossings.py with ``MLX_HOSTFILE`` and
 reuse asked for, and for every feature that is not an engine mode runs a row with it among
 plain rows and alone; it prints one JSON line ``{"rank": 0, "features": {...}}``. The other
 rank follows. MODE ``batch`` or ``serial`` (every row on the serial lane, as for caches that
-cannot batch).
+cannot batch), either with ``+kv8`` after it: the engine keeps its KV in 8 bits
+(``kv_bits``), and only ``KV_FEATURES`` run (each launch costs ``make test`` seconds).
 """
 
 from __future__ import annotations
@@ -36,9 +37,31 @@ def emit(payload: dict[str, object]) -> None:
     print("RESULT " + json.dumps(payload), flush=True)
 
 
-def config_for(shard: str, timeout: float) -> dict[str, Any]:
-    return {**BASE_CONFIG, "fast_forward": True, "speculation": 4,
-            "prefix_cache_bytes": 32 << 20, "shard": shard, "distributed_timeout": timeout}
+# The sharded kv_bits pairs' rows: forced tokens and drafts rewound on quantized KV on both
+# ranks, a row evicted from a quantized batch, and the plain rows beside each.
+KV_FEATURES = (Feature.SCHEMA, Feature.CANCEL_DECODE)
+
+
+def parse_mode(mode: str) -> tuple[str, int | None]:
+    """``batch``, ``serial`` or either with ``+kv8``/``+kv4``: the lane mode and kv_bits."""
+    lane, _, bits = mode.partition("+kv")
+    return lane, int(bits) if bits else None
+
+
+def config_for(shard: str, timeout: float, kv_bits: int | None = None) -> dict[str, Any]:
+    config = {**BASE_CONFIG, "fast_forward": True, "speculation": 4,
+              "prefix_cache_bytes": 32 << 20, "shard": shard, "distributed_timeout": timeout}
+    if kv_bits is not None:  # groups of 32: the kv_bits model's heads are 32 wide
+        config.update(kv_bits=kv_bits, kv_group_size=32)
+    return config
+
+
+def row_features(kv_bits: int | None) -> list[Feature]:
+    """The features a launch runs a row of: every one that is not an engine mode, or the
+    few of ``KV_FEATURES`` on a kv_bits engine."""
+    if kv_bits is not None:
+        return list(KV_FEATURES)
+    return [f for f in Feature if f.kind is not Kind.ENGINE]
 
 
 def run_rank0(model: str, config: dict[str, Any], shard: str) -> dict[str, Any]:
@@ -53,9 +76,8 @@ def run_rank0(model: str, config: dict[str, Any], shard: str) -> dict[str, Any]:
     assets = Assets(model, "/no/such/adapter", embedding)  # type: ignore[arg-type]
     plain = [draft_of((), assets, question=q, system=SYSTEM) for q in SIBLINGS]
     found: dict[str, Any] = {}
-    for feature in Feature:
-        if feature.kind is Kind.ENGINE or (feature is Feature.EMBEDDINGS
-                                           and embedding is None):
+    for feature in row_features(config.get("kv_bits")):
+        if feature is Feature.EMBEDDINGS and embedding is None:
             continue
         draft = draft_of({feature}, assets, system=SYSTEM)
         if verdict(feature, sharded).status is Status.REFUSED:
@@ -83,13 +105,15 @@ def run_rank0(model: str, config: dict[str, Any], shard: str) -> dict[str, Any]:
     served.engine.close()
     return {"features": found, "forced_tokens": stats.forced_tokens,
             "drafted_tokens": stats.drafted_tokens, "prefix_hits": stats.prefix_hits,
-            "batch_mode": stats.batch_mode}
+            "batch_mode": stats.batch_mode, "kv_bits": stats.kv_bits,
+            "cache_kinds": list(stats.cache_kinds)}
 
 
 def main() -> None:
-    model, shard, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    model, shard = sys.argv[1], sys.argv[2]
+    mode, kv_bits = parse_mode(sys.argv[3])
     timeout = float(sys.argv[4]) if len(sys.argv) > 4 else 60.0
-    config = config_for(shard, timeout)
+    config = config_for(shard, timeout, kv_bits)
     rank = engine.distributed_rank()
     # Both ranks load under the same rule: serial mode sends every row to the serial lane.
     with runs_serially("qwen2") if mode == "serial" else contextlib.nullcontext():

@@ -6,6 +6,10 @@ each pair ``sharded_* + feature`` is checked from its results: served rows equal
 alone and one process's rows, plain rows beside them keep their tokens, nothing is left
 behind; refused pairs raise ``UnsupportedCombinationError`` naming both. Fast-forward and
 speculation decide by fixed thresholds there, so the ranks never split their collectives.
+
+The ``kv_bits + sharded_*`` pairs: one launch per sharding on an engine keeping its KV in 8
+bits (a model whose heads are 32 wide: groups of 32 must divide them), a few rows each
+(``KV_FEATURES``), each equal to itself alone and to one process's kv_bits engine.
 """
 
 from __future__ import annotations
@@ -18,7 +22,14 @@ import pytest
 
 from engine.compatibility import Feature, Kind, Status, verdict
 from testkit.crossings import Assets, draft_of, start_engine
-from tests.distributed.crossings_main import SIBLINGS, SYSTEM, config_for
+from tests.conftest import _built, _cache_root
+from tests.distributed.crossings_main import (
+    KV_FEATURES,
+    SIBLINGS,
+    SYSTEM,
+    config_for,
+    parse_mode,
+)
 from tests.distributed.test_sharded import RankRun, run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -26,17 +37,28 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 CROSSINGS_MAIN = Path(__file__).with_name("crossings_main.py")
 ROW_FEATURES = [f for f in Feature if f.kind is not Kind.ENGINE]
 LAUNCHES = [("tensor", "batch"), ("pipeline", "batch"), ("tensor", "serial")]
+KV_LAUNCHES = [("tensor", "batch+kv8"), ("pipeline", "batch+kv8")]
+
+
+@pytest.fixture(scope="session")
+def kv_shardable_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny qwen2 of 2 heads and 2 KV heads, 32 wide, and 4 layers: it splits over two
+    ranks and its heads take kv_bits' smallest group (the shardable model's are 16 wide)."""
+    return _built(_cache_root(tmp_path_factory) / "tiny-qwen2-shardable-h32-v1",
+                  heads=2, kv_heads=2, layers=4)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory: pytest.TempPathFactory,
-             shardable_model_dir: Path) -> Iterator[dict[tuple[str, str], RankRun]]:
+def launches(tmp_path_factory: pytest.TempPathFactory, shardable_model_dir: Path,
+             kv_shardable_model_dir: Path) -> Iterator[dict[tuple[str, str], RankRun]]:
     runs: dict[tuple[str, str], RankRun] = {}
 
     def launch(shard: str, mode: str) -> RankRun:
         if (shard, mode) not in runs:
-            tmp = tmp_path_factory.mktemp(f"crossings-{shard}-{mode}")
-            runs[shard, mode] = run_ranks(tmp, shardable_model_dir, shard, mode,
+            tmp = tmp_path_factory.mktemp(f"crossings-{shard}-{mode.replace('+', '-')}")
+            model = shardable_model_dir if parse_mode(mode)[1] is None \
+                else kv_shardable_model_dir
+            runs[shard, mode] = run_ranks(tmp, model, shard, mode,
                                           script=CROSSINGS_MAIN, hard_timeout=300)
         return runs[shard, mode]
 
@@ -54,6 +76,20 @@ def one_process(shardable_model_dir: Path) -> Iterator[dict[str, list[int]]]:
         yield {f.value: list(served.alone(draft_of({f}, assets, system=SYSTEM).to_the_end()).tokens)
                for f in ROW_FEATURES if f is not Feature.EMBEDDINGS
                and verdict(f, Feature.SHARDED_TENSOR).status is not Status.REFUSED}
+    finally:
+        served.engine.close()
+
+
+@pytest.fixture(scope="module")
+def one_process_kv(kv_shardable_model_dir: Path) -> Iterator[dict[str, list[int]]]:
+    """Each of ``KV_FEATURES``' rows alone on one process's kv_bits engine, unsharded."""
+    config = {k: v for k, v in config_for("tensor", 60.0, kv_bits=8).items()
+              if k not in ("shard", "distributed_timeout")}
+    served = start_engine(kv_shardable_model_dir, config)
+    assets = Assets(kv_shardable_model_dir, "/no/such/adapter")
+    try:
+        yield {f.value: list(served.alone(draft_of({f}, assets, system=SYSTEM).to_the_end()).tokens)
+               for f in KV_FEATURES}
     finally:
         served.engine.close()
 
@@ -82,6 +118,13 @@ def test_sharded_pair(launches: Any, one_process: dict[str, list[int]], shard: s
     if verdict(feature, sharded).status is Status.REFUSED:
         assert sorted(found["refused"] or []) == sorted([feature.value, sharded.value])
         return
+    check_row(found, feature, one_process)
+
+
+def check_row(found: dict[str, Any], feature: Feature, one_process: dict[str, list[int]],
+              ) -> None:
+    """A served row of a launch: no failure, its siblings unchanged, nothing left, and
+    batched equal to alone and to one process's row (a cancelled one: a prefix of it)."""
     assert found["error"] == "" or feature is Feature.TIMEOUT, found["error"]
     assert found["siblings_unchanged"], "a plain row beside it changed"
     assert not any(found["left"].values()), found["left"]
@@ -106,3 +149,22 @@ def test_sharded_engine_modes(launches: Any, shard: str, mode: str) -> None:
     assert result["forced_tokens"] > 0
     assert result["batch_mode"] == mode
     assert set(SIBLINGS)  # the plain rows every feature ran beside
+
+
+KV_PAIRS = [(shard, mode, feature) for shard, mode in KV_LAUNCHES for feature in KV_FEATURES]
+
+
+@pytest.mark.parametrize(("shard", "mode", "feature"), KV_PAIRS,
+                         ids=[f"{s}-{m}+{f.value}" for s, m, f in KV_PAIRS])
+def test_sharded_kv_bits_row(launches: Any, one_process_kv: dict[str, list[int]], shard: str,
+                             mode: str, feature: Feature) -> None:
+    """``kv_bits + sharded_*`` (served): a row on a sharded engine whose KV is in 8 bits
+    equals itself alone and one process's kv_bits row."""
+    assert verdict(Feature.KV_BITS, Feature(f"sharded_{shard}")).status is Status.SERVED
+    result = _result(launches(shard, mode))
+    assert result["kv_bits"] == 8 and "KVCache(8-bit)" in result["cache_kinds"]
+    assert result["forced_tokens"] > 0 and result["prefix_hits"] == 0
+    found = result["features"][feature.value]
+    check_row(found, feature, one_process_kv)
+    # Its run to the end (a cancelled row's too) is one process's, token for token.
+    assert found["alone"] == one_process_kv[feature.value]

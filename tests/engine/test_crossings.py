@@ -7,7 +7,8 @@ tests/distributed/test_sharded_crossings.py), on a tiny Qwen2-VL that can reason
 - **served** (and inert) pairs: a row with both, batched among plain rows at a position the
   pair decides, equals the same row alone on the same engine, and the plain rows equal
   theirs; where one feature changes no token, the row equals the row with the other
-  feature alone on an engine with every speed-up off; a cancelled or timed-out row's tokens
+  feature alone on an engine with every speed-up off (quantized KV, ``kv_bits``, changes
+  tokens: a kv_bits row is compared with kv_bits rows only); a cancelled or timed-out row's tokens
   are a prefix of its run to the end; nothing is left behind (rows, grammar matchers, KV,
   image jobs, pinned adapters);
 - **refused** pairs: ``submit`` raises ``UnsupportedCombinationError`` naming both.
@@ -143,9 +144,11 @@ def check_served(matrix: Matrix, a: Feature, b: Feature) -> None:
             assert row.streamed == row.tokens
     neutral = features & NEUTRAL
     if neutral and not draft.ends_early:
-        # The other feature alone, every speed-up off, gives the same tokens.
+        # The other feature alone, every speed-up off, gives the same tokens (on an engine
+        # with the other feature's own mode where it is one that changes tokens: kv_bits).
         others = features - neutral
-        reference = matrix.engine(frozenset()).alone(draft_of(others, matrix.assets))
+        reference = matrix.engine(engine_features(others)).alone(
+            draft_of(others, matrix.assets))
         assert row.tokens == reference.tokens, "a feature that changes no token changed them"
     engaged(features, before, served.engine.stats())
     left = settled(served.engine)
@@ -174,6 +177,8 @@ def engaged(features: frozenset[Feature], before: Any, after: Any) -> None:
         assert after.vision_feature_hits > before.vision_feature_hits
     if Feature.ADAPTER in active:
         assert after.adapters_loaded >= 1
+    if Feature.KV_BITS in active:  # its rows' plain KV layers held in 8 bits
+        assert after.kv_bits == 8 and "KVCache(8-bit)" in after.cache_kinds
 
 
 def check_refused(matrix: Matrix, a: Feature, b: Feature) -> None:
