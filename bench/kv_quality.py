@@ -9,11 +9,14 @@ Every setting reads the same tokens through the model with its KV cache, a chunk
 so each position attends to the cache as a decode step would. float32 and the quantized
 widths use the engine's own caches (``RowQuantizedKVCache``, what ``EngineConfig.kv_bits``
 runs); the other settings round the stored values as such a cache would (quantize then
-dequantize, rotated and back) and attend in float32. Agreement is teacher-forced: float32
+dequantize, rotated and back) and attend in float32. "float16 (kv_dtype)" is what
+``EngineConfig(kv_dtype="float16")`` runs: keys and values projected, turned and kept in
+float16 (``install_half_kv``, read last: it changes the model for good). Agreement is teacher-forced: float32
 writes each continuation greedily (the engine, 32 rows in one batch), then every setting
 reads it back, and a position agrees where its next-token choice equals float32's.
 
     python bench/kv_quality.py [--prompts 32] [--tokens 256] [--chunk 16]
+        [--settings float32 "float16 (kv_dtype)" ...]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from mlx_lm.models.cache import KVCache
 
 import engine  # noqa: F401 - loads the fast BLAS before mlx
 from engine import Engine, EngineConfig, SamplingParams, TextRequest
+from engine.device.loading.half_kv import install_half_kv
 from engine.device.upstream.quantized_kv import RowQuantizedKVCache
 
 TEXT = Path(__file__).with_name("data") / "declaration_of_independence.txt"
@@ -75,9 +79,16 @@ def fake_quant(bits: int, group: int, rotate: str = "",
     return store
 
 
+SETTINGS = ["float32", "float16", "8-bit", "4-bit", "4-bit, K rotated", "4-bit, groups of 32",
+            "4-bit, groups of 32, K and V rotated", "keys 8-bit, values 4-bit",
+            "float16 (kv_dtype)"]
+
+
 def caches(model: Any, setting: str, group: int) -> list[Any]:
     layers = len(model.layers)
     if setting == "float32":
+        return [KVCache() for _ in range(layers)]
+    if setting == "float16 (kv_dtype)":  # the model's projections write float16 (installed)
         return [KVCache() for _ in range(layers)]
     if setting == "float16":
         return [RoundedKVCache(lambda x, _: x.astype(mx.float16).astype(x.dtype))
@@ -118,10 +129,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--chunk", type=int, default=16)
     parser.add_argument("--group", type=int, default=64)
+    parser.add_argument("--settings", nargs="+", default=SETTINGS,
+                        help="float32 first (the reference); float16 (kv_dtype) last")
     args = parser.parse_args()
-    settings = ["float32", "float16", "8-bit", "4-bit", "4-bit, K rotated",
-                "4-bit, groups of 32", "4-bit, groups of 32, K and V rotated",
-                "keys 8-bit, values 4-bit"]
+    settings = args.settings
     with Engine(args.model, EngineConfig(max_batch=args.prompts, speculation=0)) as eng:
         eng.start()
         tokenizer = eng.tokenizer
@@ -138,6 +149,8 @@ def main() -> None:
         rows = []
         reference: list[mx.array] = []
         for setting in settings:
+            if setting == "float16 (kv_dtype)":
+                install_half_kv(model)
             started = time.perf_counter()
             ppl = perplexity(model, text, setting, args.group, args.chunk)
             agree = total = 0

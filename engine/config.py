@@ -50,6 +50,13 @@ class EngineConfig(BaseModel):
         "budget admits that many more rows. None: the model's own dtype. Attention reads "
         "the quantized blocks (MLX's quantized matmuls). docs/memory.md has its cost.",
     )
+    kv_dtype: Literal["float16"] | None = Field(
+        default=None,
+        description="Keep every row's attention keys and values in float16 on a float32 "
+        "model (the CPU's): 0.5x of float32's bytes a token, in the shared batch, with "
+        "queries and the rest of the forward in float32. None: the model's own dtype. "
+        "kv_bits=8 takes fewer bytes still at no measured cost; docs/memory.md compares.",
+    )
     kv_group_size: Literal[32, 64, 128] = Field(
         default=64,
         description="Head-dimension values sharing one scale and bias under kv_bits; must "
@@ -215,6 +222,9 @@ class EngineConfig(BaseModel):
         if self.kv_bits is not None and self.max_kv_size is not None:
             raise ValueError("kv_bits cannot be used with max_kv_size: a rotating KV cache "
                              "is not quantized; drop one of them")
+        if self.kv_bits is not None and self.kv_dtype is not None:
+            raise ValueError("kv_bits and kv_dtype both set how KV is stored: quantized "
+                             "blocks (kv_bits) or float16 (kv_dtype); drop one of them")
         return self
 
     @model_validator(mode="after")

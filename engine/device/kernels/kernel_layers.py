@@ -251,6 +251,11 @@ def _quantized_attention(queries: mx.array, keys: Any, values: Any, cache: Any,
                                            causal)
 
 
+def _half_kv(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """float32 queries over a float16 cache (``EngineConfig.kv_dtype``)."""
+    return (queries.dtype == mx.float32 and keys.dtype == values.dtype == mx.float16)
+
+
 def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(queries: mx.array, keys: Any, values: Any, cache: Any,
                                      scale: float, mask: Any, sinks: Any = None) -> mx.array:
@@ -261,9 +266,16 @@ def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         elif (_in_kernel_forward() and sinks is None
                 and isinstance(keys, mx.array) and queries.ndim == 4
                 and queries.shape[2] <= cpu_kernels.ATTENTION_MAX_QUERIES
-                and queries.dtype == keys.dtype == values.dtype
+                and (queries.dtype == keys.dtype == values.dtype or _half_kv(queries, keys,
+                                                                             values))
                 and max(queries.shape[-1], values.shape[-1]) <= 256):
             usable, array, causal = _kernel_mask(mask, queries.shape[2])
+            if usable and queries.dtype != keys.dtype:
+                # kv_dtype="float16": the kernel reads the float16 cache in place (it
+                # computes in float32); the few query values are cast, not the cache.
+                out = cpu_kernels.attention(queries.astype(keys.dtype), keys, values, scale,
+                                            array, causal)
+                return out.astype(queries.dtype)
             if usable:
                 return cpu_kernels.attention(queries, keys, values, scale, array, causal)
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)

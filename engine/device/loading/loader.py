@@ -34,6 +34,7 @@ from engine.device.lane.serial_lane import SerialLane
 from engine.device.loading.architecture import architecture_module, read_model_config
 from engine.device.loading.cache_layout import footprint_of
 from engine.device.loading.collectives import Channel, Group
+from engine.device.loading.half_kv import install_half_kv
 from engine.device.loading.memory import (
     device_memory,
     limit_buffer_cache,
@@ -252,6 +253,11 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
             install_quantized_kv(model, config.kv_bits, config.kv_group_size)
         except ValueError as exc:
             raise InvalidModelError(f"{path}: {exc}") from exc
+    if config.kv_dtype == "float16":  # keys and values projected, turned and kept in float16
+        try:
+            install_half_kv(model)
+        except ValueError as exc:
+            raise InvalidModelError(f"{path}: {exc}") from exc
     cache = make_prompt_cache(model, config.max_kv_size)
     with mx.stream(stream):
         logits = model(mx.array([[0]]), cache=cache)
@@ -382,7 +388,8 @@ def prefix_tiers(loaded: LoadedModel, config: EngineConfig) -> PrefixTiers:
     if config.prefix_cache_dir is not None and not disk_off and loaded.path is not None:
         layout = make_prompt_cache(loaded.model, config.max_kv_size)
         try:
-            disk = PrefixDisk(Path(config.prefix_cache_dir), disk_key(loaded.path, layout),
+            disk = PrefixDisk(Path(config.prefix_cache_dir), disk_key(loaded.path, layout,
+                                                                   kv=config.kv_dtype or ""),
                               config.prefix_cache_disk_bytes, config.prefix_min_tokens)
         except OSError as exc:  # a directory that cannot be made or read: memory only
             log.warning("prefix cache: %s cannot hold prefixes (%r); memory only",

@@ -67,10 +67,13 @@ _DTYPES: dict[Any, tuple[str, Any]] = {
 _BY_NAME = {name: (dtype, np_type) for dtype, (name, np_type) in _DTYPES.items()}
 
 
-def disk_key(model_path: Path, layout: Sequence[Any]) -> str:
+def disk_key(model_path: Path, layout: Sequence[Any], kv: str = "") -> str:
     """What a file must have been written under to be read: the model's files, its cache
-    layout, the versions of the engine, mlx and mlx-lm, and what a reuse key means."""
+    layout, the dtype its KV is kept in (``kv``: ``EngineConfig.kv_dtype``, "" for the
+    model's own), the versions of the engine, mlx and mlx-lm, and what a reuse key means."""
     digest = hashlib.sha256(f"format {FORMAT}\nreuse key {KEY_VERSION}\n".encode())
+    if kv:  # files of the model's own dtype keep their key
+        digest.update(f"kv {kv}\n".encode())
     for package in ("mlx-providers", "mlx", "mlx-lm"):
         try:
             version = importlib.metadata.version(package)

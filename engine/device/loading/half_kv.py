@@ -1,0 +1,54 @@
+"""``EngineConfig(kv_dtype="float16")``: a float32 model (the CPU's) keeps its KV in float16.
+
+Every cache kind allocates its arrays in the dtype of the keys and values it is handed
+(mlx-lm's ``KVCache``, ``BatchKVCache``, the sliding window's ring, merges, extracts and the
+prefix store's copies alike). So rather than a cache class of its own, each attention
+layer's key and value projections return float16: keys are then turned (RoPE) and
+stored in float16 by every cache kind, in the batch and out of it, and a row's KV is the
+same bits whether it runs alone or batched. Queries stay float32; attention reads the
+float16 cache in place (the CPU decode kernel casts the query and its output; MLX's own
+attention, for prefill, widens the keys as it reads them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+_halved: dict[type, type] = {}  # projection class -> its float16-output subclass
+
+
+def install_half_kv(model: Any) -> int:
+    """Make every attention layer of ``model`` with its own ``k_proj`` and ``v_proj`` write
+    float16 keys and values; returns the layers changed. ``ValueError`` when none has
+    them (fused or latent projections: the setting cannot apply)."""
+    changed = 0
+    for _, module in model.named_modules():
+        k_proj, v_proj = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
+        if isinstance(k_proj, nn.Module) and isinstance(v_proj, nn.Module):
+            for projection in (k_proj, v_proj):
+                if type(projection) not in _halved.values():
+                    projection.__class__ = _half_class(type(projection))
+            changed += 1
+    if not changed:
+        raise ValueError(f"kv_dtype='float16' needs attention layers with their own k_proj "
+                         f"and v_proj; {type(model).__module__} has none (fused or latent "
+                         f"projections)")
+    return changed
+
+
+def _half_class(cls: type) -> type:
+    """A subclass of a projection class whose output is float16."""
+    found = _halved.get(cls)
+    if found is not None:
+        return found
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return cls.__call__(self, *args, **kwargs).astype(mx.float16)
+
+    halved = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                         "__qualname__": cls.__qualname__})
+    _halved[cls] = halved
+    return halved

@@ -1,0 +1,86 @@
+"""float16 KV on a float32 model (``EngineConfig.kv_dtype``), on the tiny model: half the
+bytes a token, rows batched equal each alone and cancelling one leaves its siblings' tokens,
+a resumed prefix equals a recomputed one, and the disk tier keeps float16 files apart;
+refusals by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import phi3
+
+from engine import Engine, EngineConfig
+from engine.device.loading.half_kv import install_half_kv
+from engine.device.prefix.prefix_disk import disk_key
+from tests.conftest import greedy, prompts_of_lengths, request_for
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def half(make_engine: Callable[..., Engine], **config: object) -> Engine:
+    return make_engine(kv_dtype="float16", **{"max_batch": 16, **config})
+
+
+def test_rows_batched_equal_alone_and_cancel_leaves_siblings(
+        make_engine: Callable[..., Engine]) -> None:
+    eng = half(make_engine, prefill_chunk=16, prefix_cache_bytes=0)
+    float_stats = make_engine().stats()
+    assert eng.stats().kv_bytes_per_token * 2 == float_stats.kv_bytes_per_token
+    params = greedy(20)
+    prompts = prompts_of_lengths(eng, [5, 40, 13, 77, 21], seed=5)
+    alone = [eng.submit(request_for(p, params)).result(timeout=60).token_ids for p in prompts]
+    handles = [eng.submit(request_for(p, params)) for p in prompts]
+    doomed = eng.submit(request_for(prompts_of_lengths(eng, [30], seed=9)[0], greedy(200)))
+    doomed.cancel()
+    assert [h.result(timeout=60).token_ids for h in handles] == alone
+
+
+def test_the_cache_holds_float16_and_the_forward_stays_float32(
+        make_engine: Callable[..., Engine]) -> None:
+    eng = half(make_engine)
+    composition = eng._runtime.composition
+    assert composition is not None
+    model = composition.built.model.model
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([[1, 2, 3]]), cache=cache)
+    assert logits.dtype == mx.float32
+    assert {layer.keys.dtype for layer in cache} == {mx.float16}
+    assert {layer.values.dtype for layer in cache} == {mx.float16}
+
+
+def test_a_resumed_prefix_equals_a_recomputed_one(make_engine: Callable[..., Engine]) -> None:
+    eng = half(make_engine)
+    cold = half(make_engine, prefix_cache_bytes=0)
+    head = prompts_of_lengths(eng, [60], seed=3)[0]
+    params = greedy(12)
+    eng.submit(request_for([*head, 11, 12], params)).result(timeout=60)
+    before = eng.stats().prefix_hit_tokens
+    again = eng.submit(request_for([*head, 21, 22, 23], params)).result(timeout=60)
+    assert eng.stats().prefix_hit_tokens > before
+    assert again.token_ids == cold.submit(
+        request_for([*head, 21, 22, 23], params)).result(timeout=60).token_ids
+
+
+def test_disk_files_of_float16_kv_are_kept_apart(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    assert disk_key(tmp_path, []) != disk_key(tmp_path, [], kv="float16")
+    assert disk_key(tmp_path, []) == disk_key(tmp_path, [], kv="")
+
+
+def test_float16_kv_beside_kv_bits_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="kv_bits and kv_dtype"):
+        EngineConfig(kv_bits=8, kv_dtype="float16")
+
+
+def test_fused_projections_are_refused_by_name() -> None:
+    """Phi-3 projects q, k and v in one ``qkv_proj``: no k_proj to make float16."""
+    args = phi3.ModelArgs(model_type="phi3", hidden_size=32, num_hidden_layers=1,
+                          intermediate_size=64, num_attention_heads=2, rms_norm_eps=1e-5,
+                          vocab_size=64, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="k_proj and v_proj.*mlx_lm.models.phi3"):
+        install_half_kv(phi3.Model(args))
