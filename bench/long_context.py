@@ -103,10 +103,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=886, help="system context, ~tokens")
     parser.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
                         help="keep the KV quantized (EngineConfig.kv_bits)")
+    parser.add_argument("--kv-dtype", choices=("float16",), default=None,
+                        help="keep the KV in float16 (EngineConfig.kv_dtype)")
     args = parser.parse_args()
     system = context_text(args.context)
     timer = StepTimer(args.rows)
-    config = EngineConfig(max_batch=args.rows, kv_bits=args.kv_bits)
+    config = EngineConfig(max_batch=args.rows, kv_bits=args.kv_bits, kv_dtype=args.kv_dtype)
     with Engine(args.model, config, probe=StepProbe(on_turn=timer)) as eng:
         eng.start()
         print(f"model: {eng.model_path}\nBLAS: {blas_info().name}\n"
