@@ -39,7 +39,8 @@ def test_before_anything_is_measured_the_load_time_forward_prices_spans() -> Non
     two fixed forwards and its tokens (36 ms) against three 16 ms steps: taken; 2 tokens
     are not. Eight rows all spanning 19 tokens skip 19 steps of 8 rows (39 ms each, 741
     ms) for 528 ms: taken. Six of eight rows spanning 8 tokens save only their share of
-    each step, which a CPU's token costs anyway: declined."""
+    each step while leaving and rejoining copies the batch's KV, which the prior cannot
+    price: declined until spans are measured."""
     costs = StepCosts(prior=CPU_PRIOR)
     assert costs.shortest([3], 1, 1) == 2
     assert costs.shortest([2], 1, 1) == 3
@@ -72,6 +73,20 @@ def test_measurements_replace_the_prior_as_they_come() -> None:
         costs.spanned(1, fed, 16 * MS + 60 * MS + 20 * MS * fed)
     assert costs.shortest([5], 1, 1) == 6
     assert "a span 60.0 ms + 20.00 ms a token" in costs.summary()
+
+
+def test_a_rows_share_of_a_step_is_the_slope_over_widths_not_two_neighbours() -> None:
+    """Steps measured on a shared CPU (16 schema rows from a fresh process): 10 rows 46.4 ms
+    beside 8 rows 29.3 ms read as 8.6 ms a row from the neighbours, which took a span that
+    lost. The least-squares slope over every width, at most the step's mean a row, is
+    what a row's share is read as."""
+    costs = StepCosts(prior=CPU_PRIOR)
+    for width, seconds in ((5, 29.1 * MS), (8, 29.3 * MS), (10, 46.4 * MS), (13, 64.6 * MS)):
+        for _ in range(5):
+            costs.stepped(width, seconds)
+    # The slope, 4.68 ms, is capped at a step of 10's mean a row, 4.64 ms (not 8.6 ms).
+    assert abs(costs._share(10) - 4.64 * MS) < 1e-9
+    assert abs(costs._share(13) - 159.1 / 34 * MS) < 1e-9  # the slope itself, below 4.97
 
 
 def test_a_sharded_lane_has_no_prior() -> None:
