@@ -77,6 +77,14 @@ def test_float16_kv_beside_kv_bits_is_refused_by_name() -> None:
         EngineConfig(kv_bits=8, kv_dtype="float16")
 
 
+def test_a_quantized_start_is_refused_by_name() -> None:
+    """mlx-lm's quantized_kv_start switches a request's cache at a length; one batch cache
+    would switch every row at once, so only 0 (quantized from the first token) is served."""
+    assert EngineConfig(kv_bits=8, kv_quantized_start=0).kv_quantized_start == 0
+    with pytest.raises(ValueError, match="kv_quantized_start=512 is not served.*siblings"):
+        EngineConfig(kv_bits=8, kv_quantized_start=512)
+
+
 def test_fused_projections_are_refused_by_name() -> None:
     """Phi-3 projects q, k and v in one ``qkv_proj``: no k_proj to make float16."""
     args = phi3.ModelArgs(model_type="phi3", hidden_size=32, num_hidden_layers=1,
