@@ -1,5 +1,6 @@
 """Image rows in the batch: the tower's cost, TTFT alone and beside decoding text rows, what
-an image row's prefill costs the text rows, and a second turn over the same image.
+an image row's prefill costs the text rows, and a second turn over the same image (or, with
+``--media audio``, the same for audio clips on a family that reads audio).
 
 On a small random-weight Gemma 3 VLM built offline (``testkit.vision_model``: a SigLIP
 tower at 224 px, 256 patches pooled to 64 image tokens, a 4-layer text model), so the
@@ -16,19 +17,30 @@ figures are the engine's and this machine's, not a real checkpoint's. Prints:
   prefix cache) against an engine with both off (goal: >= 5x lower).
 
     python bench/vision.py [--rows 15] [--repeats 3] [--images 1] [--family gemma3]
+                           [--media image|audio]
 
 ``--images 4 --rows 12``: 16 rows, a quarter carrying an image. ``--family qwen3_vl`` (any
-served zoo family) runs on that family's tiny zoo checkpoint instead.
+served zoo family) runs on that family's tiny zoo checkpoint instead. ``--media audio``
+sends each media row a synthesized clip instead of an image (``audio_message``: a 1.5 s
+chirp, its own per row, as an OpenAI ``input_audio`` part) to a family that reads audio
+(``--family gemma4``: its tiny zoo checkpoint has an audio tower); the table then counts
+the tower per clip. A family without audio is refused by name.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import io
+import math
+import random
 import statistics
 import sys
 import threading
 import time
+import wave
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -44,6 +56,11 @@ from testkit.vision_zoo import ZOO
 
 ZOO_FAMILIES = {e.model_type: e.build for e in ZOO
                 if (f := family_of(e.model_type)) is not None and f.support is Support.IMAGES}
+# Families whose zoo checkpoints read audio (``VisionFamily.audio``).
+AUDIO_FAMILIES = sorted(name for name in ZOO_FAMILIES if (f := family_of(name)) and f.audio)
+# A zoo checkpoint's directory version where its builder changed since a bench cached it
+# (v2: Gemma 4's carries its audio tower).
+ZOO_VERSIONS = {"gemma4": 2}
 
 BENCH_SIZES = dict(hidden=256, layers=4, image_size=224, patch=14, tokens_per_image=64,
                    vision_hidden=192, vision_layers=4)
@@ -60,7 +77,8 @@ def bench_model() -> Path:
 
 def zoo_model(family: str) -> Path:
     """A served family's tiny zoo checkpoint (``testkit.vision_zoo``), built once."""
-    root = Path.home() / ".cache" / "mlx-providers" / "bench" / f"zoo-{family}-v1"
+    version = ZOO_VERSIONS.get(family, 1)
+    root = Path.home() / ".cache" / "mlx-providers" / "bench" / f"zoo-{family}-v{version}"
     if not (root / "config.json").exists():
         partial = root.with_name(root.name + ".tmp")
         partial.mkdir(parents=True, exist_ok=True)
@@ -75,6 +93,42 @@ def image_message(seed: int, text: str = "Describe the picture.") -> list[dict[s
     url = f"data:image/png;base64,{base64.b64encode(data).decode()}"
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": text}]}]
+
+
+CLIP_SECONDS = 1.5  # 38 audio tokens on Gemma 4 (one a 40 ms)
+CLIP_RATE = 16_000
+
+
+def chirp_wav(seed: int, seconds: float = CLIP_SECONDS, rate: int = CLIP_RATE) -> bytes:
+    """A 16-bit mono PCM WAV (stdlib ``wave``): a linear chirp whose start and end pitch
+    follow ``seed``, with a little seeded noise, so every seed's clip (and features) differ."""
+    low = 150.0 + (seed * 37) % 500
+    high = low + 400.0 + (seed * 61) % 900
+    noise = random.Random(seed)
+    count = int(seconds * rate)
+    sweep = (high - low) / (2.0 * seconds)
+    samples = array("h", (int(max(-1.0, min(1.0, 0.5 * math.sin(
+        2.0 * math.pi * (low * t + sweep * t * t)) + noise.gauss(0.0, 0.05))) * 26_000)
+        for t in (i / rate for i in range(count))))
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(samples.tobytes())
+    return buffer.getvalue()
+
+
+def audio_message(seed: int, text: str = "Describe the sound.") -> list[dict[str, Any]]:
+    """A user message with ``seed``'s clip as an OpenAI ``input_audio`` part."""
+    data = base64.b64encode(chirp_wav(seed)).decode()
+    return [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
+        {"type": "text", "text": text}]}]
+
+
+MediaMessage = Callable[..., list[dict[str, Any]]]
+MEDIA: dict[str, MediaMessage] = {"image": image_message, "audio": audio_message}
 
 
 class FirstToken:
@@ -167,10 +221,11 @@ class TextRun:
 
 
 def text_rows(eng: Engine, rows: int, seed: int, images: int, length: float = 0.0,
-              ) -> TextRun:
-    """``rows`` text rows decoding; ``images`` image rows arrive ``WINDOW`` seconds after
-    every row decodes, and the run goes on ``WINDOW`` seconds after they leave. Without
-    images (a control), the run lasts ``length`` seconds from then."""
+              message: MediaMessage = image_message) -> TextRun:
+    """``rows`` text rows decoding; ``images`` media rows (``message``'s: an image or a
+    clip each) arrive ``WINDOW`` seconds after every row decodes, and the run goes on
+    ``WINDOW`` seconds after they leave. Without images (a control), the run lasts
+    ``length`` seconds from then."""
     clock = TokenClock()
     texts = [eng.submit(ChatRequest.from_openai(
         [{"role": "user", "content": f"Tell a long story about item {i}."}],
@@ -183,12 +238,12 @@ def text_rows(eng: Engine, rows: int, seed: int, images: int, length: float = 0.
     if images:
         # Encoded before they arrive: a client's work (the engine's caller decodes them,
         # inside the window, as an in-process caller would).
-        messages = [image_message(seed * 10 + i) for i in range(images)]
+        messages = [message(seed * 10 + i) for i in range(images)]
         timers: list[FirstToken] = []
         handles = []
-        for message in messages:
+        for one in messages:
             timers.append(timer := FirstToken(stop=True))
-            handles.append(eng.submit(ChatRequest.from_openai(message, greedy(4)),
+            handles.append(eng.submit(ChatRequest.from_openai(one, greedy(4)),
                                       on_token=timer))
         for handle in handles:
             handle.result(timeout=600)
@@ -208,10 +263,11 @@ def text_rows(eng: Engine, rows: int, seed: int, images: int, length: float = 0.
     return run
 
 
-def beside_text_rows(eng: Engine, rows: int, seed: int, images: int = 1) -> Beside:
-    """Image rows arriving together beside ``rows`` decoding text rows, then the same text
-    rows alone (``Beside``)."""
-    run = text_rows(eng, rows, seed, images)
+def beside_text_rows(eng: Engine, rows: int, seed: int, images: int = 1,
+                     message: MediaMessage = image_message) -> Beside:
+    """Image (or ``message``'s media) rows arriving together beside ``rows`` decoding text
+    rows, then the same text rows alone (``Beside``)."""
+    run = text_rows(eng, rows, seed, images, message=message)
     clock, arrived, first = run.clock, run.arrived, run.first
     control = text_rows(eng, rows, seed, 0, length=run.ended + 0.05 + WINDOW - arrived)
     since = control.steady - run.steady  # the same seconds since the rows decoded
@@ -222,8 +278,9 @@ def beside_text_rows(eng: Engine, rows: int, seed: int, images: int = 1) -> Besi
                   stall=clock.longest_gap(arrived, first))
 
 
-def second_turn(eng: Engine, seed: int) -> float:
-    first = image_message(seed, "What is in it?")
+def second_turn(eng: Engine, seed: int, message: MediaMessage = image_message) -> float:
+    """A second turn's TTFT over the first turn's image (or ``message``'s media)."""
+    first = message(seed, "What is in it?")
     answer = eng.submit(ChatRequest.from_openai(first, greedy(12))).result(timeout=600)
     follow = [*first, {"role": "assistant", "content": answer.text},
               {"role": "user", "content": "Say more about it."}]
@@ -235,11 +292,22 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--images", type=int, default=1,
-                        help="image rows arriving together beside the text rows")
+                        help="image (or audio) rows arriving together beside the text rows")
     parser.add_argument("--family", default="gemma3",
                         help="gemma3 (the bench-size model) or a served zoo family's tiny "
                              "checkpoint: " + ", ".join(sorted(ZOO_FAMILIES)))
+    parser.add_argument("--media", choices=sorted(MEDIA), default="image",
+                        help="what each media row carries: an image, or a synthesized "
+                             "clip (a family that reads audio: "
+                             + ", ".join(AUDIO_FAMILIES) + ")")
     args = parser.parse_args()
+    if args.media == "audio" and args.family not in AUDIO_FAMILIES:
+        family = family_of(args.family)
+        parser.error(f"--media audio: {family.name if family else args.family} "
+                     f"({args.family}) reads no audio; families that do: "
+                     + ", ".join(AUDIO_FAMILIES))
+    message = MEDIA[args.media]
+    unit, rows_of = ("image", "image") if args.media == "image" else ("clip", "audio")
     model = bench_model() if args.family == "gemma3" else zoo_model(args.family)
     print(f"model: {model.name} "
           f"{BENCH_SIZES if args.family == 'gemma3' else 'tiny zoo checkpoint'}; "
@@ -249,17 +317,17 @@ def main() -> int:
     cold = Engine(model, EngineConfig(max_batch=args.rows + 1, speculation=0, prefix_cache_bytes=0,
                                       vision_cache_bytes=0)).start()
     try:
-        ttft(eng, image_message(10_000))  # warm-up: first shapes, first graphs
-        ttft(cold, image_message(10_001))
+        ttft(eng, message(10_000))  # warm-up: first shapes, first graphs
+        ttft(cold, message(10_001))
         before = eng.stats()
-        alone = [ttft(eng, image_message(seed)) for seed in range(args.repeats)]
+        alone = [ttft(eng, message(seed)) for seed in range(args.repeats)]
         after = eng.stats()
         per_image = ((after.vision_seconds - before.vision_seconds)
                      / max(after.vision_images - before.vision_images, 1))
-        beside = [beside_text_rows(eng, args.rows, 100 + seed, args.images)
+        beside = [beside_text_rows(eng, args.rows, 100 + seed, args.images, message)
                   for seed in range(args.repeats)]
-        reused = [second_turn(eng, 200 + seed) for seed in range(args.repeats)]
-        fresh = [second_turn(cold, 300 + seed) for seed in range(args.repeats)]
+        reused = [second_turn(eng, 200 + seed, message) for seed in range(args.repeats)]
+        fresh = [second_turn(cold, 300 + seed, message) for seed in range(args.repeats)]
     finally:
         eng.close()
         cold.close()
@@ -267,11 +335,11 @@ def main() -> int:
     print()
     print("| measure | value |")
     print("|---|---:|")
-    print(f"| tower + projector per image | {per_image * 1e3:.1f} ms |")
-    print(f"| image row TTFT alone | {statistics.median(alone) * 1e3:.1f} ms |")
-    print(f"| last of {args.images} image rows' TTFT beside {args.rows} decoding text rows | "
-          f"{statistics.median(b.ttft for b in beside) * 1e3:.1f} ms |")
-    print(f"| text rows' tok/s before the images / after them | "
+    print(f"| tower + projector per {unit} | {per_image * 1e3:.1f} ms |")
+    print(f"| {rows_of} row TTFT alone | {statistics.median(alone) * 1e3:.1f} ms |")
+    print(f"| last of {args.images} {rows_of} rows' TTFT beside {args.rows} decoding text "
+          f"rows | {statistics.median(b.ttft for b in beside) * 1e3:.1f} ms |")
+    print(f"| text rows' tok/s before the {unit}s / after them | "
           f"{statistics.median(b.before for b in beside):.0f} / "
           f"{statistics.median(b.after for b in beside):.0f} |")
     print(f"| text rows' tok/s alone over the same seconds (a control run) | "

@@ -61,3 +61,33 @@ def test_the_logprobs_bench_runs_small_and_prints_its_table(tiny_model_dir: Path
     assert "| rows | mode | tokens | decode tok/s | vs no logprobs |" in out, out[-2000:]
     for mode in ("no logprobs", "logprobs", "top_logprobs=5"):
         assert f"| 2 | {mode} | 8 | " in out, out[-2000:]
+
+
+def _vision_bench(*args: str, timeout: int) -> subprocess.CompletedProcess[str]:
+    """``bench/vision.py`` with ``args``, in this checkout's packages."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "vision.py"), *args],
+        capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)})
+
+
+def test_the_vision_bench_refuses_audio_on_a_family_without_audio() -> None:
+    pytest.importorskip("mlx_vlm", reason="the vision bench needs mlx-vlm")
+    done = _vision_bench("--family", "qwen3_vl", "--media", "audio", timeout=120)
+    assert done.returncode == 2, (done.stdout[-2000:], done.stderr[-2000:])
+    assert "Qwen3-VL (qwen3_vl) reads no audio; families that do: gemma4" in done.stderr
+
+
+def test_the_vision_bench_runs_audio_rows_small() -> None:
+    # Gemma 4's tiny zoo checkpoint (built once under ~/.cache, as the bench does), a clip
+    # a media row: the table counts the tower per clip.
+    pytest.importorskip("mlx_vlm", reason="the vision bench needs mlx-vlm")
+    done = _vision_bench("--family", "gemma4", "--media", "audio", "--rows", "1",
+                         "--images", "1", "--repeats", "1", timeout=600)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    out = done.stdout
+    for line in ("| tower + projector per clip |", "| audio row TTFT alone |",
+                 "| last of 1 audio rows' TTFT beside 1 decoding text rows |",
+                 "| text rows' tok/s before the clips / after them |",
+                 "| second turn speed-up (goal >= 5x) |"):
+        assert line in out, out[-2000:]
