@@ -44,21 +44,28 @@ class MarkerIndex:
     @classmethod
     def of(cls, token_bytes: Sequence[bytes], markers: Sequence[str]) -> MarkerIndex:
         encoded = tuple(m.encode() for m in markers if m)
+        shortest = min((len(m) for m in encoded), default=0)
         inside: set[int] = set()
-        completing: dict[tuple[int, int], set[int]] = {}
-        for token, data in enumerate(token_bytes):
+        by_first: dict[int, list[int]] = {}  # first byte -> tokens: a marker's rest is
+        for token, data in enumerate(token_bytes):  # looked up among few, not the vocab
             if not data:
+                continue
+            by_first.setdefault(data[0], []).append(token)
+            if len(data) < shortest:  # too short to hold a whole marker
                 continue
             quote = data.find(b'"')
             before_quote = data if quote < 0 else data[:quote]
-            for i, marker in enumerate(encoded):
-                if marker in before_quote:
-                    inside.add(token)
-                for k in range(1, len(marker)):
-                    if data.startswith(marker[k:]):
-                        completing.setdefault((i, k), set()).add(token)
-        return cls(encoded, frozenset(inside),
-                   {key: frozenset(value) for key, value in completing.items()})
+            if any(marker in before_quote for marker in encoded):
+                inside.add(token)
+        completing: dict[tuple[int, int], frozenset[int]] = {}
+        for i, marker in enumerate(encoded):
+            for k in range(1, len(marker)):
+                rest = marker[k:]
+                found = frozenset(token for token in by_first.get(rest[0], ())
+                                  if token_bytes[token].startswith(rest))
+                if found:
+                    completing[(i, k)] = found
+        return cls(encoded, frozenset(inside), completing)
 
 
 @dataclass
