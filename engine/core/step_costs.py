@@ -12,13 +12,15 @@ directions (a forced call 1.33x faster at 1 row, 0.92x at 8 rows on the CPU), so
 
 - each plain decode step is timed by its width (rows decoding), and each step with spans
   by its extra time over a plain step of that width, per forced token fed;
-- spans are taken where the measured saving exceeds the measured cost. Before anything is
-  measured, a forward timed at two lengths when the lane was built (``ForwardCost``) prices
-  both: a step of ``w`` rows costs a forward of ``w`` tokens, a span a forward of its
-  padded tokens plus a second forward's fixed cost for leaving and rejoining the batch.
-  Measured steps replace the prior width by width, and after ``WARM_SPANS`` spans their
-  fitted line replaces its span cost. Without a prior the shipped thresholds
-  (``min_span``) decide until then.
+- spans are taken where the saving exceeds the cost by ``SPAN_MARGIN``. Before anything
+  is measured, a forward timed at two lengths when the lane was built (``ForwardCost``)
+  prices both: a step of ``w`` rows costs a forward of ``w`` tokens, a span a forward of
+  its padded tokens plus a second forward's fixed cost for leaving and rejoining the
+  batch. The prior decides only where every decoding row spans; beside rows that keep
+  decoding, only measured spans do (leaving and rejoining copies the batch's KV, which
+  the prior cannot price). Measured steps replace the prior width by width, and after
+  ``WARM_SPANS`` spans their fitted line replaces its span cost. Without a prior the
+  shipped thresholds (``min_span``) decide until then.
 
 **Speculation checks** are timed here too (``checked``): a check feeds a row its pending
 token and a draft in one forward outside the batch, and pays when the tokens it brings beat
