@@ -32,9 +32,10 @@ test: $(STAMP)
 # model), family models fitted to write their own calls and reasoning, every family through
 # ChatMLXBatch, MLXBatchLLM and the server, each family's own syntax and constrained replies
 # (~11 min on two cores), the vision zoo's other checkpoints of each family, and the image
-# proofs on the served vision families make test leaves to the zoo.
+# proofs on the served vision families make test leaves to the zoo, and the sharded crossings'
+# serial-lane and kv_bits launches (two ranks each).
 test-fitted: $(STAMP)
-	$(BIN)/python -m pytest -ra $(XDIST) -m fitted tests/families tests/engine
+	$(BIN)/python -m pytest -ra $(XDIST) -m fitted tests/families tests/engine tests/distributed
 
 # The edit loop: lint, then everything but the slow and multi-process cases (a few minutes).
 check: $(STAMP)

@@ -11,9 +11,10 @@ widths use the engine's own caches (``RowQuantizedKVCache``, what ``EngineConfig
 runs); the other settings round the stored values as such a cache would (quantize then
 dequantize, rotated and back) and attend in float32. "float16 (kv_dtype)" is what
 ``EngineConfig(kv_dtype="float16")`` runs: keys and values projected, turned and kept in
-float16 (``install_half_kv``, read last: it changes the model for good). Agreement is teacher-forced: float32
-writes each continuation greedily (the engine, 32 rows in one batch), then every setting
-reads it back, and a position agrees where its next-token choice equals float32's.
+float16 (``install_half_kv``, read last: it changes the model for good). Agreement is
+teacher-forced: float32 writes each continuation greedily (the engine, 32 rows in one
+batch), then every setting reads it back, and a position agrees where its next-token choice
+equals float32's.
 
     python bench/kv_quality.py [--prompts 32] [--tokens 256] [--chunk 16]
         [--settings float32 "float16 (kv_dtype)" ...]

@@ -13,7 +13,7 @@ directions (a forced call 1.33x faster at 1 row, 0.92x at 8 rows on the CPU), so
 - each plain decode step is timed by its width (rows decoding), and each step with spans
   by its extra time over a plain step of that width, per forced token fed;
 - spans are taken where the saving exceeds the cost by ``SPAN_MARGIN``. Before anything
-  is measured, a forward timed at two lengths when the lane was built (``ForwardCost``)
+  is measured, a forward timed at two lengths at the first span decision (``ForwardCost``)
   prices both: a step of ``w`` rows costs a forward of ``w`` tokens, a span a forward of
   its padded tokens plus a second forward's fixed cost for leaving and rejoining the
   batch. The prior decides only where every decoding row spans; beside rows that keep
@@ -35,6 +35,7 @@ steps: there (``measured=False``) the shipped thresholds decide for good.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Recent observations weigh more: the batch, the prompts and the machine's load move.
@@ -63,8 +64,8 @@ def min_span(rows: int) -> int:
 
 @dataclass(frozen=True)
 class ForwardCost:
-    """Seconds a forward of ``n`` tokens takes here: ``fixed + per_token * n`` (timed when
-    the lane was built, before any request)."""
+    """Seconds a forward of ``n`` tokens takes here: ``fixed + per_token * n`` (timed at
+    the lane's first span decision, before any span is measured)."""
 
     fixed: float
     per_token: float
@@ -113,9 +114,12 @@ class _Line:
 class StepCosts:
     """Measured step, span and check costs, and the decisions they give."""
 
-    def __init__(self, measured: bool = True, prior: ForwardCost | None = None) -> None:
+    def __init__(self, measured: bool = True,
+                 prior: ForwardCost | Callable[[], ForwardCost] | None = None) -> None:
+        """``prior``: what prices spans before they are measured, or how to time it (called
+        at the first span decision: an engine that never meets a span never pays for it)."""
         self.measured = measured  # False: the shipped thresholds decide (ranks must agree)
-        self.prior = prior if measured else None  # prices spans before they are measured
+        self._prior = prior if measured else None
         self._steps: dict[int, _Mean] = {}  # by width: seconds a plain decode step
         self._spans = _Line()  # forced tokens fed -> seconds added to the step
         self._check = _Mean()  # seconds a speculation check (one row, draft and all)
@@ -163,6 +167,13 @@ class StepCosts:
         if not self.measured or step is None or not (warm or self.prior is not None):
             return min_span(rows)
         return 2 if self._pays(spans, width, step) else max(spans) + 1
+
+    @property
+    def prior(self) -> ForwardCost | None:
+        """The load-time forward's cost, timed at its first use."""
+        if callable(self._prior):
+            self._prior = self._prior()
+        return self._prior
 
     def _step(self, width: int) -> float | None:
         """A plain step of ``width`` rows: as measured at that width, else as priced by the
@@ -275,12 +286,15 @@ class StepCosts:
         if not self.measured:
             return (f"spans taken at >= {min_span(1)} forced tokens alone, >= {min_span(2)} "
                     "in a batch (sharded: the ranks decide alike)")
-        if self._spans.seen < WARM_SPANS and self.prior is not None:
-            return (f"spans taken when they cost less than the steps they save, priced by a "
-                    f"forward timed at load ({1e3 * self.prior.fixed:.1f} ms + "
-                    f"{1e3 * self.prior.per_token:.2f} ms a token) until their cost is "
-                    f"measured ({self._spans.seen} of {WARM_SPANS} spans so far); "
-                    f"{self.taken} taken, {self.declined} declined")
+        prior = self._prior  # not timed here: a report must not run a forward
+        if self._spans.seen < WARM_SPANS and prior is not None:
+            priced = ("a forward timed at the first span" if callable(prior) else
+                      f"a forward timed at the first span ({1e3 * prior.fixed:.1f} ms + "
+                      f"{1e3 * prior.per_token:.2f} ms a token)")
+            return (f"spans taken when they cost less than the steps they save, priced by "
+                    f"{priced} until their cost is measured ({self._spans.seen} of "
+                    f"{WARM_SPANS} spans so far); {self.taken} taken, {self.declined} "
+                    "declined")
         if self._spans.seen < WARM_SPANS:
             return (f"spans taken at >= {min_span(1)} forced tokens alone, >= {min_span(2)} "
                     f"in a batch until their cost is measured ({self._spans.seen} of "

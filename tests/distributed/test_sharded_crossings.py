@@ -104,8 +104,15 @@ PAIRS = [(shard, mode, feature) for shard, mode in LAUNCHES
          for feature in [*ROW_FEATURES, Feature.KEEP_ALIVE]]
 
 
-@pytest.mark.parametrize(("shard", "mode", "feature"), PAIRS,
-                         ids=[f"{s}-{m}+{f.value}" for s, m, f in PAIRS])
+def _in_fitted(shard: str, mode: str) -> list[pytest.MarkDecorator]:
+    """The serial lane's and kv_bits' launches run in ``make test-fitted`` (each launch is
+    two ranks for ~30 s of a 2-core machine; make test keeps tensor and pipeline batches)."""
+    return [pytest.mark.fitted] if mode == "serial" or "kv8" in mode else []
+
+
+@pytest.mark.parametrize(("shard", "mode", "feature"),
+                         [pytest.param(s, m, f, marks=_in_fitted(s, m), id=f"{s}-{m}+{f.value}")
+                          for s, m, f in PAIRS])
 def test_sharded_pair(launches: Any, one_process: dict[str, list[int]], shard: str,
                       mode: str, feature: Feature) -> None:
     result = _result(launches(shard, mode))
@@ -140,7 +147,8 @@ def check_row(found: dict[str, Any], feature: Feature, one_process: dict[str, li
         assert found["streamed"] == found["row"]
 
 
-@pytest.mark.parametrize(("shard", "mode"), LAUNCHES)
+@pytest.mark.parametrize(("shard", "mode"),
+                         [pytest.param(s, m, marks=_in_fitted(s, m)) for s, m in LAUNCHES])
 def test_sharded_engine_modes(launches: Any, shard: str, mode: str) -> None:
     """The engine modes beside sharding: fast-forward fed forced tokens, prefix reuse stays
     off (inert), serial mode sent every row to the serial lane."""
@@ -154,8 +162,9 @@ def test_sharded_engine_modes(launches: Any, shard: str, mode: str) -> None:
 KV_PAIRS = [(shard, mode, feature) for shard, mode in KV_LAUNCHES for feature in KV_FEATURES]
 
 
-@pytest.mark.parametrize(("shard", "mode", "feature"), KV_PAIRS,
-                         ids=[f"{s}-{m}+{f.value}" for s, m, f in KV_PAIRS])
+@pytest.mark.parametrize(("shard", "mode", "feature"),
+                         [pytest.param(s, m, f, marks=_in_fitted(s, m), id=f"{s}-{m}+{f.value}")
+                          for s, m, f in KV_PAIRS])
 def test_sharded_kv_bits_row(launches: Any, one_process_kv: dict[str, list[int]], shard: str,
                              mode: str, feature: Feature) -> None:
     """``kv_bits + sharded_*`` (served): a row on a sharded engine whose KV is in 8 bits

@@ -81,7 +81,7 @@ def test_a_quantized_start_is_refused_by_name() -> None:
     """mlx-lm's quantized_kv_start switches a request's cache at a length; one batch cache
     would switch every row at once, so only 0 (quantized from the first token) is served."""
     assert EngineConfig(kv_bits=8, kv_quantized_start=0).kv_quantized_start == 0
-    with pytest.raises(ValueError, match="kv_quantized_start=512 is not served.*siblings"):
+    with pytest.raises(ValueError, match=r"kv_quantized_start=512 is not served.*siblings"):
         EngineConfig(kv_bits=8, kv_quantized_start=512)
 
 
@@ -90,5 +90,5 @@ def test_fused_projections_are_refused_by_name() -> None:
     args = phi3.ModelArgs(model_type="phi3", hidden_size=32, num_hidden_layers=1,
                           intermediate_size=64, num_attention_heads=2, rms_norm_eps=1e-5,
                           vocab_size=64, num_key_value_heads=2)
-    with pytest.raises(ValueError, match="k_proj and v_proj.*mlx_lm.models.phi3"):
+    with pytest.raises(ValueError, match=r"k_proj and v_proj.*mlx_lm\.models\.phi3"):
         install_half_kv(phi3.Model(args))

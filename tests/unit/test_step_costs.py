@@ -47,7 +47,24 @@ def test_before_anything_is_measured_the_load_time_forward_prices_spans() -> Non
     assert costs.shortest([19] * 8, 8, 8) == 2
     assert costs.shortest([8] * 6, 8, 8) == 9
     assert costs.taken == 2 and costs.declined == 2
-    assert "forward timed at load (13.0 ms + 3.30 ms a token)" in costs.summary()
+    assert "forward timed at the first span (13.0 ms + 3.30 ms a token)" in costs.summary()
+
+
+def test_the_prior_is_timed_at_the_first_span_decision_not_before() -> None:
+    """An engine that never meets a span never runs the probe's forwards; a report (stats)
+    does not run them either."""
+    timed: list[int] = []
+
+    def probe() -> ForwardCost:
+        timed.append(1)
+        return CPU_PRIOR
+
+    costs = StepCosts(prior=probe)
+    assert "a forward timed at the first span until" in costs.summary() and not timed
+    assert costs.shortest([], 1, 1) == 2 and not timed  # no span: nothing to price
+    assert costs.shortest([3], 1, 1) == 2 and timed == [1]
+    assert costs.shortest([3], 1, 1) == 2 and timed == [1]  # timed once
+    assert StepCosts(measured=False, prior=probe).shortest([3], 1, 1) == 3 and timed == [1]
 
 
 def test_spans_beside_decoding_rows_save_only_their_share_of_a_step() -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator
@@ -108,11 +109,10 @@ class BatchLane:
         self.trims = trims_exactly(layers)
         words = compiler.words
         # Steps, spans and checks as measured here: what fast-forward and speculation decide by.
-        # Before any is measured, a forward timed now prices them (not on a sharded lane's
-        # ranks, which must decide alike).
-        prior = (forward_cost(model, stream, max_kv_size)
-                 if measured_costs and (self.fast_forward or self.speculation) else None)
-        self.costs = StepCosts(measured_costs, prior)
+        # Before any is measured, a forward timed at the first span decision prices them
+        # (not on a sharded lane's ranks, which must decide alike).
+        self.costs = StepCosts(measured_costs, partial(forward_cost, model, stream, max_kv_size)
+                               if self.fast_forward or self.speculation else None)
         self.forced_spans: ForcedSpanRunner | None = (
             ForcedSpanRunner(model, stream, self.seam, words, self.costs) if self.fast_forward
             else None)

@@ -1,4 +1,4 @@
-"""What a forward of ``n`` tokens costs on this device, timed once when a lane is built.
+"""What a forward of ``n`` tokens costs on this device, timed once at a lane's first span.
 
 Fast-forward decides by measured costs, but a user's first agent batch comes before any
 span is measured: a fixed threshold decided there and lost (8 forced tool calls from a
