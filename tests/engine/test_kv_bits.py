@@ -29,6 +29,33 @@ def quantized(make_engine: Callable[..., Engine], bits: int, model: Path | None 
     return make_engine(model, kv_bits=bits, kv_group_size=32, **{"max_batch": 16, **config})
 
 
+def alone_then_beside_a_cancel(eng: Engine, params: SamplingParams, seed: int,
+                               ) -> tuple[list[list[int]], list[tuple[int, ...]],
+                                          list[tuple[int, ...]]]:
+    """Five prompts of mixed lengths run each alone, then batched beside a row cancelled
+    while it prefills: (prompts, tokens alone, tokens batched)."""
+    prompts = prompts_of_lengths(eng, [5, 40, 13, 77, 21], seed=seed)
+    alone = [eng.submit(request_for(p, params)).result(timeout=60).token_ids for p in prompts]
+    handles = [eng.submit(request_for(p, params)) for p in prompts]
+    doomed = eng.submit(request_for(prompts_of_lengths(eng, [30], seed=9)[0], greedy(200)))
+    doomed.cancel()
+    return prompts, alone, [h.result(timeout=60).token_ids for h in handles]
+
+
+def resumed_and_recomputed(eng: Engine, cold: Engine,
+                           ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """A second prompt sharing a 60-token head with a first: the prefix tokens it found on
+    ``eng``, its tokens there, and its tokens on ``cold`` (no prefix store)."""
+    head = prompts_of_lengths(eng, [60], seed=3)[0]
+    params = greedy(12)
+    eng.submit(request_for([*head, 11, 12], params)).result(timeout=60)
+    before = eng.stats().prefix_hit_tokens
+    again = eng.submit(request_for([*head, 21, 22, 23], params)).result(timeout=60)
+    hits = eng.stats().prefix_hit_tokens - before
+    recomputed = cold.submit(request_for([*head, 21, 22, 23], params)).result(timeout=60)
+    return hits, again.token_ids, recomputed.token_ids
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_rows_batched_equal_alone_and_cancel_leaves_siblings(
         make_engine: Callable[..., Engine], bits: int) -> None:
@@ -40,12 +67,8 @@ def test_rows_batched_equal_alone_and_cancel_leaves_siblings(
     # Groups of 32, float16 scales and biases: (bits + 32/32) / 32 of float32's bytes.
     assert stats.kv_bytes_per_token * 32 == (bits + 1) * float_stats.kv_bytes_per_token
     params = greedy(20)
-    prompts = prompts_of_lengths(eng, [5, 40, 13, 77, 21], seed=bits)
-    alone = [eng.submit(request_for(p, params)).result(timeout=60).token_ids for p in prompts]
-    handles = [eng.submit(request_for(p, params)) for p in prompts]
-    doomed = eng.submit(request_for(prompts_of_lengths(eng, [30], seed=9)[0], greedy(200)))
-    doomed.cancel()
-    assert [h.result(timeout=60).token_ids for h in handles] == alone
+    prompts, alone, batched = alone_then_beside_a_cancel(eng, params, seed=bits)
+    assert batched == alone
     float_eng = make_engine(max_batch=16)
     plain = [float_eng.submit(request_for(p, params)).result(timeout=60).token_ids
              for p in prompts]
@@ -55,16 +78,10 @@ def test_rows_batched_equal_alone_and_cancel_leaves_siblings(
 @pytest.mark.parametrize("bits", BITS)
 def test_a_resumed_quantized_prefix_equals_a_recomputed_one(
         make_engine: Callable[..., Engine], bits: int) -> None:
-    eng = quantized(make_engine, bits)
-    cold = quantized(make_engine, bits, prefix_cache_bytes=0)
-    head = prompts_of_lengths(eng, [60], seed=3)[0]
-    params = greedy(12)
-    eng.submit(request_for([*head, 11, 12], params)).result(timeout=60)
-    before = eng.stats().prefix_hit_tokens
-    again = eng.submit(request_for([*head, 21, 22, 23], params)).result(timeout=60)
-    assert eng.stats().prefix_hit_tokens > before
-    assert again.token_ids == cold.submit(
-        request_for([*head, 21, 22, 23], params)).result(timeout=60).token_ids
+    hits, resumed, recomputed = resumed_and_recomputed(
+        quantized(make_engine, bits), quantized(make_engine, bits, prefix_cache_bytes=0))
+    assert hits > 0
+    assert resumed == recomputed
 
 
 @pytest.mark.parametrize("bits", BITS)

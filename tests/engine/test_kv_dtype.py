@@ -15,7 +15,8 @@ from mlx_lm.models import phi3
 from engine import Engine, EngineConfig
 from engine.device.loading.half_kv import install_half_kv
 from engine.device.prefix.prefix_disk import disk_key
-from tests.conftest import greedy, prompts_of_lengths, request_for
+from tests.conftest import greedy
+from tests.engine.test_kv_bits import alone_then_beside_a_cancel, resumed_and_recomputed
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,13 +30,8 @@ def test_rows_batched_equal_alone_and_cancel_leaves_siblings(
     eng = half(make_engine, prefill_chunk=16, prefix_cache_bytes=0)
     float_stats = make_engine().stats()
     assert eng.stats().kv_bytes_per_token * 2 == float_stats.kv_bytes_per_token
-    params = greedy(20)
-    prompts = prompts_of_lengths(eng, [5, 40, 13, 77, 21], seed=5)
-    alone = [eng.submit(request_for(p, params)).result(timeout=60).token_ids for p in prompts]
-    handles = [eng.submit(request_for(p, params)) for p in prompts]
-    doomed = eng.submit(request_for(prompts_of_lengths(eng, [30], seed=9)[0], greedy(200)))
-    doomed.cancel()
-    assert [h.result(timeout=60).token_ids for h in handles] == alone
+    _, alone, batched = alone_then_beside_a_cancel(eng, greedy(20), seed=5)
+    assert batched == alone
 
 
 def test_the_cache_holds_float16_and_the_forward_stays_float32(
@@ -54,16 +50,10 @@ def test_the_cache_holds_float16_and_the_forward_stays_float32(
 
 
 def test_a_resumed_prefix_equals_a_recomputed_one(make_engine: Callable[..., Engine]) -> None:
-    eng = half(make_engine)
-    cold = half(make_engine, prefix_cache_bytes=0)
-    head = prompts_of_lengths(eng, [60], seed=3)[0]
-    params = greedy(12)
-    eng.submit(request_for([*head, 11, 12], params)).result(timeout=60)
-    before = eng.stats().prefix_hit_tokens
-    again = eng.submit(request_for([*head, 21, 22, 23], params)).result(timeout=60)
-    assert eng.stats().prefix_hit_tokens > before
-    assert again.token_ids == cold.submit(
-        request_for([*head, 21, 22, 23], params)).result(timeout=60).token_ids
+    hits, resumed, recomputed = resumed_and_recomputed(
+        half(make_engine), half(make_engine, prefix_cache_bytes=0))
+    assert hits > 0
+    assert resumed == recomputed
 
 
 def test_disk_files_of_float16_kv_are_kept_apart(tmp_path: Path) -> None:
