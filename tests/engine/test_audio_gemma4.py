@@ -27,7 +27,7 @@ import pytest
 
 from engine import ChatRequest, Engine, InvalidRequestError, UnsupportedMediaError
 from tests.conftest import greedy, prompts_of_lengths, request_for
-from tests.engine.test_vision import RED, image_part
+from tests.engine.test_vision import RED, image_part, with_texts_batched
 
 pytestmark = pytest.mark.timeout(600)
 QUESTION = {"type": "text", "text": "What is it?"}
@@ -136,14 +136,11 @@ def test_an_audio_row_batched_beside_text_rows_equals_itself_alone(
         make_engine: Callable[..., Engine], gemma4: Path) -> None:
     eng = make_engine(gemma4, max_batch=8, prefill_chunk=16)
     texts = prompts_of_lengths(eng, [12, 30], seed=3)
-    text_alone = [eng.submit(request_for(t, greedy(8))).result(timeout=120).token_ids
-                  for t in texts]
     contents = [CONTENTS["clip first"](), CONTENTS["two clips"]()]
     alone = [ours(eng, c) for c in contents]
-    handles = [eng.submit(request_for(t, greedy(8))) for t in texts] + [
-        eng.submit(ChatRequest.from_openai([{"role": "user", "content": c}], greedy(8)))
-        for c in contents]
-    together = [h.result(timeout=120).token_ids for h in handles]
+    text_alone, together = with_texts_batched(
+        eng, texts, [[{"role": "user", "content": c}] for c in contents], greedy(8),
+        alone_timeout=120)
     assert together[:2] == text_alone, "text rows beside audio rows keep their tokens"
     assert together[2:] == alone, "audio rows batched equal each alone"
     assert alone[0] != alone[1]  # the clips are read: other clips, other tokens

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from engine import (
-    ChatRequest,
     Engine,
     EngineConfig,
     InvalidRequestError,
@@ -160,16 +159,12 @@ def test_the_disk_tier_stores_quantized_blocks_and_only_its_setting_reads_them(
 def test_image_rows_batch_beside_text_rows_on_quantized_kv(
         make_engine: Callable[..., Engine], family_dirs: Callable[[str], Path],
         family: str) -> None:
-    from tests.engine.test_vision import BLUE, RED, asking, image_part, tokens
+    from tests.engine.test_vision import BLUE, RED, asking, image_part, tokens, with_texts_batched
 
     eng = quantized(make_engine, 8, model=family_dirs(family), prefill_chunk=8)
     params = greedy(10)
     images = [asking(image_part(RED)), asking(image_part(BLUE, seed=2, size=(90, 40)))]
     texts = prompts_of_lengths(eng, [20, 9], seed=4)
     alone = [tokens(eng, m, params) for m in images]
-    alone_texts = [eng.submit(request_for(p, params)).result(timeout=60).token_ids
-                   for p in texts]
-    handles = [eng.submit(request_for(p, params)) for p in texts]
-    handles += [eng.submit(ChatRequest.from_openai(m, params)) for m in images]
-    results = [h.result(timeout=120).token_ids for h in handles]
+    alone_texts, results = with_texts_batched(eng, texts, images, params)
     assert results == alone_texts + alone

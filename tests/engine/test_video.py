@@ -21,7 +21,14 @@ from engine import ChatRequest, Engine, InvalidRequestError, UnsupportedMediaErr
 from engine.requests.inbound import videos
 from testkit.vision_model import vision_library_tokens
 from tests.conftest import greedy, prompts_of_lengths, request_for
-from tests.engine.test_vision import RED, asking, image_part, tokens, vlm_engine
+from tests.engine.test_vision import (
+    RED,
+    asking,
+    image_part,
+    tokens,
+    vlm_engine,
+    with_texts_batched,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -74,11 +81,7 @@ def test_video_rows_batched_equal_alone_and_the_vision_library(
     texts = prompts_of_lengths(eng, [30, 12], seed=5)
     alone_clips = [tokens(eng, m, params) for m in clips]
     alone_beside = [tokens(eng, m, params) for m in beside]
-    alone_texts = [eng.submit(request_for(p, params)).result(timeout=60).token_ids
-                   for p in texts]
-    handles = [eng.submit(request_for(p, params)) for p in texts]
-    handles += [eng.submit(ChatRequest.from_openai(m, params)) for m in clips + beside]
-    results = [h.result(timeout=120).token_ids for h in handles]
+    alone_texts, results = with_texts_batched(eng, texts, clips + beside, params)
     assert results[:2] == alone_texts
     assert results[2:4] == alone_clips
     assert results[4:] == alone_beside

@@ -71,6 +71,18 @@ def tokens(eng: Engine, messages: list[dict[str, Any]], params: SamplingParams,
     return eng.submit(ChatRequest.from_openai(messages, params)).result(timeout=120).token_ids
 
 
+def with_texts_batched(eng: Engine, texts: list[list[int]], messages: list[Any],
+                       params: SamplingParams, alone_timeout: float = 60,
+                       ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The ``texts`` (prompt ids) each alone, then submitted at once with the chat rows
+    ``messages``: (the texts' tokens alone, every row's tokens batched, texts first)."""
+    alone = [eng.submit(request_for(p, params)).result(timeout=alone_timeout).token_ids
+             for p in texts]
+    handles = [eng.submit(request_for(p, params)) for p in texts]
+    handles += [eng.submit(ChatRequest.from_openai(m, params)) for m in messages]
+    return alone, [h.result(timeout=120).token_ids for h in handles]
+
+
 def test_image_rows_batched_equal_alone_and_the_vision_library(
         make_engine: Callable[..., Engine], family_vlm_dir: Path) -> None:
     tiny_vlm_dir = family_vlm_dir
@@ -86,11 +98,7 @@ def test_image_rows_batched_equal_alone_and_the_vision_library(
                {"role": "user", "content": [image_part(BLUE, seed=3)]}]]
     texts = prompts_of_lengths(eng, [30, 70, 12], seed=3)
     alone_images = [tokens(eng, m, params) for m in images]
-    alone_texts = [eng.submit(request_for(p, params)).result(timeout=60).token_ids
-                   for p in texts]
-    handles = [eng.submit(request_for(p, params)) for p in texts]
-    handles += [eng.submit(ChatRequest.from_openai(m, params)) for m in images]
-    results = [h.result(timeout=120).token_ids for h in handles]
+    alone_texts, results = with_texts_batched(eng, texts, images, params)
     assert results[:3] == alone_texts
     assert results[3:] == alone_images
     preparer = eng._runtime.preparer()
