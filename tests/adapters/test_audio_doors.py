@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from langchain_core.messages import HumanMessage
 
-from engine import ChatRequest, SamplingParams
 from mlx_providers import ChatMLXBatch, MLXBatchLLM
+from tests.adapters.test_video_doors import answer_to
 from tests.engine.test_audio_gemma4 import audio_part, tone_wav
 from tests.server.conftest import LiveServer
 
@@ -32,10 +32,7 @@ def chat(family_dirs: Callable[[str], Path]) -> Iterator[ChatMLXBatch]:
 
 
 def engine_answer(chat: ChatMLXBatch, data: bytes) -> str:
-    messages = [{"role": "user", "content": [audio_part(data),
-                                             {"type": "text", "text": QUESTION}]}]
-    params = SamplingParams(max_tokens=8, temperature=0.0)
-    return chat.engine.submit(ChatRequest.from_openai(messages, params)).result(timeout=120).text
+    return answer_to(chat, audio_part(data), QUESTION)
 
 
 def test_the_profile_says_audio_is_read(chat: ChatMLXBatch) -> None:

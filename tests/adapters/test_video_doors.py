@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from langchain_core.messages import HumanMessage
@@ -29,11 +30,16 @@ def chat(family_dirs: Callable[[str], Path]) -> Iterator[ChatMLXBatch]:
     model.engine.close()
 
 
-def engine_answer(chat: ChatMLXBatch, data: bytes) -> str:
-    messages = [{"role": "user", "content": [video_part(data),
-                                             {"type": "text", "text": QUESTION}]}]
+def answer_to(chat: ChatMLXBatch, part: dict[str, Any], question: str) -> str:
+    """The engine's own greedy answer to a media ``part`` and a ``question`` (what every
+    door must give)."""
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": question}]}]
     params = SamplingParams(max_tokens=8, temperature=0.0)
     return chat.engine.submit(ChatRequest.from_openai(messages, params)).result(timeout=120).text
+
+
+def engine_answer(chat: ChatMLXBatch, data: bytes) -> str:
+    return answer_to(chat, video_part(data), QUESTION)
 
 
 def test_the_profile_says_videos_are_read(chat: ChatMLXBatch) -> None:
