@@ -336,7 +336,6 @@ def vision_library_tokens(model_dir: Path, prompt_ids: Sequence[int],
     image row of the engine must equal."""
     import mlx.core as mx
     import numpy as np
-    from mlx_vlm.generate.ar import generate_step
     from mlx_vlm.utils import load_model
 
     model = load_model(Path(model_dir))
@@ -390,9 +389,19 @@ def vision_library_tokens(model_dir: Path, prompt_ids: Sequence[int],
     for key in ("image_grid_thw", "pixel_attention_mask", "spatial_shapes"):
         if key in kwargs:
             kwargs[key] = mx.array(np.array(kwargs[key]))
+    return vision_library_greedy(model, ids, values, max_tokens, **kwargs)
+
+
+def vision_library_greedy(model: Any, ids: Any, pixels: Any, max_tokens: int,
+                          **inputs: Any) -> list[int]:
+    """``max_tokens`` greedy tokens of mlx-vlm's ``generate_step`` on its loaded ``model``
+    for prompt ``ids`` (1, n), ``pixels`` (or None) and the tower's other ``inputs``."""
+    import mlx.core as mx
+    from mlx_vlm.generate.ar import generate_step
+
     out: list[int] = []
-    for token, _ in generate_step(ids, model, values, mx.ones(ids.shape, mx.int32),
-                                  max_tokens=max_tokens, temperature=0.0, **kwargs):
+    for token, _ in generate_step(ids, model, pixels, mx.ones(ids.shape, mx.int32),
+                                  max_tokens=max_tokens, temperature=0.0, **inputs):
         out.append(int(token))
         if len(out) >= max_tokens:
             break

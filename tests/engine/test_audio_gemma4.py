@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from engine import ChatRequest, Engine, InvalidRequestError, UnsupportedMediaError
+from testkit.vision_model import vision_library_greedy
 from tests.conftest import greedy, prompts_of_lengths, request_for
 from tests.engine.test_vision import RED, image_part, with_texts_batched
 
@@ -70,7 +71,6 @@ def library(path: Path, content: list[dict[str, Any]], max_tokens: int,
     from PIL import Image
 
     importlib.import_module("mlx_vlm.models.gemma4")  # its processor
-    from mlx_vlm.generate.ar import generate_step
     from mlx_vlm.utils import load_model, load_processor
 
     processor = load_processor(path, add_detokenizer=False)
@@ -91,13 +91,7 @@ def library(path: Path, content: list[dict[str, Any]], max_tokens: int,
     pixels = out.get("pixel_values")
     if isinstance(pixels, list):
         pixels = mx.array(np.stack([np.array(p) for p in pixels]))
-    model = load_model(path)
-    tokens: list[int] = []
-    for token, _ in generate_step(ids, model, pixels, mx.ones(ids.shape, mx.int32),
-                                  max_tokens=max_tokens, temperature=0.0, **kwargs):
-        tokens.append(int(token))
-        if len(tokens) >= max_tokens:
-            break
+    tokens = vision_library_greedy(load_model(path), ids, pixels, max_tokens, **kwargs)
     return [int(t) for t in ids.tolist()[0]], tokens
 
 
