@@ -17,6 +17,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.device.upstream.fast_ops import subclass_calling
+
 _halved: dict[type, type] = {}  # projection class -> its float16-output subclass
 
 
@@ -48,7 +50,6 @@ def _half_class(cls: type) -> type:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         return cls.__call__(self, *args, **kwargs).astype(mx.float16)
 
-    halved = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                         "__qualname__": cls.__qualname__})
+    halved = subclass_calling(cls, __call__)
     _halved[cls] = halved
     return halved

@@ -57,10 +57,16 @@ def _marked_class(cls: type) -> type:
         finally:
             _forward.active = outer
 
-    marked = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                         "__qualname__": cls.__qualname__})
+    marked = subclass_calling(cls, __call__)
     _marked[cls] = marked
     return marked
+
+
+def subclass_calling(cls: type, call: Callable[..., Any]) -> type:
+    """A subclass of ``cls`` under its names (mlx-lm's type checks and reprs still read
+    ``cls``) whose instances' ``__call__`` is ``call``."""
+    return type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
 
 
 def _wrap_once(owner: Any, wrappers: dict[str, Wrapper]) -> None:
