@@ -162,9 +162,19 @@ class StepCosts:
         ``width`` rows decoding and ``rows`` held by the lane; above them all: none."""
         if not spans:
             return 2
-        step = self._step(width)
         warm = self._spans.seen >= WARM_SPANS
-        if not self.measured or step is None or not (warm or self.prior is not None):
+        if not self.measured or not (warm or self._prior is not None):
+            return min_span(rows)
+        if not warm and len(spans) < width:
+            # Beside decoding rows a span saves only its rows' share of each step, while
+            # leaving and rejoining copies the whole batch's KV (180 ms at 16 rows behind
+            # 150 tokens, against a 45 ms step): the prior cannot price that copy, so only
+            # measured spans decide here.
+            self.declined += 1
+            self.version += 1
+            return max(spans) + 1
+        step = self._step(width)
+        if step is None:
             return min_span(rows)
         return 2 if self._pays(spans, width, step) else max(spans) + 1
 
@@ -194,14 +204,6 @@ class StepCosts:
 
     def _pays(self, spans: list[int], width: int, step: float) -> bool:
         every_row = len(spans) >= width
-        if not every_row and self._spans.seen < WARM_SPANS:
-            # Beside decoding rows a span saves only its rows' share of each step, while
-            # leaving and rejoining copies the whole batch's KV (180 ms at 16 rows behind
-            # 150 tokens, against a 45 ms step): the prior cannot price that copy, so only
-            # measured spans decide here.
-            self.declined += 1
-            self.version += 1
-            return False
         cost = self._span_cost(spans)
         # Every row spans: the batch skips whole steps. Others keep stepping: the rows
         # save only their share of each step.

@@ -62,6 +62,7 @@ def test_the_prior_is_timed_at_the_first_span_decision_not_before() -> None:
     costs = StepCosts(prior=probe)
     assert "a forward timed at the first span until" in costs.summary() and not timed
     assert costs.shortest([], 1, 1) == 2 and not timed  # no span: nothing to price
+    assert costs.shortest([3], 4, 4) == 4 and not timed  # beside decoding rows: not priced
     assert costs.shortest([3], 1, 1) == 2 and timed == [1]
     assert costs.shortest([3], 1, 1) == 2 and timed == [1]  # timed once
     assert StepCosts(measured=False, prior=probe).shortest([3], 1, 1) == 3 and timed == [1]
