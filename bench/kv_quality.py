@@ -35,7 +35,7 @@ from mlx_lm.models.cache import KVCache
 
 import engine  # noqa: F401 - loads the fast BLAS before mlx
 from engine import Engine, EngineConfig, SamplingParams, TextRequest
-from engine.device.loading.half_kv import install_half_kv
+from engine.device.upstream.half_kv import install_half_kv
 from engine.device.upstream.quantized_kv import RowQuantizedKVCache
 
 TEXT = Path(__file__).with_name("data") / "declaration_of_independence.txt"

@@ -13,8 +13,8 @@ import pytest
 from mlx_lm.models import phi3
 
 from engine import Engine, EngineConfig
-from engine.device.loading.half_kv import install_half_kv
 from engine.device.prefix.prefix_disk import disk_key
+from engine.device.upstream.half_kv import has_half_kv, install_half_kv
 from tests.conftest import greedy
 from tests.engine.test_kv_bits import alone_then_beside_a_cancel, resumed_and_recomputed
 
@@ -82,3 +82,76 @@ def test_fused_projections_are_refused_by_name() -> None:
                           vocab_size=64, num_key_value_heads=2)
     with pytest.raises(ValueError, match=r"k_proj and v_proj.*mlx_lm\.models\.phi3"):
         install_half_kv(phi3.Model(args))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl", "qwen3_5"])
+def test_image_rows_batch_beside_text_rows_on_float16_kv(
+        make_engine: Callable[..., Engine], family_dirs: Callable[[str], Path],
+        family: str) -> None:
+    """Image rows (mlx-vlm's language model on the M-RoPE families) keep float16 KV too:
+    batched beside text rows they equal each alone."""
+    from tests.conftest import prompts_of_lengths
+    from tests.engine.test_vision import BLUE, RED, asking, image_part, tokens, with_texts_batched
+
+    eng = half(make_engine, model=family_dirs(family), prefill_chunk=8)
+    params = greedy(10)
+    images = [asking(image_part(RED)), asking(image_part(BLUE, seed=2, size=(90, 40)))]
+    texts = prompts_of_lengths(eng, [20, 9], seed=4)
+    alone = [tokens(eng, m, params) for m in images]
+    alone_texts, results = with_texts_batched(eng, texts, images, params)
+    assert results == alone_texts + alone
+    composition = eng._runtime.composition
+    assert composition is not None
+    vision = composition.built.lanes.batch.vision
+    assert vision is not None and vision.built is not None
+    tower = vision.built
+    # The M-RoPE families prefill image rows through the vision library's language model:
+    # it writes float16 KV too, else a batch holding an image row widens to float32.
+    assert not tower.library_prefill or has_half_kv(tower._vlm.language_model)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.device.upstream.vision_caches import vision_library_caches
+
+    cache = make_prompt_cache(composition.built.model.model)
+    if tower.library_prefill:  # written as an image row's prefill writes it
+        tower._vlm.language_model(mx.array([[1, 2, 3]]), cache=vision_library_caches(cache))
+    else:
+        tower._text_model(mx.array([[1, 2, 3]]), cache=cache)
+    assert {layer.keys.dtype for layer in cache if getattr(layer, "keys", None) is not None
+            } == {mx.float16}
+
+
+def test_adapter_rows_keep_float16_kv_and_equal_alone(
+        make_engine: Callable[..., Engine], tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A per-row LoRA on v_proj adds a float32 product to the float16 projection: the row's
+    values stay float16, and adapter rows beside base rows equal each alone."""
+    from engine import SamplingParams, TextRequest
+    from testkit.adapters import make_adapter
+    from tests.conftest import prompts_of_lengths
+
+    adapter = str(make_adapter(tmp_path / "A", tiny_model_dir, seed=1))  # q_proj, v_proj
+    eng = half(make_engine, max_batch=8)
+    prompts = prompts_of_lengths(eng, [30, 12], seed=7)
+    mix = [(p, a) for p in prompts for a in (None, adapter)]
+
+    def params(a: str | None) -> SamplingParams:
+        return SamplingParams(max_tokens=12, temperature=0.0, adapter=a)
+
+    alone = [eng.submit(TextRequest(p, params(a))).result(timeout=60).token_ids
+             for p, a in mix]
+    handles = [eng.submit(TextRequest(p, params(a))) for p, a in mix]
+    assert [h.result(timeout=60).token_ids for h in handles] == alone
+    assert alone[0] != alone[1]  # the adapter is read
+    composition = eng._runtime.composition
+    assert composition is not None
+    model = composition.built.model.model
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.device.adapters.row_adapters import adapters_of
+
+    adapters = adapters_of(model)
+    assert adapters is not None
+    cache = make_prompt_cache(model)
+    with adapters.rows([1]):  # the adapter's slot, as a batch forward runs it
+        model(mx.array([[1, 2, 3]]), cache=cache)
+    assert {layer.values.dtype for layer in cache} == {mx.float16}

@@ -227,11 +227,14 @@ class RowLoRALinear(nn.Module):
         forward = self._adapters.current
         if forward is None:
             return y
+        dtype = y.dtype
         for group in self._adapters.stacks.get(self._path, ()):
             plan = forward.plan(group.members)
             if plan is not None:
                 y = plan.add(x, y, group)
-        return y
+        # The base's dtype stays (kv_dtype="float16": a k or v projection writes float16,
+        # and a float32 product added to it would widen the rows' KV).
+        return y if y.dtype == dtype else y.astype(dtype)
 
 
 @dataclass

@@ -34,7 +34,6 @@ from engine.device.lane.serial_lane import SerialLane
 from engine.device.loading.architecture import architecture_module, read_model_config
 from engine.device.loading.cache_layout import footprint_of
 from engine.device.loading.collectives import Channel, Group
-from engine.device.loading.half_kv import install_half_kv
 from engine.device.loading.memory import (
     device_memory,
     limit_buffer_cache,
@@ -51,6 +50,7 @@ from engine.device.prefix.prefix_reuse import OFF, PrefixReuse, reuse_policy
 from engine.device.rows.batch_row import BatchRow
 from engine.device.rows.sampling import SamplerCache
 from engine.device.speedups.report import report
+from engine.device.upstream.half_kv import install_half_kv
 from engine.device.upstream.quantized_kv import install_quantized_kv
 from engine.device.upstream.required import check_upstream
 from engine.device.vision.prefill import VisionPrefill
@@ -262,6 +262,12 @@ def load_model(path: Path, config: EngineConfig, group: Group | None = None,
     with mx.stream(stream):
         logits = model(mx.array([[0]]), cache=cache)
         mx.eval(logits, [c.state for c in cache])
+    if config.kv_dtype == "float16" and any(
+            layer.keys.dtype != mx.float16 or layer.values.dtype != mx.float16
+            for layer in cache if getattr(layer, "keys", None) is not None):
+        raise InvalidModelError(f"{path}: kv_dtype='float16' does not reach this model's KV "
+                                "cache (its attention widens keys or values after projecting "
+                                "them); drop kv_dtype, or use kv_bits=8")
     layers = [fp for layer in cache for fp in footprint_of(layer)]
     # The logits' width is the vocabulary every mask and id check must match: configs put
     # vocab_size at the top, under text_config, or pad it, and wrappers hide their args.

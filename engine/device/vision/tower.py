@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.device.adapters.row_adapters import adapters_of
+from engine.device.upstream.half_kv import has_half_kv, install_half_kv
 from engine.device.upstream.quantized_kv import RowQuantizedKVCache
 from engine.device.upstream.required import check_vision
 from engine.device.upstream.vision_blocks import install_recorder, recording
@@ -154,6 +155,8 @@ class VisionTower:
             if adapters is not None:  # an adapter row's image prefill adds its adapter here
                 adapters.mirror(language, _text_language(text_model))
             _share_weights(language, _text_language(text_model))
+            if has_half_kv(text_model):  # kv_dtype="float16": image rows' KV as text rows'
+                install_half_kv(language)
         else:  # only its embedding is used: the text model's own
             inner.layers = []
         if self.grid_positions:
