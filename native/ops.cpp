@@ -762,28 +762,33 @@ mx::array quantized_attention(const mx::array& q, const mx::array& k, const mx::
 
 // ---- silu(gate) * up -----------------------------------------------------------------------
 
+// silu(gate) * up into out (out's shape and dtype), threaded over its elements.
+void run_silu_mul(const mx::array& gate, const mx::array& up, mx::array& out) {
+  std::vector<uint8_t> gs, us;
+  const void* gp = row_major(gate, gs);
+  const void* upp = row_major(up, us);
+  void* op = out.data<void>();
+  const DType t = dtype_of(out);
+  const int64_t n = static_cast<int64_t>(out.size());
+  const KernelTable& k = best_kernels();
+  const int parts = n >= 16384 ? split(static_cast<int>(n / 1024), 1, 1) : 1;
+  const int64_t each = ((n + parts - 1) / parts + 15) / 16 * 16;
+  parallel_for(parts, [&](int i) {
+    const int64_t i0 = i * each;
+    const int64_t i1 = i0 + each < n ? i0 + each : n;
+    if (i0 < i1) {
+      k.silu_mul(gp, upp, op, t, i0, i1);
+    }
+  });
+}
+
 class SiluMulCpu : public mx::UnaryPrimitive {
  public:
   explicit SiluMulCpu(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     dispatch_cpu(stream(), inputs, out, [](std::vector<mx::array>& in, mx::array& out) {
-      std::vector<uint8_t> gs, us;
-      const void* gp = row_major(in[0], gs);
-      const void* up = row_major(in[1], us);
-      void* op = out.data<void>();
-      const DType t = dtype_of(out);
-      const int64_t n = static_cast<int64_t>(out.size());
-      const KernelTable& k = best_kernels();
-      const int parts = n >= 16384 ? split(static_cast<int>(n / 1024), 1, 1) : 1;
-      const int64_t each = ((n + parts - 1) / parts + 15) / 16 * 16;
-      parallel_for(parts, [&](int i) {
-        const int64_t i0 = i * each;
-        const int64_t i1 = i0 + each < n ? i0 + each : n;
-        if (i0 < i1) {
-          k.silu_mul(gp, up, op, t, i0, i1);
-        }
-      });
+      run_silu_mul(in[0], in[1], out);
     });
   }
 
@@ -846,35 +851,40 @@ void rms_norm_rows(const float* x, int64_t stride, const float* w, float* out, i
   }
 }
 
+// RMSNorm of x's rows (any uniform row stride) into out (row-major); weight may be null.
+void run_rms_norm(const mx::array& x, const mx::array* weight, mx::array& out, float eps) {
+  const int D = x.shape(-1);
+  std::vector<uint8_t> xs, ws;
+  int64_t stride = D;
+  const float* xp;
+  if (uniform_rows(x, &stride)) {
+    xp = x.data<float>();
+  } else {
+    xp = static_cast<const float*>(row_major(x, xs));
+    stride = D;
+  }
+  const float* wp =
+      weight != nullptr ? static_cast<const float*>(row_major(*weight, ws)) : nullptr;
+  float* op = out.data<float>();
+  const int64_t rows = D > 0 ? static_cast<int64_t>(x.size() / D) : 0;
+  const int parts = rows * D >= (1 << 16) ? split(static_cast<int>(rows), 1, 1) : 1;
+  const int64_t each = (rows + parts - 1) / parts;
+  parallel_for(parts, [&](int i) {
+    const int64_t r0 = i * each;
+    const int64_t r1 = r0 + each < rows ? r0 + each : rows;
+    if (r0 < r1) {
+      rms_norm_rows(xp, stride, wp, op, r0, r1, D, eps);
+    }
+  });
+}
+
 class RmsNormCpu : public mx::UnaryPrimitive {
  public:
   RmsNormCpu(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     dispatch_cpu(stream(), inputs, out, [eps = eps_](std::vector<mx::array>& in, mx::array& out) {
-      const mx::array& x = in[0];
-      const int D = x.shape(-1);
-      std::vector<uint8_t> xs, ws;
-      int64_t stride = D;
-      const float* xp;
-      if (uniform_rows(x, &stride)) {
-        xp = x.data<float>();
-      } else {
-        xp = static_cast<const float*>(row_major(x, xs));
-        stride = D;
-      }
-      const float* wp = in.size() > 1 ? static_cast<const float*>(row_major(in[1], ws)) : nullptr;
-      float* op = out.data<float>();
-      const int64_t rows = D > 0 ? static_cast<int64_t>(x.size() / D) : 0;
-      const int parts = rows * D >= (1 << 16) ? split(static_cast<int>(rows), 1, 1) : 1;
-      const int64_t each = (rows + parts - 1) / parts;
-      parallel_for(parts, [&](int i) {
-        const int64_t r0 = i * each;
-        const int64_t r1 = r0 + each < rows ? r0 + each : rows;
-        if (r0 < r1) {
-          rms_norm_rows(xp, stride, wp, op, r0, r1, D, eps);
-        }
-      });
+      run_rms_norm(in[0], in.size() > 1 ? &in[1] : nullptr, out, eps);
     });
   }
 
@@ -1061,6 +1071,356 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
                    std::move(inputs));
 }
 
+// ---- a decoder layer's decode step, in two ops ---------------------------------------------
+//
+// A llama-shaped layer at one query a row is ~25 graph nodes (RMSNorm, q/k/v, reshapes,
+// RoPE, attention, o, residual, RMSNorm, gate/up, SiLU, down, residual); each costs the
+// Python forward, MLX's evaluation and an allocation, a third of a one-row step. Here it is
+// two ops around the cache's own update, calling the separate ops' code in their order:
+// the same bits.
+
+// How one projection (or sibling group) is quantized.
+struct QuantSpec {
+  int group;
+  int bits;
+};
+
+// An evaluated row-major array of its own (an intermediate of a fused op).
+mx::array fresh(mx::Shape shape, mx::Dtype dtype = mx::float32) {
+  mx::array a(std::move(shape), dtype, nullptr, {});
+  a.set_data(mx::allocator::malloc(a.nbytes()));
+  return a;
+}
+
+// Row-major `a` seen with another shape of the same size (no copy).
+mx::array reshaped(const mx::array& a, const mx::Shape& shape) {
+  mx::array v(shape, a.dtype(), nullptr, {});
+  mx::Strides strides(shape.size(), 1);
+  for (int d = static_cast<int>(shape.size()) - 2; d >= 0; d--) {
+    strides[d] = strides[d + 1] * shape[d + 1];
+  }
+  v.copy_shared_buffer(a, strides, {true, true, false}, a.size());
+  return v;
+}
+
+// out = a + b elementwise (float32, b row-major, a any layout of out's shape).
+void add_into(const mx::array& a, const mx::array& b, mx::array& out) {
+  std::vector<uint8_t> as;
+  const float* ap = static_cast<const float*>(row_major(a, as));
+  const float* bp = b.data<float>();
+  float* op = out.data<float>();
+  for (size_t i = 0; i < out.size(); i++) {
+    op[i] = ap[i] + bp[i];
+  }
+}
+
+struct QkvParams {
+  float eps;
+  QuantSpec qkv;
+  bool int8;
+  int heads;
+  int kv_heads;
+  int head_dim;
+  RopeParams rope;
+  bool has_bias;  // q, k and v add a bias after their product (Qwen2)
+  bool has_qk_norm;  // q and k take an RMSNorm over each head before RoPE (Qwen3)
+  float qk_eps;
+};
+
+// out += bias along its last axis (row-major out).
+void add_bias(mx::array& out, const mx::array& bias) {
+  std::vector<uint8_t> bs;
+  const float* b = static_cast<const float*>(row_major(bias, bs));
+  float* o = out.data<float>();
+  const size_t n = bias.size();
+  for (size_t i = 0; i < out.size(); i++) {
+    o[i] = o[i] + b[i % n];
+  }
+}
+
+// inputs: x (B, 1, H), norm weight, (w, scales, biases) for q, k and v, offset, [freqs],
+// [q, k and v biases], [q and k norm weights]; outputs: q (B, heads, 1, D) and
+// k (B, kv_heads, 1, D) turned, v (B, kv_heads, 1, D).
+void run_decode_qkv(const std::vector<mx::array>& in, std::vector<mx::array>& out,
+                    const QkvParams& p) {
+  const int B = in[0].shape(0);
+  const int D = p.head_dim;
+  const int heads[2] = {p.heads, p.kv_heads};
+  mx::array normed = fresh({B, 1, in[0].shape(-1)});
+  run_rms_norm(in[0], &in[1], normed, p.eps);
+  std::vector<mx::array> mm_in = {normed};
+  mm_in.insert(mm_in.end(), in.begin() + 2, in.begin() + 11);
+  std::vector<mx::array> mm_out = {fresh({B, 1, p.heads * D}), fresh({B, 1, p.kv_heads * D}),
+                                   reshaped(out[2], {B, 1, p.kv_heads * D})};
+  run_qmm_many(mm_in, mm_out, p.qkv.group, p.qkv.bits, p.int8);
+  size_t at = p.rope.has_freqs ? 13 : 12;
+  if (p.has_bias) {
+    for (int i = 0; i < 3; i++) {
+      add_bias(mm_out[i], in[at + i]);
+    }
+    at += 3;
+  }
+  std::vector<mx::array> rope_in = {mm_out[0], in[11]};
+  if (p.rope.has_freqs) {
+    rope_in.push_back(in[12]);
+  }
+  for (int i = 0; i < 2; i++) {
+    mx::array turned = mm_out[i];
+    if (p.has_qk_norm) {
+      turned = fresh({B, 1, heads[i], D});
+      run_rms_norm(reshaped(mm_out[i], {B, 1, heads[i], D}), &in[at + i], turned, p.qk_eps);
+    }
+    rope_in[0] = reshaped(turned, {B, heads[i], 1, D});
+    run_rope(rope_in, out[i], p.rope);
+  }
+}
+
+class DecodeQkvCpu : public mx::Primitive {
+ public:
+  DecodeQkvCpu(mx::Stream stream, QkvParams params) : mx::Primitive(stream), p_(params) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    dispatch_cpu(stream(), inputs, outputs,
+                 [p = p_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
+                   run_decode_qkv(in, out, p);
+                 });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlx_providers cpu kernels run on the CPU only");
+  }
+
+  const char* name() const override {
+    return "CpuDecodeQkv";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DecodeQkvCpu&>(other).p_;
+    return p_.eps == o.eps && p_.qkv.group == o.qkv.group && p_.qkv.bits == o.qkv.bits &&
+        p_.int8 == o.int8 && p_.heads == o.heads && p_.kv_heads == o.kv_heads &&
+        p_.head_dim == o.head_dim && p_.rope.dims == o.rope.dims &&
+        p_.rope.traditional == o.rope.traditional && p_.rope.base == o.rope.base &&
+        p_.rope.scale == o.rope.scale && p_.rope.has_freqs == o.rope.has_freqs &&
+        p_.has_bias == o.has_bias && p_.has_qk_norm == o.has_qk_norm && p_.qk_eps == o.qk_eps;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const int B = inputs[0].shape(0);
+    return {{B, p_.heads, 1, p_.head_dim}, {B, p_.kv_heads, 1, p_.head_dim},
+            {B, p_.kv_heads, 1, p_.head_dim}};
+  }
+
+ private:
+  QkvParams p_;
+};
+
+std::vector<mx::array> decode_qkv(const mx::array& x, const mx::array& norm_weight, float eps,
+                                  const std::vector<mx::array>& ws,
+                                  const std::vector<mx::array>& scales,
+                                  const std::vector<mx::array>& biases, int group_size, int bits,
+                                  bool int8, int heads, int kv_heads, int rope_dims,
+                                  bool traditional, float base, float rope_scale,
+                                  const mx::array& offset, const std::optional<mx::array>& freqs,
+                                  const std::vector<mx::array>& qkv_bias,
+                                  const std::vector<mx::array>& qk_norm, float qk_eps) {
+  if (x.ndim() != 3 || x.shape(1) != 1 || x.dtype() != mx::float32) {
+    throw std::invalid_argument("decode_qkv: x must be float32 (B, 1, hidden)");
+  }
+  if (ws.size() != 3 || scales.size() != 3 || biases.size() != 3 || heads <= 0 ||
+      kv_heads <= 0 || heads % kv_heads != 0) {
+    throw std::invalid_argument("decode_qkv: q, k and v weights, heads a multiple of kv_heads");
+  }
+  const int D = ws[0].shape(0) / heads;
+  if (D * heads != ws[0].shape(0) || ws[1].shape(0) != kv_heads * D ||
+      ws[2].shape(0) != kv_heads * D || D > 256) {
+    throw std::invalid_argument("decode_qkv: projection sizes do not match the heads");
+  }
+  if (norm_weight.ndim() != 1 || norm_weight.size() != static_cast<size_t>(x.shape(-1)) ||
+      norm_weight.dtype() != mx::float32) {
+    throw std::invalid_argument("decode_qkv: the norm weight must be float32 of x's width");
+  }
+  for (int i = 0; i < 3; i++) {
+    if (checked_qmm(x, ws[i], scales[i], biases[i], group_size, bits) != mx::float32) {
+      throw std::invalid_argument("decode_qkv: the projections must give float32");
+    }
+  }
+  if (rope_dims <= 0 || rope_dims % 2 != 0 || rope_dims > D || offset.dtype() != mx::int32 ||
+      offset.ndim() > 1 || (offset.size() != 1 && offset.size() != static_cast<size_t>(x.shape(0)))) {
+    throw std::invalid_argument("decode_qkv: rope dims even and at most the head's; offset int32");
+  }
+  std::vector<mx::array> inputs = {x, norm_weight};
+  for (int i = 0; i < 3; i++) {
+    inputs.push_back(ws[i]);
+    inputs.push_back(scales[i]);
+    inputs.push_back(biases[i]);
+  }
+  inputs.push_back(offset);
+  if (freqs.has_value()) {
+    if (freqs->ndim() != 1 || freqs->size() != static_cast<size_t>(rope_dims / 2) ||
+        freqs->dtype() != mx::float32) {
+      throw std::invalid_argument("decode_qkv: freqs must be float32 of size rope_dims / 2");
+    }
+    inputs.push_back(*freqs);
+  }
+  if (!qkv_bias.empty()) {
+    if (qkv_bias.size() != 3) {
+      throw std::invalid_argument("decode_qkv: a bias for each of q, k and v, or none");
+    }
+    for (int i = 0; i < 3; i++) {
+      if (qkv_bias[i].ndim() != 1 || qkv_bias[i].size() != static_cast<size_t>(ws[i].shape(0)) ||
+          qkv_bias[i].dtype() != mx::float32) {
+        throw std::invalid_argument("decode_qkv: each bias float32 of its projection's width");
+      }
+      inputs.push_back(qkv_bias[i]);
+    }
+  }
+  if (!qk_norm.empty()) {
+    if (qk_norm.size() != 2) {
+      throw std::invalid_argument("decode_qkv: a norm weight for each of q and k, or none");
+    }
+    for (const auto& w : qk_norm) {
+      if (w.ndim() != 1 || w.size() != static_cast<size_t>(D) || w.dtype() != mx::float32) {
+        throw std::invalid_argument("decode_qkv: q and k norm weights float32 of the head's width");
+      }
+      inputs.push_back(w);
+    }
+  }
+  QkvParams p{eps, {group_size, bits}, int8, heads, kv_heads, D,
+              {rope_dims, traditional, base, rope_scale, freqs.has_value()},
+              !qkv_bias.empty(), !qk_norm.empty(), qk_eps};
+  const int B = x.shape(0);
+  return mx::array::make_arrays({{B, heads, 1, D}, {B, kv_heads, 1, D}, {B, kv_heads, 1, D}},
+                                {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<DecodeQkvCpu>(cpu_stream(), p),
+                                std::move(inputs));
+}
+
+struct RestParams {
+  float scale;
+  int mask_kind;
+  float eps;
+  QuantSpec o;
+  QuantSpec gate_up;
+  QuantSpec down;
+  bool int8;
+};
+
+// inputs: q (B, Hq, 1, D), keys, values (B, Hkv, S, ·), x (B, 1, H): the layer's input,
+// (w, scales, biases) for o, the second norm's weight, (w, scales, biases) for gate, up
+// and down, [mask]; output: the layer's output (B, 1, H).
+void run_decode_rest(const std::vector<mx::array>& in, mx::array& out, const RestParams& p) {
+  const int B = in[0].shape(0);
+  const int Hq = in[0].shape(1);
+  const int Dv = in[2].shape(3);
+  const int H = in[3].shape(-1);
+  const int F = in[8].shape(0);
+  mx::array attended = fresh({B, Hq, 1, Dv});
+  std::vector<mx::array> attn_in = {in[0], in[1], in[2]};
+  if (p.mask_kind >= 2) {
+    attn_in.push_back(in[17]);
+  }
+  run_attention(attn_in, attended, p.scale, p.mask_kind);
+  mx::array projected = fresh({B, 1, H});
+  run_qmm(reshaped(attended, {B, 1, Hq * Dv}), in[4], in[5], in[6], projected, p.o.group,
+          p.o.bits, p.int8);
+  mx::array mid = fresh({B, 1, H});
+  add_into(in[3], projected, mid);
+  mx::array normed = fresh({B, 1, H});
+  run_rms_norm(mid, &in[7], normed, p.eps);
+  std::vector<mx::array> mm_in = {normed, in[8], in[9], in[10], in[11], in[12], in[13]};
+  std::vector<mx::array> mm_out = {fresh({B, 1, F}), fresh({B, 1, F})};
+  run_qmm_many(mm_in, mm_out, p.gate_up.group, p.gate_up.bits, p.int8);
+  mx::array activated = fresh({B, 1, F});
+  run_silu_mul(mm_out[0], mm_out[1], activated);
+  mx::array down = fresh({B, 1, H});
+  run_qmm(activated, in[14], in[15], in[16], down, p.down.group, p.down.bits, p.int8);
+  add_into(mid, down, out);
+}
+
+class DecodeRestCpu : public mx::UnaryPrimitive {
+ public:
+  DecodeRestCpu(mx::Stream stream, RestParams params) : mx::UnaryPrimitive(stream), p_(params) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch_cpu(stream(), inputs, out, [p = p_](std::vector<mx::array>& in, mx::array& y) {
+      run_decode_rest(in, y, p);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlx_providers cpu kernels run on the CPU only");
+  }
+
+  const char* name() const override {
+    return "CpuDecodeRest";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DecodeRestCpu&>(other).p_;
+    return p_.scale == o.scale && p_.mask_kind == o.mask_kind && p_.eps == o.eps &&
+        p_.o.group == o.o.group && p_.o.bits == o.o.bits && p_.gate_up.group == o.gate_up.group &&
+        p_.gate_up.bits == o.gate_up.bits && p_.down.group == o.down.group &&
+        p_.down.bits == o.down.bits && p_.int8 == o.int8;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[3].shape()};
+  }
+
+ private:
+  RestParams p_;
+};
+
+mx::array decode_rest(const mx::array& q, const mx::array& keys, const mx::array& values,
+                      float scale, const std::optional<mx::array>& mask, bool causal,
+                      const mx::array& x, const std::vector<mx::array>& o_proj, int o_group,
+                      int o_bits, const mx::array& norm_weight, float eps,
+                      const std::vector<mx::array>& gate, const std::vector<mx::array>& up,
+                      int gate_up_group, int gate_up_bits, const std::vector<mx::array>& down,
+                      int down_group, int down_bits, bool int8) {
+  if (x.ndim() != 3 || x.shape(1) != 1 || x.dtype() != mx::float32 || q.ndim() != 4 ||
+      q.shape(2) != 1 || q.shape(0) != x.shape(0) || q.dtype() != mx::float32) {
+    throw std::invalid_argument("decode_rest: x float32 (B, 1, hidden), q (B, heads, 1, D)");
+  }
+  if (o_proj.size() != 3 || gate.size() != 3 || up.size() != 3 || down.size() != 3) {
+    throw std::invalid_argument("decode_rest: (w, scales, biases) for o, gate, up and down");
+  }
+  const mx::array attended({q.shape(0), 1, q.shape(1) * values.shape(-1)}, mx::float32,
+                           nullptr, {});
+  const mx::array hidden({x.shape(0), 1, gate[0].shape(0)}, mx::float32, nullptr, {});
+  if (checked_qmm(attended, o_proj[0], o_proj[1], o_proj[2], o_group, o_bits) != mx::float32 ||
+      o_proj[0].shape(0) != x.shape(-1) ||
+      checked_qmm(x, gate[0], gate[1], gate[2], gate_up_group, gate_up_bits) != mx::float32 ||
+      checked_qmm(x, up[0], up[1], up[2], gate_up_group, gate_up_bits) != mx::float32 ||
+      up[0].shape(0) != gate[0].shape(0) ||
+      checked_qmm(hidden, down[0], down[1], down[2], down_group, down_bits) != mx::float32 ||
+      down[0].shape(0) != x.shape(-1)) {
+    throw std::invalid_argument("decode_rest: projections that do not fit the layer");
+  }
+  if (norm_weight.ndim() != 1 || norm_weight.size() != static_cast<size_t>(x.shape(-1)) ||
+      norm_weight.dtype() != mx::float32) {
+    throw std::invalid_argument("decode_rest: the norm weight must be float32 of x's width");
+  }
+  // The attention's own checks (shapes, dtypes, mask) on what it will read.
+  const mx::array checked = attention(q, keys, values, scale, mask, causal);
+  const auto& attention_inputs = checked.inputs();
+  std::vector<mx::array> inputs = {q, keys, values, x};
+  inputs.insert(inputs.end(), o_proj.begin(), o_proj.end());
+  inputs.push_back(norm_weight);
+  inputs.insert(inputs.end(), gate.begin(), gate.end());
+  inputs.insert(inputs.end(), up.begin(), up.end());
+  inputs.insert(inputs.end(), down.begin(), down.end());
+  int kind = causal ? 1 : 0;
+  if (attention_inputs.size() > 3) {
+    kind = attention_inputs[3].dtype() == mx::bool_ ? 2 : 3;
+    inputs.push_back(attention_inputs[3]);
+  }
+  RestParams p{scale, kind, eps, {o_group, o_bits}, {gate_up_group, gate_up_bits},
+               {down_group, down_bits}, int8};
+  return mx::array(x.shape(), mx::float32, std::make_shared<DecodeRestCpu>(cpu_stream(), p),
+                   std::move(inputs));
+}
+
 // Reads an evaluated array's bytes with the pool's threads (what a memory-bound kernel can
 // get); the benchmark times it. Returns a checksum so the reads cannot be skipped.
 uint64_t read_through(const mx::array& a) {
@@ -1129,6 +1489,19 @@ NB_MODULE(cpu_native, m) {
         "offset"_a, "freqs"_a = nb::none(),
         "mx.fast.rope's formula (offset: int32, one value or one a batch row), float32, as "
         "one op.");
+  m.def("decode_qkv", &mlxp::decode_qkv, "x"_a, "norm_weight"_a, "eps"_a, "ws"_a, "scales"_a,
+        "biases"_a, "group_size"_a, "bits"_a, "int8"_a, "heads"_a, "kv_heads"_a, "rope_dims"_a,
+        "traditional"_a, "base"_a, "rope_scale"_a, "offset"_a, "freqs"_a = nb::none(),
+        "qkv_bias"_a = std::vector<mx::array>(), "qk_norm"_a = std::vector<mx::array>(),
+        "qk_eps"_a = 0.0f,
+        "A decoder layer's first half at one query a row: RMSNorm, the q/k/v products (and "
+        "biases), the q/k norms and RoPE as one op; (q, k, v) as (B, heads, 1, D).");
+  m.def("decode_rest", &mlxp::decode_rest, "q"_a, "keys"_a, "values"_a, "scale"_a, "mask"_a,
+        "causal"_a, "x"_a, "o_proj"_a, "o_group"_a, "o_bits"_a, "norm_weight"_a, "eps"_a,
+        "gate"_a, "up"_a, "gate_up_group"_a, "gate_up_bits"_a, "down"_a, "down_group"_a,
+        "down_bits"_a, "int8"_a,
+        "A decoder layer's second half at one query a row: attention over the cache, the "
+        "o product, the residual, RMSNorm, gate/up, SiLU, down and the residual as one op.");
   m.def("read_through", &mlxp::read_through, "a"_a,
         "Reads an evaluated array's bytes on the kernels' threads (memory bandwidth).");
   m.def("info", &mlxp::info, "The kernel set in use, its threads and the mlx it was built on.");

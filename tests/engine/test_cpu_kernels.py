@@ -48,6 +48,7 @@ def test_a_quantized_model_runs_quantized_on_the_kernels(
     assert "matmul 15/15 quantized layers" in stats.cpu_kernels  # 2 layers x 7, the embedding
     assert "4 sibling groups in one call each" in stats.cpu_kernels  # q/k/v, gate/up a layer
     assert "decode attention" in stats.cpu_kernels
+    assert "2 layers' decode step in two ops" in stats.cpu_kernels  # decode_layer
     assert "int8" not in stats.cpu_kernels  # only when asked for
 
 

@@ -200,6 +200,40 @@ def quantized_attention(q: mx.array, keys: Triple, values: Triple, scale: float,
                                       mask, causal)
 
 
+# One projection's (weight, scales, biases).
+Projection = tuple[mx.array, mx.array, mx.array]
+
+
+def decode_qkv(x: mx.array, norm_weight: mx.array, eps: float, qkv: list[Projection],
+               group_size: int, bits: int, int8: bool, heads: int, kv_heads: int,
+               rope_dims: int, traditional: bool, base: float, rope_scale: float,
+               offset: mx.array, freqs: mx.array | None = None,
+               qkv_bias: list[mx.array] | None = None, qk_norm: list[mx.array] | None = None,
+               qk_eps: float = 0.0) -> list[mx.array]:
+    """A decoder layer's first half at one query a row, as one op: RMSNorm of ``x``
+    (float32 (B, 1, hidden)), the q/k/v products (plus ``qkv_bias``), an RMSNorm of each
+    q and k head (``qk_norm``, ``qk_eps``) and RoPE of q and k at ``offset`` (int32, one or
+    one a row); (q, k, v) as (B, heads, 1, D), with the bits of the separate ops."""
+    return list(_ext().decode_qkv(x, norm_weight, eps, [p[0] for p in qkv],
+                                  [p[1] for p in qkv], [p[2] for p in qkv], group_size, bits,
+                                  int8, heads, kv_heads, rope_dims, traditional, base,
+                                  rope_scale, offset, freqs, qkv_bias or [], qk_norm or [],
+                                  qk_eps))
+
+
+def decode_rest(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+                mask: mx.array | None, causal: bool, x: mx.array, o_proj: Projection,
+                o_quant: tuple[int, int], norm_weight: mx.array, eps: float,
+                gate: Projection, up: Projection, gate_up_quant: tuple[int, int],
+                down: Projection, down_quant: tuple[int, int], int8: bool) -> mx.array:
+    """A decoder layer's second half at one query a row, as one op: ``attention`` of ``q``
+    over the cache's ``keys`` and ``values``, the o product, the residual onto ``x``,
+    RMSNorm, gate/up, SiLU, down and the residual; quantizations as (group_size, bits)."""
+    return _ext().decode_rest(q, keys, values, scale, mask, causal, x, list(o_proj),  # type: ignore[no-any-return]
+                              *o_quant, norm_weight, eps, list(gate), list(up), *gate_up_quant,
+                              list(down), *down_quant, int8)
+
+
 def read_through(a: mx.array) -> int:
     """Reads ``a``'s bytes (evaluated first) on the kernels' threads; a checksum. What a
     memory-bound kernel can stream at best: ``bench/cpu_kernels.py`` times it."""

@@ -152,6 +152,7 @@ class Installed:
     sibling_groups: int = 0
     int8: str = ""  # the int8-activation path the products take, "" for float32
     norm_and_rope: bool = False  # mx.fast.rms_norm and mx.fast.rope on the kernels
+    decode_layers: int = 0  # blocks whose one-query step is two ops (decode_layer)
 
     def describe(self) -> str:
         """For ``stats().cpu_kernels``, after the instruction set."""
@@ -166,6 +167,8 @@ class Installed:
             parts.append("decode attention")
         if self.norm_and_rope:
             parts.append("RMSNorm and RoPE")
+        if self.decode_layers:
+            parts.append(f"{self.decode_layers} layers' decode step in two ops")
         return ", ".join(parts) if parts else "nothing to run"
 
 
@@ -206,7 +209,7 @@ def install(model: nn.Module, int8: bool = False) -> Installed:
 # ---- attention -----------------------------------------------------------------------------
 
 
-def _kernel_mask(mask: Any, queries: int) -> tuple[bool, mx.array | None, bool]:
+def kernel_mask(mask: Any, queries: int) -> tuple[bool, mx.array | None, bool]:
     """(usable, mask array for the kernel, causal) for mlx-lm's mask argument."""
     if mask is None:
         return True, None, False
@@ -244,7 +247,7 @@ def _quantized_attention(queries: mx.array, keys: Any, values: Any, cache: Any,
     qv: cpu_kernels.Triple = (values[0], values[1], values[2])
     if not cpu_kernels.quantized_attention_supported(queries, qk, qv, group_size, bits):
         return None
-    usable, array, causal = _kernel_mask(mask, queries.shape[2])
+    usable, array, causal = kernel_mask(mask, queries.shape[2])
     if not usable:
         return None
     return cpu_kernels.quantized_attention(queries, qk, qv, scale, group_size, bits, array,
@@ -269,7 +272,7 @@ def _wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
                 and (queries.dtype == keys.dtype == values.dtype or _half_kv(queries, keys,
                                                                              values))
                 and max(queries.shape[-1], values.shape[-1]) <= 256):
-            usable, array, causal = _kernel_mask(mask, queries.shape[2])
+            usable, array, causal = kernel_mask(mask, queries.shape[2])
             if usable and queries.dtype != keys.dtype:
                 # kv_dtype="float16": the kernel reads the float16 cache in place (it
                 # computes in float32); the few query values are cast, not the cache.

@@ -16,13 +16,14 @@ chosen form. ``WeightChoice`` is what ``stats()`` reports.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.device.kernels import cpu_kernels
+from engine.device.kernels import cpu_kernels, decode_layer
 from engine.device.kernels.kernel_layers import install
 from engine.device.loading.memory import on_accelerator, usable_memory_bytes
 
@@ -137,4 +138,6 @@ def apply_weight_policy(model: nn.Module, quantized: bool | None,
         form = _describe_quantized(modules) if modules else _float_format(model)
     if not status.available:
         return WeightChoice(form, status.describe())
-    return WeightChoice(form, f"{status.describe()}: {install(model, int8).describe()}")
+    installed = install(model, int8)
+    installed = dataclasses.replace(installed, decode_layers=decode_layer.install(model))
+    return WeightChoice(form, f"{status.describe()}: {installed.describe()}")

@@ -94,6 +94,10 @@ REQUIRED: tuple[Reach, ...] = (
     # The CPU kernels take RMSNorm and RoPE wherever a family calls them.
     Reach("mlx", "mlx.core.fast.rms_norm", "the CPU kernels' RMSNorm"),
     Reach("mlx", "mlx.core.fast.rope", "the CPU kernels' RoPE"),
+    *(Reach("mlx-lm", f"mlx_lm.models.{family}.{name}", "the CPU kernels' decode layer")
+      for family in ("llama", "qwen2", "qwen3")
+      for name in ("TransformerBlock", "scaled_dot_product_attention")),
+    Reach("mlx-lm", "mlx_lm.models.rope_utils.Llama3RoPE", "the CPU kernels' decode layer"),
 )
 
 # The vision extra's names, checked when a vision-language model loads (``check_vision``).
