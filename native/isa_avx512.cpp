@@ -113,6 +113,18 @@ inline __m512 dequant16(__m128i q8, float scale, float bias) {
                          _mm512_set1_ps(bias));
 }
 
+// A 4-bit weight takes one of 16 values a block: the block's 16 dequantized values, each
+// dequant16's own fmadd(q, scale, bias), so a lookup gives dequant16's floats with one
+// permute (port 5) where dequant16 takes a conversion and a multiply-add (port 0).
+inline __m512 dequant_table(float scale, float bias) {
+  const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_fmadd_ps(nibbles, _mm512_set1_ps(scale), _mm512_set1_ps(bias));
+}
+
+inline __m512 looked_up(__m128i q4, __m512 table) {
+  return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(q4), table);
+}
+
 // Column n's weights in float32, in the activations' order: K floats into wf; s and b are
 // the column's scales and biases in float32.
 template <int BITS>
@@ -129,10 +141,12 @@ inline void dequant_column(const QmmProblem& p, int n, const float* s, const flo
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * c));
       const __m256i lo = _mm256_and_si256(raw, low4);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-      _mm512_store_ps(out, dequant16(_mm256_castsi256_si128(lo), s[ga], b[ga]));
-      _mm512_store_ps(out + 16, dequant16(_mm256_extracti128_si256(lo, 1), s[gb], b[gb]));
-      _mm512_store_ps(out + 32, dequant16(_mm256_castsi256_si128(hi), s[ga], b[ga]));
-      _mm512_store_ps(out + 48, dequant16(_mm256_extracti128_si256(hi, 1), s[gb], b[gb]));
+      const __m512 table_a = dequant_table(s[ga], b[ga]);
+      const __m512 table_b = ga == gb ? table_a : dequant_table(s[gb], b[gb]);
+      _mm512_store_ps(out, looked_up(_mm256_castsi256_si128(lo), table_a));
+      _mm512_store_ps(out + 16, looked_up(_mm256_extracti128_si256(lo, 1), table_b));
+      _mm512_store_ps(out + 32, looked_up(_mm256_castsi256_si128(hi), table_a));
+      _mm512_store_ps(out + 48, looked_up(_mm256_extracti128_si256(hi, 1), table_b));
     } else {
       for (int t = 0; t < 4; t++) {
         const int g = t < 2 ? ga : gb;
@@ -199,7 +213,6 @@ inline void row_fused(const QmmProblem& p, const float* x, const float* s, const
   const int groups = p.K / p.group;
   const size_t wrow = static_cast<size_t>(p.K) * BITS / 8;
   const __m256i low4 = _mm256_set1_epi8(0x0f);
-  const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[C];
   for (int j = 0; j < C; j++) {
     acc[j] = _mm512_setzero_ps();
@@ -224,18 +237,10 @@ inline void row_fused(const QmmProblem& p, const float* x, const float* s, const
         q[1] = _mm256_extracti128_si256(lo, 1);
         q[2] = _mm256_castsi256_si128(hi);
         q[3] = _mm256_extracti128_si256(hi, 1);
-        // A 4-bit weight takes one of 16 values a block: the block's 16 dequantized values,
-        // each dequant16's own fmadd(q, scale, bias), then one permute a vector instead of
-        // a conversion and a multiply-add (port 5, not port 0): the same floats.
-        const __m512 table_a = _mm512_fmadd_ps(nibbles, _mm512_set1_ps(sj[ga]),
-                                               _mm512_set1_ps(bj[ga]));
-        const __m512 table_b = ga == gb ? table_a
-                                        : _mm512_fmadd_ps(nibbles, _mm512_set1_ps(sj[gb]),
-                                                          _mm512_set1_ps(bj[gb]));
+        const __m512 table_a = dequant_table(sj[ga], bj[ga]);  // dequant16's floats
+        const __m512 table_b = ga == gb ? table_a : dequant_table(sj[gb], bj[gb]);
         for (int t = 0; t < 4; t++) {
-          const __m512 wv = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(q[t]),
-                                                  (t & 1) ? table_b : table_a);
-          acc[j] = _mm512_fmadd_ps(wv, xv[t], acc[j]);
+          acc[j] = _mm512_fmadd_ps(looked_up(q[t], (t & 1) ? table_b : table_a), xv[t], acc[j]);
         }
         continue;
       } else {
