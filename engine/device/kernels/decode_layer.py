@@ -60,21 +60,23 @@ class LayerParts:
     mlp: nn.Module
     qk_norms: tuple[nn.Module, nn.Module] | None  # Qwen3's per-head norms
 
-    def intact(self, block: Any) -> bool:
-        """Whether the block still holds these parts, each of the class it had."""
-        attention = block.self_attn
-        return (attention is self.attention and block.mlp is self.mlp
-                and attention.q_proj is self.qkv[0] and attention.k_proj is self.qkv[1]
-                and attention.v_proj is self.qkv[2] and attention.o_proj is self.o_proj
-                and self.mlp.gate_proj is self.gate_up[0] and self.mlp.up_proj is self.gate_up[1]
-                and self.mlp.down_proj is self.down
-                and all(type(m) is KernelSiblingLinear for m in (*self.qkv, *self.gate_up))
-                and type(self.o_proj) is KernelQuantizedLinear
+    # (parent, key, part): what each parent must still hold (an nn.Module is a dict, so
+    # item lookups, not attribute ones: this runs for every layer of every decode step).
+    held: tuple[tuple[Any, str, nn.Module], ...] = ()
+
+    def intact(self) -> bool:
+        """Whether the block still holds these parts, each of the class it had, and its
+        sibling groups still compute in one call."""
+        for parent, key, part in self.held:
+            if parent.get(key) is not part:
+                return False
+        for member in (*self.qkv, *self.gate_up):
+            if type(member) is not KernelSiblingLinear:
+                return False
+        return (type(self.o_proj) is KernelQuantizedLinear
                 and type(self.down) is KernelQuantizedLinear
                 and self.qkv[0]._mlx_providers_siblings.fusing
-                and self.gate_up[0]._mlx_providers_siblings.fusing
-                and (self.qk_norms is None or (attention.q_norm is self.qk_norms[0]
-                                               and attention.k_norm is self.qk_norms[1])))
+                and self.gate_up[0]._mlx_providers_siblings.fusing)
 
 
 def _projection(module: nn.Module) -> cpu_kernels.Projection:
@@ -121,8 +123,15 @@ def _parts(block: Any) -> LayerParts | None:
             or heads % kv_heads != 0
             or any(m["weight"].shape[0] != kv_heads * dim for m in qkv[1:])):
         return None
+    held = ((block, "self_attn", attention), (block, "mlp", mlp),
+            (block, "input_layernorm", norms[0]), (block, "post_attention_layernorm", norms[1]),
+            *((attention, key, part) for key, part in zip(("q_proj", "k_proj", "v_proj"), qkv)),
+            (attention, "o_proj", attention.o_proj), (attention, "rope", attention.rope),
+            (mlp, "gate_proj", gate_up[0]), (mlp, "up_proj", gate_up[1]),
+            (mlp, "down_proj", mlp.down_proj),
+            *((attention, key, part) for key, part in zip(("q_norm", "k_norm"), qk_norms or ())))
     return LayerParts(attention, qkv, attention.o_proj, norms, gate_up, mlp.down_proj, rope,
-                      mlp, qk_norms)
+                      mlp, qk_norms, held)
 
 
 def _offset(cache: Any) -> mx.array:
@@ -166,7 +175,7 @@ def _call(self: Any, x: mx.array, mask: Any = None, cache: Any = None) -> mx.arr
     parts: LayerParts | None = getattr(self, "_mlx_providers_decode", None)
     if (SWITCH and parts is not None and cache is not None and in_marked_forward()
             and x.ndim == 3 and x.shape[1] == 1 and x.dtype == mx.float32
-            and not hasattr(cache, "bits") and parts.intact(self)):
+            and not hasattr(cache, "bits") and parts.intact()):
         return _forward(self, parts, x, mask, cache)
     own: mx.array = original_call(self)(self, x, mask, cache)
     return own
