@@ -8,15 +8,17 @@ directory (``bench/llamacpp_build.py``: ``-DGGML_NATIVE=ON``, ~15 min on 2 cores
    together, decode rate = tokens / (last token time - first token time)), the engine with
    its CPU kernels and, as "before", with ``MLX_PROVIDERS_CPU_KERNELS=0`` (float32 weights
    through BLAS), and with ``cpu_int8=True`` (activations rounded to int8 blocks of 32, as
-   llama.cpp rounds them for its Q4_1 x Q8_1 products; where the CPU has the int8 path);
-   each side runs in its own process, in turn, ``--repeats`` times, best kept;
+   llama.cpp rounds them for its Q4_1 x Q8_1 products; where the CPU has the int8 path),
+   and with its layers op by op (``MLX_PROVIDERS_DECODE_LAYER=0``: no two-op decode step);
+   speculation off unless ``--speculation`` (llama-batched-bench decodes plainly); each
+   side runs in its own process, in turn, ``--repeats`` times, best kept;
 2. the servers: ``llama-server -np STREAMS`` against ``mlx-providers serve``, each driven by
    ``--streams`` concurrent openai-SDK streams of ``--tokens`` tokens (aggregate tokens/s,
    mean time to first token).
 
     python bench/vs_llamacpp.py [--gguf FILE] [--rows 1,4,8,16,32] [--threads 2]
         [--repeats 2] [--streams 16] [--tokens 64] [--skip-server] [--skip-before]
-        [--skip-int8]
+        [--skip-int8] [--skip-by-op] [--speculation N]
 """
 
 from __future__ import annotations
@@ -103,14 +105,15 @@ def llama_server(bin_dir: Path, gguf: Path, streams: int, threads: int) -> Itera
 # ---- the engine (run in a child process: one per side, kernels on or off) --------------------
 
 
-def engine_rates(gguf: str, rows: list[int], tokens: int, int8: bool) -> dict[int, float]:
+def engine_rates(gguf: str, rows: list[int], tokens: int, int8: bool,
+                 speculation: int = 0) -> dict[int, float]:
     """Decode tokens/s per row count through ``Engine`` on the GGUF file (this process)."""
     import engine  # noqa: F401 - the fast BLAS before mlx
     from engine import Engine, EngineConfig, SamplingParams, TextRequest
 
     width = max(rows)
-    eng = Engine(gguf, EngineConfig(max_batch=width, prefill_batch=width,
-                                    cpu_int8=int8)).start()
+    eng = Engine(gguf, EngineConfig(max_batch=width, prefill_batch=width, cpu_int8=int8,
+                                    speculation=speculation)).start()
     story = list(eng.tokenizer.encode(STORY, add_special_tokens=False))
     rates: dict[int, float] = {}
     for run, n in enumerate([2, *rows]):  # the first, 2 rows, warms up
@@ -137,13 +140,17 @@ def engine_rates(gguf: str, rows: list[int], tokens: int, int8: bool) -> dict[in
 
 
 def engine_side(gguf: Path, rows: list[int], tokens: int, kernels: bool,
-                int8: bool = False) -> dict[str, object]:
+                int8: bool = False, speculation: int = 0,
+                by_op: bool = False) -> dict[str, object]:
+    """One engine process's rates; ``by_op``: layers op by op (no two-op decode step)."""
     env = dict(os.environ)
     if not kernels:
         env["MLX_PROVIDERS_CPU_KERNELS"] = "0"
+    if by_op:
+        env["MLX_PROVIDERS_DECODE_LAYER"] = "0"
     run = subprocess.run([sys.executable, __file__, "--engine-child", str(gguf), "--rows",
                           ",".join(map(str, rows)), "--tokens", str(tokens),
-                          *(["--int8"] if int8 else [])],
+                          "--speculation", str(speculation), *(["--int8"] if int8 else [])],
                          capture_output=True, text=True, env=env, check=True)
     result: dict[str, object] = json.loads(run.stdout.strip().splitlines()[-1])
     result["rates"] = {int(k): v for k, v in dict(result["rates"]).items()}  # type: ignore[call-overload]
@@ -161,34 +168,43 @@ def decode_table(args: argparse.Namespace, bin_dir: Path, gguf: Path, rows: list
     peer: list[dict[int, float]] = []
     after: list[dict[int, float]] = []
     before: list[dict[int, float]] = []
+    by_op: list[dict[int, float]] = []
     rounded: list[dict[int, float]] = []
     info: dict[str, object] = {}
     int8_info: dict[str, object] = {}
     for _ in range(args.repeats):  # in turn, so a slower stretch of the machine hits all
         peer.append(llama_batched(bin_dir, gguf, rows, args.threads))
-        info = engine_side(gguf, rows, 64, kernels=True)
+        info = engine_side(gguf, rows, 64, kernels=True, speculation=args.speculation)
         after.append(info["rates"])  # type: ignore[arg-type]
+        if not args.skip_by_op:
+            by_op.append(engine_side(gguf, rows, 64, kernels=True, speculation=args.speculation,
+                                     by_op=True)["rates"])  # type: ignore[arg-type]
         if not args.skip_before:
-            before.append(engine_side(gguf, rows, 64, kernels=False)["rates"])  # type: ignore[arg-type]
+            before.append(engine_side(gguf, rows, 64, kernels=False,
+                                      speculation=args.speculation)["rates"])  # type: ignore[arg-type]
         if not args.skip_int8:
-            int8_info = engine_side(gguf, rows, 64, kernels=True, int8=True)
+            int8_info = engine_side(gguf, rows, 64, kernels=True, int8=True,
+                                    speculation=args.speculation)
             rounded.append(int8_info["rates"])  # type: ignore[arg-type]
     print(f"engine: weights {info['weights']}; CPU kernels {info['kernels']}")
     if int8_info:
         print(f"engine int8: CPU kernels {int8_info['kernels']}")
-    print(f"llama.cpp: {args.threads} threads, llama-batched-bench -npp 64 -ntg 64\n")
+    print(f"llama.cpp: {args.threads} threads, llama-batched-bench -npp 64 -ntg 64")
+    print(f"engine: speculation={args.speculation} (llama-batched-bench decodes plainly)\n")
     peer_best, after_best = best(peer), best(after)
-    before_best = best(before) if before else {}
-    int8_best = best(rounded) if rounded else {}
-    print("| rows | llama.cpp tok/s | engine before (f32, MLX ops) | engine (kernels) "
-          "| engine cpu_int8 | before / llama.cpp | engine / llama.cpp | int8 / llama.cpp |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    columns = {"engine before (f32, MLX ops)": best(before) if before else {},
+               "engine, layers op by op": best(by_op) if by_op else {},
+               "engine (kernels)": after_best,
+               "engine cpu_int8": best(rounded) if rounded else {}}
+    shown = {name: rates for name, rates in columns.items() if rates}
+    print("| rows | llama.cpp tok/s | " + " | ".join(shown) + " | "
+          + " | ".join(f"{name} / llama.cpp" for name in shown) + " |")
+    print("|---:|---:|" + "---:|" * (2 * len(shown)))
     for n in rows:
-        b, q = before_best.get(n), int8_best.get(n)
-        print(f"| {n} | {peer_best[n]:.1f} | {f'{b:.1f}' if b else '-'} | {after_best[n]:.1f} "
-              f"| {f'{q:.1f}' if q else '-'} | {f'{b / peer_best[n]:.2f}' if b else '-'} "
-              f"| {after_best[n] / peer_best[n]:.2f} "
-              f"| {f'{q / peer_best[n]:.2f}' if q else '-'} |", flush=True)
+        print(f"| {n} | {peer_best[n]:.1f} | "
+              + " | ".join(f"{rates[n]:.1f}" for rates in shown.values()) + " | "
+              + " | ".join(f"{rates[n] / peer_best[n]:.2f}" for rates in shown.values())
+              + " |", flush=True)
 
 
 def server_table(args: argparse.Namespace, bin_dir: Path, gguf: Path) -> None:
@@ -226,12 +242,18 @@ def main() -> None:
                         help="do not run the engine without its kernels")
     parser.add_argument("--skip-int8", action="store_true",
                         help="do not run the engine with cpu_int8=True (int8 activations)")
+    parser.add_argument("--skip-by-op", action="store_true",
+                        help="do not run the engine with its layers op by op "
+                             "(MLX_PROVIDERS_DECODE_LAYER=0)")
+    parser.add_argument("--speculation", type=int, default=0,
+                        help="the engine's EngineConfig.speculation (default 0: plain decoding, "
+                             "as llama-batched-bench's; the engine's own default is 1)")
     parser.add_argument("--int8", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     rows = [int(x) for x in args.rows.split(",")]
     if args.engine_child:
-        engine_rates(args.engine_child, rows, args.tokens, args.int8)
+        engine_rates(args.engine_child, rows, args.tokens, args.int8, args.speculation)
         return
     from engine.models.default_model import default_model_gguf
 
