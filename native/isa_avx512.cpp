@@ -115,7 +115,8 @@ inline __m512 dequant16(__m128i q8, float scale, float bias) {
 
 // A 4-bit weight takes one of 16 values a block: the block's 16 dequantized values, each
 // dequant16's own fmadd(q, scale, bias), so a lookup gives dequant16's floats with one
-// permute (port 5) where dequant16 takes a conversion and a multiply-add (port 0).
+// permute (a shuffle unit) where dequant16 takes a conversion and a multiply-add (the FMA
+// units).
 inline __m512 dequant_table(float scale, float bias) {
   const __m512 nibbles = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   return _mm512_fmadd_ps(nibbles, _mm512_set1_ps(scale), _mm512_set1_ps(bias));
