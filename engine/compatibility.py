@@ -56,6 +56,7 @@ class Feature(Enum):
     PREFIX_DISK = "prefix_disk"
     KEEP_ALIVE = "keep_alive"
     KV_BITS = "kv_bits"
+    KV_DTYPE = "kv_dtype"
     SERIAL = "serial"
     SHARDED_TENSOR = "sharded_tensor"
     SHARDED_PIPELINE = "sharded_pipeline"
@@ -94,6 +95,7 @@ _TITLES = {
     Feature.PREFIX_DISK: "prefix reuse's disk tier (`prefix_cache_dir`)",
     Feature.KEEP_ALIVE: "`keep_alive` unload and reload",
     Feature.KV_BITS: "quantized KV (`kv_bits=8`)",
+    Feature.KV_DTYPE: "float16 KV (`kv_dtype=\"float16\"`)",
     Feature.SERIAL: "the serial lane (caches that cannot batch)",
     Feature.SHARDED_TENSOR: "sharded, tensor parallel",
     Feature.SHARDED_PIPELINE: "sharded, pipeline parallel",
@@ -111,7 +113,8 @@ _KINDS = {
         Feature.SEED, Feature.STREAM)},
     **{f: Kind.ENGINE for f in (
         Feature.SPECULATION, Feature.FAST_FORWARD, Feature.PREFIX_MEMORY,
-        Feature.PREFIX_DISK, Feature.KEEP_ALIVE, Feature.KV_BITS, Feature.SERIAL,
+        Feature.PREFIX_DISK, Feature.KEEP_ALIVE, Feature.KV_BITS, Feature.KV_DTYPE,
+        Feature.SERIAL,
         Feature.SHARDED_TENSOR, Feature.SHARDED_PIPELINE)},
     **{f: Kind.EVENT for f in (
         Feature.CANCEL_PREFILL, Feature.CANCEL_DECODE, Feature.TIMEOUT, Feature.EMBEDDINGS)},
@@ -166,6 +169,9 @@ for _sharded in SHARDED:
         _inert(_reuse, _sharded, "prefix reuse is off on a sharded engine: the store's "
                                  "expiry and shrinking depend on each rank's clock and memory")
 _EXCLUSIVE[frozenset(SHARDED)] = "an engine is sharded one way"
+_refuse(Feature.KV_BITS, Feature.KV_DTYPE,
+        "both set how KV is stored: quantized blocks (kv_bits) or float16 (kv_dtype); "
+        "EngineConfig refuses the two together")
 for _a, _b in combinations(CONSTRAINTS, 2):
     _EXCLUSIVE[frozenset((_a, _b))] = "a request has one tool choice and one output format"
 for _a, _b in combinations(CANCELS, 2):

@@ -29,7 +29,8 @@ def render() -> str:
         "✓ served exactly: a row with both equals the same row run alone, and the row with "
         "one feature where the other changes no token. ○ served exactly, but one of the two "
         "does nothing for that row (why below). ✗ refused at `submit` with "
-        "`UnsupportedCombinationError`, naming both (why below). ≠ alternatives: a request "
+        "`UnsupportedCombinationError`, naming both (why below; two engine settings are "
+        "refused by `EngineConfig`, a `ValueError` naming both). ≠ alternatives: a request "
         "has one or the other.",
         "",
         "## Features",

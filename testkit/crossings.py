@@ -257,11 +257,12 @@ APPLY: dict[Feature, Callable[[Draft, Assets], None]] = {
 }
 
 # Features that never change a row's tokens: a row with one equals the row without it.
-# Quantized KV is an engine mode that does change them (attention reads rounded keys and
-# values), so a row on a kv_bits engine is compared with rows on a kv_bits engine only.
+# Quantized and float16 KV are engine modes that do change them (attention reads rounded
+# keys and values), so a row on a kv_bits (kv_dtype) engine is compared with rows on such an
+# engine only.
+ROUNDS_KV = frozenset({Feature.KV_BITS, Feature.KV_DTYPE})
 NEUTRAL = frozenset({Feature.LOGPROBS, Feature.STREAM, Feature.EMBEDDINGS,
-                     *(f for f in Feature if f.kind is Kind.ENGINE
-                       and f is not Feature.KV_BITS)})
+                     *(f for f in Feature if f.kind is Kind.ENGINE and f not in ROUNDS_KV)})
 
 
 def draft_of(features: Collection[Feature], assets: Assets, question: str = QUESTION,
@@ -289,6 +290,7 @@ _CONFIG: dict[Feature, dict[str, Any]] = {
     Feature.KEEP_ALIVE: {"keep_alive": 0.0},
     # Groups of 32: the tiny models' heads are 32 wide (the default 64 would not divide).
     Feature.KV_BITS: {"kv_bits": 8, "kv_group_size": 32},
+    Feature.KV_DTYPE: {"kv_dtype": "float16"},
 }
 
 
@@ -437,15 +439,53 @@ def _held(eng: Any) -> dict[str, int]:
     return held
 
 
+class KVDtypes:
+    """A probe's ``on_lanes`` and ``on_step``: before each lane step, the dtypes of the keys
+    and values its rows' caches hold (the batch lane's generator, prompts and decoding rows;
+    the serial lane's rows), by name ("float16")."""
+
+    def __init__(self) -> None:
+        self.lanes: Any = None
+        self.seen: set[str] = set()
+
+    def built(self, lanes: Any) -> None:
+        self.lanes = lanes
+
+    def __call__(self, lane: str) -> None:
+        lanes = self.lanes
+        if lanes is None:
+            return
+        if lane == "batch":
+            generator = lanes.batch.generator
+            caches = [generator._prompt_batch.prompt_cache,
+                      generator._generation_batch.prompt_cache]
+        else:
+            caches = [row.cache for row in lanes.serial._rows.values()]
+        for cache in caches:
+            self._walk(cache)
+
+    def _walk(self, layers: Any) -> None:
+        for layer in layers or ():
+            inner = getattr(layer, "caches", None)
+            if inner is not None:  # a cache of caches (mlx-lm's CacheList)
+                self._walk(inner)
+                continue
+            for part in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                dtype = getattr(part, "dtype", None)
+                if dtype is not None:
+                    self.seen.add(str(dtype).removeprefix("mlx.core."))
+
+
 @dataclass
 class Served:
     """An engine of the matrix (or the fuzz), the admissions it reports, and the rows it has
-    already run alone."""
+    already run alone (``kv_dtypes``: on a kv_dtype engine, the KV dtypes its rows held)."""
 
     engine: Any
     admissions: Admissions
     embedding_model: Path | None = None
     alone_runs: dict[str, Outcome] = field(default_factory=dict)
+    kv_dtypes: KVDtypes | None = None
 
     def run(self, drafts: list[Draft]) -> list[Outcome]:
         """``drafts`` submitted together (embedding requests beside them where asked)."""
@@ -474,7 +514,10 @@ def start_engine(model: Path, config: Mapping[str, Any], *, serial: str | None =
     from engine import Engine, EngineConfig, StepProbe
 
     admissions = Admissions()
-    eng = Engine(model, EngineConfig(**config), probe=StepProbe(on_turn=admissions))
+    kv_dtypes = KVDtypes() if config.get("kv_dtype") else None
+    probe = (StepProbe(on_turn=admissions) if kv_dtypes is None else
+             StepProbe(on_turn=admissions, on_step=kv_dtypes, on_lanes=kv_dtypes.built))
+    eng = Engine(model, EngineConfig(**config), probe=probe)
     if serial is not None:
         with runs_serially(serial):
             eng.start()
@@ -484,7 +527,7 @@ def start_engine(model: Path, config: Mapping[str, Any], *, serial: str | None =
     composition = eng._runtime.composition
     if eager_spans and composition is not None:  # (one that unloads when idle: as shipped)
         composition.built.lanes.batch.costs.shortest = lambda spans, width, rows: 2
-    return Served(eng, admissions, embedding_model)
+    return Served(eng, admissions, embedding_model, kv_dtypes=kv_dtypes)
 
 
 def engine_state(eng: Any) -> str:

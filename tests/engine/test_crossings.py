@@ -11,7 +11,8 @@ tests/distributed/test_sharded_crossings.py), on a tiny Qwen2-VL that can reason
   tokens: a kv_bits row is compared with kv_bits rows only); a cancelled or timed-out row's tokens
   are a prefix of its run to the end; nothing is left behind (rows, grammar matchers, KV,
   image jobs, pinned adapters);
-- **refused** pairs: ``submit`` raises ``UnsupportedCombinationError`` naming both.
+- **refused** pairs: ``submit`` raises ``UnsupportedCombinationError`` naming both (two
+  engine settings: ``EngineConfig`` refuses them, naming both).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 
 from engine import UnsupportedCombinationError
-from engine.compatibility import Feature, Status, pairs
+from engine.compatibility import Feature, Kind, Status, pairs
 from testkit.crossings import (
     MATRIX_MODEL,
     NEUTRAL,
@@ -145,19 +146,20 @@ def check_served(matrix: Matrix, a: Feature, b: Feature) -> None:
     neutral = features & NEUTRAL
     if neutral and not draft.ends_early:
         # The other feature alone, every speed-up off, gives the same tokens (on an engine
-        # with the other feature's own mode where it is one that changes tokens: kv_bits).
+        # with the other feature's own mode where it is one that changes tokens: kv_bits,
+        # kv_dtype).
         others = features - neutral
         reference = matrix.engine(engine_features(others)).alone(
             draft_of(others, matrix.assets))
         assert row.tokens == reference.tokens, "a feature that changes no token changed them"
-    engaged(features, before, served.engine.stats())
+    engaged(features, before, served.engine.stats(), served)
     left = settled(served.engine)
     if Feature.KEEP_ALIVE in features:  # unloaded once idle, loaded again for the batch
         wait_until(lambda: served.engine.stats().unloads > before.unloads)
     assert not any(left.values()), f"left behind: {left}"
 
 
-def engaged(features: frozenset[Feature], before: Any, after: Any) -> None:
+def engaged(features: frozenset[Feature], before: Any, after: Any, served: Served) -> None:
     """Each feature did its work in the batched run, where the pair lets it (a pair whose
     verdict makes it inert is not asked to)."""
     a, b = sorted(features, key=list(Feature).index)
@@ -179,9 +181,19 @@ def engaged(features: frozenset[Feature], before: Any, after: Any) -> None:
         assert after.adapters_loaded >= 1
     if Feature.KV_BITS in active:  # its rows' plain KV layers held in 8 bits
         assert after.kv_bits == 8 and "KVCache(8-bit)" in after.cache_kinds
+    if Feature.KV_DTYPE in active:  # its rows' caches held float16 keys and values
+        assert served.kv_dtypes is not None and served.kv_dtypes.seen == {"float16"}, (
+            served.kv_dtypes and served.kv_dtypes.seen)
 
 
 def check_refused(matrix: Matrix, a: Feature, b: Feature) -> None:
+    if a.kind is Kind.ENGINE and b.kind is Kind.ENGINE:  # two settings: the config refuses
+        from engine import EngineConfig
+
+        with pytest.raises(ValueError) as config_refused:
+            EngineConfig(**engine_config({a, b}, matrix.tmp / "refused"))
+        assert a.value in str(config_refused.value) and b.value in str(config_refused.value)
+        return
     draft = draft_of({a, b}, matrix.assets)
     served = matrix.engine(engine_features({a, b}))
     with pytest.raises(UnsupportedCombinationError) as refused:
