@@ -11,7 +11,7 @@ Invariants, whatever was drawn:
 - nothing is left behind: rows, pending requests, grammar matchers, KV, image jobs,
   pinned adapters; the prefix store within its bound.
 
-Bounded for ``make test`` (``MLX_PROVIDERS_CROSSING_EXAMPLES`` in all, default 48: 16 a
+Bounded for ``make test`` (``MLX_PROVIDERS_CROSSING_EXAMPLES`` in all, default 48: 12 a
 family); ``make fuzz`` runs 2,000.
 """
 
@@ -44,7 +44,7 @@ from tests.conftest import _built, _cache_root, _vision_stack
 
 pytestmark = pytest.mark.timeout(3600)
 
-FAMILIES = ("qwen2_vl", "gemma3", "qwen2_serial")
+FAMILIES = ("qwen2_vl", "qwen2_vl_f16", "gemma3", "qwen2_serial")
 EXAMPLES = -(-int(os.environ.get("MLX_PROVIDERS_CROSSING_EXAMPLES", "48")) // len(FAMILIES))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -74,9 +74,9 @@ def _adapter_for(model: Path, tmp: pytest.TempPathFactory, name: str) -> str:
 @pytest.fixture(scope="module")
 def families(tmp_path_factory: pytest.TempPathFactory,
              tiny_model_dir: Path) -> Iterator[dict[str, Family]]:
-    """Three engines: a reasoning Qwen2-VL with every speed-up on, a Gemma 3 VLM (a fixed
-    image block, sliding windows) with the defaults, and the text qwen2 whose rows all run
-    on the serial lane."""
+    """Four engines: a reasoning Qwen2-VL with every speed-up on, the same keeping its KV in
+    float16 (``kv_dtype``), a Gemma 3 VLM (a fixed image block, sliding windows) with the
+    defaults, and the text qwen2 whose rows all run on the serial lane."""
     _vision_stack()
     from engine.models.embedding_model import resolve_embedding_model
     from testkit.vision_model import build_tiny_vlm
@@ -95,6 +95,7 @@ def families(tmp_path_factory: pytest.TempPathFactory,
     found: dict[str, Family] = {}
     for name, model, config, serial, features, system in (
             ("qwen2_vl", qwen, speedups, None, every, SYSTEM),
+            ("qwen2_vl_f16", qwen, {**speedups, "kv_dtype": "float16"}, None, every, SYSTEM),
             ("gemma3", gemma, {"max_batch": 8, "prefill_chunk": 16}, None,
              tuple(f for f in every if f is not Feature.REASONING_BUDGET), SYSTEM),
             # Rows one at a time there: a short system prompt keeps each example quick.
@@ -162,6 +163,8 @@ def check(family: Family, drafts: list[Draft]) -> None:
     assert not any(left.values()), f"left behind: {left}"
     stats = served.engine.stats()
     assert stats.prefix_bytes <= max(stats.prefix_cache_limit_bytes, 0)
+    if served.kv_dtypes is not None:  # kv_dtype: every row's cache held float16 KV
+        assert served.kv_dtypes.seen == {"float16"}, served.kv_dtypes.seen
 
 
 @pytest.mark.parametrize("name", FAMILIES)
