@@ -6,7 +6,8 @@ reuse asked for, and for every feature that is not an engine mode runs a row wit
 plain rows and alone; it prints one JSON line ``{"rank": 0, "features": {...}}``. The other
 rank follows. MODE ``batch`` or ``serial`` (every row on the serial lane, as for caches that
 cannot batch), either with ``+kv8`` after it: the engine keeps its KV in 8 bits
-(``kv_bits``), and only ``KV_FEATURES`` run (each launch costs ``make test`` seconds).
+(``kv_bits``), or ``+f16``: in float16 (``kv_dtype``); then only ``KV_FEATURES`` run (each
+launch costs ``make test`` seconds).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import engine
@@ -37,29 +39,36 @@ def emit(payload: dict[str, object]) -> None:
     print("RESULT " + json.dumps(payload), flush=True)
 
 
-# The sharded kv_bits pairs' rows: forced tokens and drafts rewound on quantized KV on both
-# ranks, a row evicted from a quantized batch, and the plain rows beside each.
+# The sharded kv_bits and kv_dtype pairs' rows: forced tokens and drafts rewound on
+# quantized (float16) KV on both ranks, a row evicted from such a batch, and the plain rows
+# beside each.
 KV_FEATURES = (Feature.SCHEMA, Feature.CANCEL_DECODE)
 
 
-def parse_mode(mode: str) -> tuple[str, int | None]:
-    """``batch``, ``serial`` or either with ``+kv8``/``+kv4``: the lane mode and kv_bits."""
-    lane, _, bits = mode.partition("+kv")
-    return lane, int(bits) if bits else None
+def parse_mode(mode: str) -> tuple[str, dict[str, Any]]:
+    """``batch``, ``serial`` or either with ``+kv8``/``+kv4`` or ``+f16``: the lane mode and
+    the engine's KV settings (kv_bits in groups of 32, the kv_bits model's heads being 32
+    wide; or kv_dtype float16), empty for neither."""
+    lane, _, kv = mode.partition("+")
+    if not kv:
+        return lane, {}
+    if kv == "f16":
+        return lane, {"kv_dtype": "float16"}
+    return lane, {"kv_bits": int(kv.removeprefix("kv")), "kv_group_size": 32}
 
 
-def config_for(shard: str, timeout: float, kv_bits: int | None = None) -> dict[str, Any]:
+def config_for(shard: str, timeout: float, kv: Mapping[str, Any] | None = None,
+               ) -> dict[str, Any]:
     config = {**BASE_CONFIG, "fast_forward": True, "speculation": 4,
               "prefix_cache_bytes": 32 << 20, "shard": shard, "distributed_timeout": timeout}
-    if kv_bits is not None:  # groups of 32: the kv_bits model's heads are 32 wide
-        config.update(kv_bits=kv_bits, kv_group_size=32)
+    config.update(kv or {})
     return config
 
 
-def row_features(kv_bits: int | None) -> list[Feature]:
+def row_features(kv: Mapping[str, Any]) -> list[Feature]:
     """The features a launch runs a row of: every one that is not an engine mode, or the
-    few of ``KV_FEATURES`` on a kv_bits engine."""
-    if kv_bits is not None:
+    few of ``KV_FEATURES`` on a kv_bits or kv_dtype engine."""
+    if kv:
         return list(KV_FEATURES)
     return [f for f in Feature if f.kind is not Kind.ENGINE]
 
@@ -76,7 +85,8 @@ def run_rank0(model: str, config: dict[str, Any], shard: str) -> dict[str, Any]:
     assets = Assets(model, "/no/such/adapter", embedding)  # type: ignore[arg-type]
     plain = [draft_of((), assets, question=q, system=SYSTEM) for q in SIBLINGS]
     found: dict[str, Any] = {}
-    for feature in row_features(config.get("kv_bits")):
+    kv = {k: config[k] for k in ("kv_bits", "kv_dtype") if config.get(k) is not None}
+    for feature in row_features(kv):
         if feature is Feature.EMBEDDINGS and embedding is None:
             continue
         draft = draft_of({feature}, assets, system=SYSTEM)
@@ -102,18 +112,19 @@ def run_rank0(model: str, config: dict[str, Any], shard: str) -> dict[str, Any]:
     except UnsupportedCombinationError as exc:
         found["keep_alive"] = {"refused": list(exc.features)}
     stats = served.engine.stats()
+    kv_dtypes = sorted(served.kv_dtypes.seen) if served.kv_dtypes is not None else []
     served.engine.close()
     return {"features": found, "forced_tokens": stats.forced_tokens,
             "drafted_tokens": stats.drafted_tokens, "prefix_hits": stats.prefix_hits,
             "batch_mode": stats.batch_mode, "kv_bits": stats.kv_bits,
-            "cache_kinds": list(stats.cache_kinds)}
+            "cache_kinds": list(stats.cache_kinds), "kv_dtypes": kv_dtypes}
 
 
 def main() -> None:
     model, shard = sys.argv[1], sys.argv[2]
-    mode, kv_bits = parse_mode(sys.argv[3])
+    mode, kv = parse_mode(sys.argv[3])
     timeout = float(sys.argv[4]) if len(sys.argv) > 4 else 60.0
-    config = config_for(shard, timeout, kv_bits)
+    config = config_for(shard, timeout, kv)
     rank = engine.distributed_rank()
     # Both ranks load under the same rule: serial mode sends every row to the serial lane.
     with runs_serially("qwen2") if mode == "serial" else contextlib.nullcontext():

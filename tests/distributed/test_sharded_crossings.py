@@ -9,7 +9,9 @@ speculation decide by fixed thresholds there, so the ranks never split their col
 
 The ``kv_bits + sharded_*`` pairs: one launch per sharding on an engine keeping its KV in 8
 bits (a model whose heads are 32 wide: groups of 32 must divide them), a few rows each
-(``KV_FEATURES``), each equal to itself alone and to one process's kv_bits engine.
+(``KV_FEATURES``), each equal to itself alone and to one process's kv_bits engine. The
+``kv_dtype + sharded_*`` pairs likewise, on an engine keeping its KV in float16 (the
+shardable model), its rows' caches holding float16 keys and values.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 CROSSINGS_MAIN = Path(__file__).with_name("crossings_main.py")
 ROW_FEATURES = [f for f in Feature if f.kind is not Kind.ENGINE]
 LAUNCHES = [("tensor", "batch"), ("pipeline", "batch"), ("tensor", "serial")]
-KV_LAUNCHES = [("tensor", "batch+kv8"), ("pipeline", "batch+kv8")]
+KV_LAUNCHES = [("tensor", "batch+kv8"), ("pipeline", "batch+kv8"),
+               ("tensor", "batch+f16"), ("pipeline", "batch+f16")]
 
 
 @pytest.fixture(scope="session")
@@ -56,8 +59,8 @@ def launches(tmp_path_factory: pytest.TempPathFactory, shardable_model_dir: Path
     def launch(shard: str, mode: str) -> RankRun:
         if (shard, mode) not in runs:
             tmp = tmp_path_factory.mktemp(f"crossings-{shard}-{mode.replace('+', '-')}")
-            model = shardable_model_dir if parse_mode(mode)[1] is None \
-                else kv_shardable_model_dir
+            model = kv_shardable_model_dir if "kv_bits" in parse_mode(mode)[1] \
+                else shardable_model_dir
             runs[shard, mode] = run_ranks(tmp, model, shard, mode,
                                           script=CROSSINGS_MAIN, hard_timeout=300)
         return runs[shard, mode]
@@ -81,17 +84,29 @@ def one_process(shardable_model_dir: Path) -> Iterator[dict[str, list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def one_process_kv(kv_shardable_model_dir: Path) -> Iterator[dict[str, list[int]]]:
-    """Each of ``KV_FEATURES``' rows alone on one process's kv_bits engine, unsharded."""
-    config = {k: v for k, v in config_for("tensor", 60.0, kv_bits=8).items()
-              if k not in ("shard", "distributed_timeout")}
-    served = start_engine(kv_shardable_model_dir, config)
-    assets = Assets(kv_shardable_model_dir, "/no/such/adapter")
-    try:
-        yield {f.value: list(served.alone(draft_of({f}, assets, system=SYSTEM).to_the_end()).tokens)
-               for f in KV_FEATURES}
-    finally:
-        served.engine.close()
+def one_process_kv(shardable_model_dir: Path, kv_shardable_model_dir: Path,
+                   ) -> Any:
+    """By a launch's mode: each of ``KV_FEATURES``' rows alone on one process's engine with
+    its KV settings (kv_bits, kv_dtype), unsharded."""
+    found: dict[str, dict[str, list[int]]] = {}
+
+    def rows(mode: str) -> dict[str, list[int]]:
+        if mode not in found:
+            kv = parse_mode(mode)[1]
+            model = kv_shardable_model_dir if "kv_bits" in kv else shardable_model_dir
+            config = {k: v for k, v in config_for("tensor", 60.0, kv).items()
+                      if k not in ("shard", "distributed_timeout")}
+            served = start_engine(model, config)
+            assets = Assets(model, "/no/such/adapter")
+            try:
+                found[mode] = {f.value: list(served.alone(
+                    draft_of({f}, assets, system=SYSTEM).to_the_end()).tokens)
+                    for f in KV_FEATURES}
+            finally:
+                served.engine.close()
+        return found[mode]
+
+    return rows
 
 
 def _result(run: RankRun) -> dict[str, Any]:
@@ -165,15 +180,22 @@ KV_PAIRS = [(shard, mode, feature) for shard, mode in KV_LAUNCHES for feature in
 @pytest.mark.parametrize(("shard", "mode", "feature"),
                          [pytest.param(s, m, f, marks=_in_fitted(s, m), id=f"{s}-{m}+{f.value}")
                           for s, m, f in KV_PAIRS])
-def test_sharded_kv_bits_row(launches: Any, one_process_kv: dict[str, list[int]], shard: str,
-                             mode: str, feature: Feature) -> None:
-    """``kv_bits + sharded_*`` (served): a row on a sharded engine whose KV is in 8 bits
-    equals itself alone and one process's kv_bits row."""
-    assert verdict(Feature.KV_BITS, Feature(f"sharded_{shard}")).status is Status.SERVED
+def test_sharded_kv_row(launches: Any, one_process_kv: Any, shard: str, mode: str,
+                       feature: Feature) -> None:
+    """``kv_bits + sharded_*`` and ``kv_dtype + sharded_*`` (served): a row on a sharded
+    engine whose KV is in 8 bits (in float16) equals itself alone and one process's row on
+    the same KV."""
+    kv = parse_mode(mode)[1]
+    setting = Feature.KV_BITS if "kv_bits" in kv else Feature.KV_DTYPE
+    assert verdict(setting, Feature(f"sharded_{shard}")).status is Status.SERVED
     result = _result(launches(shard, mode))
-    assert result["kv_bits"] == 8 and "KVCache(8-bit)" in result["cache_kinds"]
+    if setting is Feature.KV_BITS:
+        assert result["kv_bits"] == 8 and "KVCache(8-bit)" in result["cache_kinds"]
+    else:  # rank 0's rows' caches held float16 keys and values
+        assert result["kv_bits"] == 0 and result["kv_dtypes"] == ["float16"]
     assert result["forced_tokens"] > 0 and result["prefix_hits"] == 0
     found = result["features"][feature.value]
-    check_row(found, feature, one_process_kv)
+    one_process = one_process_kv(mode)
+    check_row(found, feature, one_process)
     # Its run to the end (a cancelled row's too) is one process's, token for token.
-    assert found["alone"] == one_process_kv[feature.value]
+    assert found["alone"] == one_process[feature.value]
