@@ -120,9 +120,10 @@ PAIRS = [(shard, mode, feature) for shard, mode in LAUNCHES
 
 
 def _in_fitted(shard: str, mode: str) -> list[pytest.MarkDecorator]:
-    """The serial lane's and kv_bits' launches run in ``make test-fitted`` (each launch is
-    two ranks for ~30 s of a 2-core machine; make test keeps tensor and pipeline batches)."""
-    return [pytest.mark.fitted] if mode == "serial" or "kv8" in mode else []
+    """The serial lane's, kv_bits' and kv_dtype's launches run in ``make test-fitted`` (each
+    launch is two ranks for ~30 s of a 2-core machine; make test keeps tensor and pipeline
+    batches)."""
+    return [pytest.mark.fitted] if mode == "serial" or mode.endswith(("+kv8", "+f16")) else []
 
 
 @pytest.mark.parametrize(("shard", "mode", "feature"),
