@@ -525,8 +525,27 @@ class AttentionCpu : public mx::UnaryPrimitive {
   int mask_kind_;
 };
 
-mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                    const std::optional<mx::array>& mask, bool causal) {
+// An attention kernel's mask kind (0: none, 1: causal, 2: boolean, 3: additive float32);
+// `op` names the kernel in the error a mask of another form gets.
+int mask_kind(const std::optional<mx::array>& mask, bool causal, const std::string& op) {
+  if (!mask.has_value()) {
+    return causal ? 1 : 0;
+  }
+  if (mask->ndim() > 4) {
+    throw std::invalid_argument(op + "a mask has at most 4 axes");
+  }
+  if (mask->dtype() == mx::bool_) {
+    return 2;
+  }
+  if (mask->dtype() == mx::float32) {
+    return 3;
+  }
+  throw std::invalid_argument(op + "the mask must be bool or float32");
+}
+
+// Checks q, k, v and the mask for the attention kernel; the mask's kind (mask_kind).
+int checked_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                      const std::optional<mx::array>& mask, bool causal) {
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
     throw std::invalid_argument("attention: q, k and v must be 4-D (B, heads, length, dim)");
   }
@@ -543,21 +562,15 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   if (q.shape(3) > 256 || v.shape(3) > 256) {
     throw std::invalid_argument("attention: head dimensions up to 256");
   }
+  return mask_kind(mask, causal, "attention: ");
+}
+
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    const std::optional<mx::array>& mask, bool causal) {
+  const int kind = checked_attention(q, k, v, mask, causal);
   std::vector<mx::array> inputs = {q, k, v};
-  int kind = causal ? 1 : 0;
   if (mask.has_value()) {
-    const mx::array& m = *mask;
-    if (m.ndim() > 4) {
-      throw std::invalid_argument("attention: a mask has at most 4 axes");
-    }
-    if (m.dtype() == mx::bool_) {
-      kind = 2;
-    } else if (m.dtype() == mx::float32) {
-      kind = 3;
-    } else {
-      throw std::invalid_argument("attention: the mask must be bool or float32");
-    }
-    inputs.push_back(m);
+    inputs.push_back(*mask);
   }
   auto shape = q.shape();
   shape.back() = v.shape(3);
@@ -736,21 +749,10 @@ mx::array quantized_attention(const mx::array& q, const mx::array& k, const mx::
       v_scales.shape(3) != Dv / group_size || v_biases.shape(3) != Dv / group_size) {
     fail("one scale and bias a group");
   }
+  const int kind = mask_kind(mask, causal, what);
   std::vector<mx::array> inputs = {q, k, k_scales, k_biases, v, v_scales, v_biases};
-  int kind = causal ? 1 : 0;
   if (mask.has_value()) {
-    const mx::array& m = *mask;
-    if (m.ndim() > 4) {
-      fail("a mask has at most 4 axes");
-    }
-    if (m.dtype() == mx::bool_) {
-      kind = 2;
-    } else if (m.dtype() == mx::float32) {
-      kind = 3;
-    } else {
-      fail("the mask must be bool or float32");
-    }
-    inputs.push_back(m);
+    inputs.push_back(*mask);
   }
   auto shape = q.shape();
   shape.back() = Dv;
@@ -1401,19 +1403,15 @@ mx::array decode_rest(const mx::array& q, const mx::array& keys, const mx::array
       norm_weight.dtype() != mx::float32) {
     throw std::invalid_argument("decode_rest: the norm weight must be float32 of x's width");
   }
-  // The attention's own checks (shapes, dtypes, mask) on what it will read.
-  const mx::array checked = attention(q, keys, values, scale, mask, causal);
-  const auto& attention_inputs = checked.inputs();
+  const int kind = checked_attention(q, keys, values, mask, causal);
   std::vector<mx::array> inputs = {q, keys, values, x};
   inputs.insert(inputs.end(), o_proj.begin(), o_proj.end());
   inputs.push_back(norm_weight);
   inputs.insert(inputs.end(), gate.begin(), gate.end());
   inputs.insert(inputs.end(), up.begin(), up.end());
   inputs.insert(inputs.end(), down.begin(), down.end());
-  int kind = causal ? 1 : 0;
-  if (attention_inputs.size() > 3) {
-    kind = attention_inputs[3].dtype() == mx::bool_ ? 2 : 3;
-    inputs.push_back(attention_inputs[3]);
+  if (mask.has_value()) {
+    inputs.push_back(*mask);
   }
   RestParams p{scale, kind, eps, {o_group, o_bits}, {gate_up_group, gate_up_bits},
                {down_group, down_bits}, int8};

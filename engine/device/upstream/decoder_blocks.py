@@ -46,6 +46,7 @@ def rope_form(rope: Any) -> RopeForm | None:
         return RopeForm(rope.dims, rope.traditional, 1.0, 1.0, rope._freqs)
     return None
 
+
 _calling: dict[type, type] = {}  # block class -> its subclass calling the kernel
 
 
