@@ -159,9 +159,15 @@ def test_the_disk_tier_stores_quantized_blocks_and_only_its_setting_reads_them(
 def test_image_rows_batch_beside_text_rows_on_quantized_kv(
         make_engine: Callable[..., Engine], family_dirs: Callable[[str], Path],
         family: str) -> None:
+    images_beside_texts_equal_alone(
+        quantized(make_engine, 8, model=family_dirs(family), prefill_chunk=8))
+
+
+def images_beside_texts_equal_alone(eng: Engine) -> None:
+    """Two image rows batched beside two text rows each give their tokens alone (a vision
+    family's engine at a KV setting; test_kv_dtype's image test runs it too)."""
     from tests.engine.test_vision import BLUE, RED, asking, image_part, tokens, with_texts_batched
 
-    eng = quantized(make_engine, 8, model=family_dirs(family), prefill_chunk=8)
     params = greedy(10)
     images = [asking(image_part(RED)), asking(image_part(BLUE, seed=2, size=(90, 40)))]
     texts = prompts_of_lengths(eng, [20, 9], seed=4)

@@ -16,7 +16,11 @@ from engine import Engine, EngineConfig
 from engine.device.prefix.prefix_disk import disk_key
 from engine.device.upstream.half_kv import has_half_kv, install_half_kv
 from tests.conftest import greedy
-from tests.engine.test_kv_bits import alone_then_beside_a_cancel, resumed_and_recomputed
+from tests.engine.test_kv_bits import (
+    alone_then_beside_a_cancel,
+    images_beside_texts_equal_alone,
+    resumed_and_recomputed,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -90,16 +94,8 @@ def test_image_rows_batch_beside_text_rows_on_float16_kv(
         family: str) -> None:
     """Image rows (mlx-vlm's language model on the M-RoPE families) keep float16 KV too:
     batched beside text rows they equal each alone."""
-    from tests.conftest import prompts_of_lengths
-    from tests.engine.test_vision import BLUE, RED, asking, image_part, tokens, with_texts_batched
-
     eng = half(make_engine, model=family_dirs(family), prefill_chunk=8)
-    params = greedy(10)
-    images = [asking(image_part(RED)), asking(image_part(BLUE, seed=2, size=(90, 40)))]
-    texts = prompts_of_lengths(eng, [20, 9], seed=4)
-    alone = [tokens(eng, m, params) for m in images]
-    alone_texts, results = with_texts_batched(eng, texts, images, params)
-    assert results == alone_texts + alone
+    images_beside_texts_equal_alone(eng)
     composition = eng._runtime.composition
     assert composition is not None
     vision = composition.built.lanes.batch.vision
