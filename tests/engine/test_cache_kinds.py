@@ -17,7 +17,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,8 @@ import pytest
 
 from engine import Engine, EngineConfig, JsonSchema, SamplingParams, StepProbe
 from engine.device.speedups.speculation import speculate
-from engine.device.speedups.speculator import SpeculationPolicy
 from testkit.cache_kinds import CONFIGS, build_cache_kind_model
+from testkit.speculating import every_draft_checked
 from tests.conftest import greedy, prompts_of_lengths, request_for
 from tests.engine.test_engine_tools import ASK, CLOCK
 from tests.engine.test_fast_forward import NESTED
@@ -130,12 +130,8 @@ def test_rejected_drafts_roll_back_exactly(pair: Pair) -> None:
         checks[0] += 1
         return speculate(*args)
 
-    def every_row_speculates(lanes: Any) -> None:  # on the engine thread, before any row
-        lanes.batch.speculator = replace(lanes.batch.speculator, check=counted,
-                                         policy=SpeculationPolicy(acceptance_floor=0.0))
-
     with Engine(pair.on.model_path, pair.on.config,
-                probe=StepProbe(on_lanes=every_row_speculates)).start() as on:
+                probe=StepProbe(on_lanes=every_draft_checked(counted))).start() as on:
         _rejected_drafts_roll_back(Pair(pair.model_type, on, pair.off), checks)
 
 
@@ -154,12 +150,8 @@ def _rejected_drafts_roll_back(pair: Pair, checks: list[int]) -> None:
 def test_logprobs_are_those_of_decoding_with_every_speed_up_on(pair: Pair) -> None:
     # Every drafting row checks (rejected drafts trimmed or rolled back); a state cache's
     # row enters speculation with the token the batch already chose, and its logprob.
-    def every_row_speculates(lanes: Any) -> None:  # on the engine thread, before any row
-        lanes.batch.speculator = replace(lanes.batch.speculator,
-                                         policy=SpeculationPolicy(acceptance_floor=0.0))
-
     with Engine(pair.on.model_path, pair.on.config,
-                probe=StepProbe(on_lanes=every_row_speculates)).start() as on:
+                probe=StepProbe(on_lanes=every_draft_checked())).start() as on:
         _logprobs_as_decoding(Pair(pair.model_type, on, pair.off))
 
 
